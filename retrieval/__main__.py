@@ -1,0 +1,5 @@
+import sys
+
+from retrieval.cli import main
+
+sys.exit(main())

@@ -1,0 +1,227 @@
+"""The `retrieval` command line: train, export, index, search, evaluate, serve, and the demo.
+
+Stages are imported inside their commands, so that `retrieval search` and `retrieval serve` run
+without torch installed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from retrieval.data import Skipped, load_collection
+from retrieval.errors import RetrievalError
+from retrieval.runs import RunDir, write_json
+
+app = typer.Typer(
+    name="retrieval",
+    help="Train image embeddings with contrastive losses, export them to ONNX, index a gallery with FAISS, search it in the browser.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+errors = Console(stderr=True)
+
+RunArg = Annotated[Path, typer.Argument(help="Run directory (holds config, checkpoints, model.onnx, index/).", show_default=False)]
+DataArg = Annotated[Path, typer.Argument(help="An image folder ROOT/<label>/<image> or a CSV with columns path,label.", show_default=False)]
+
+
+@app.command()
+def train(
+    data: DataArg,
+    run: Annotated[Path, typer.Option("--run", help="Run directory to create (config, checkpoints, log).")],
+    loss: Annotated[str, typer.Option(help="Loss: supcon.")] = "supcon",
+    temperature: Annotated[float, typer.Option(help="Softmax temperature of the loss.")] = 0.1,
+    epochs: Annotated[int, typer.Option(help="Passes over the data.")] = 30,
+    batch_size: Annotated[int, typer.Option(help="Images per batch (classes x images per class).")] = 64,
+    images_per_class: Annotated[int, typer.Option(help="Images of each class in a batch.")] = 4,
+    backbone: Annotated[str, typer.Option(help="torchvision backbone: resnet18, resnet34, resnet50, mobilenet_v3_small, mobilenet_v3_large, efficientnet_b0.")] = "resnet18",
+    pretrained: Annotated[bool, typer.Option(help="Start from ImageNet weights (downloaded by torchvision; needs a network once).")] = False,
+    image_size: Annotated[int, typer.Option(help="Input size in pixels (square).")] = 64,
+    embedding_dim: Annotated[int, typer.Option(help="Embedding dimension.")] = 128,
+    learning_rate: Annotated[float, typer.Option(help="Peak learning rate (AdamW, one-cycle schedule).")] = 1e-3,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+) -> None:
+    """Train an embedding model on a labeled image collection."""
+    from training.config import TrainConfig
+    from training.train import train as run_training
+
+    config = TrainConfig(
+        data=str(data.expanduser().resolve()),
+        loss=loss,
+        temperature=temperature,
+        epochs=epochs,
+        batch_size=batch_size,
+        images_per_class=images_per_class,
+        backbone=backbone,
+        pretrained=pretrained,
+        image_size=image_size,
+        embedding_dim=embedding_dim,
+        learning_rate=learning_rate,
+        device=device,
+        seed=seed,
+    )
+    result = run_training(config, RunDir(run))
+    report_skipped(result.skipped, RunDir(run).root / "skipped.json")
+    console.print(f"trained on {result.num_images} images of {result.num_classes} classes; final loss {result.final_loss:.4f}; checkpoint {RunDir(run).last_checkpoint}")
+
+
+@app.command()
+def export(run: RunArg) -> None:
+    """Export the run's encoder to RUN/model.onnx and RUN/model.json, checked against PyTorch."""
+    from training.export import export as run_export
+
+    parity = run_export(RunDir(run))
+    console.print(f"wrote {RunDir(run).model} (max |Δ| vs PyTorch {parity.max_abs_difference:.1e}, min cosine {parity.min_cosine:.6f})")
+
+
+@app.command()
+def index(
+    run: RunArg,
+    images: DataArg,
+    index_dir: Annotated[Optional[Path], typer.Option("--index", help="Index directory (default: RUN/index).")] = None,
+) -> None:
+    """Embed a gallery with the run's ONNX model and build its FAISS index."""
+    from index.build import build_index
+    from retrieval.embedders import OnnxEmbedder
+
+    run_dir = RunDir(run)
+    embedder = OnnxEmbedder.from_run(run_dir)
+    target = index_dir or run_dir.index
+    built = build_index(embedder, load_collection(images), target)
+    report_skipped(built.skipped, target / "skipped.json")
+    console.print(f"indexed {len(built.index)} images into {target}")
+
+
+@app.command()
+def search(
+    run: RunArg,
+    image: Annotated[Path, typer.Argument(help="Query image file.", show_default=False)],
+    k: Annotated[int, typer.Option("-k", "--k", help="Number of neighbours.")] = 10,
+    index_dir: Annotated[Optional[Path], typer.Option("--index", help="Index directory (default: RUN/index).")] = None,
+) -> None:
+    """Print the k nearest gallery images to a query image."""
+    from app.server import SearchService
+
+    result = SearchService(RunDir(run), index_dir).search(image, k)
+    table = Table(title=f"nearest to {image}")
+    for column in ("rank", "similarity", "label", "path"):
+        table.add_column(column)
+    for rank, hit in enumerate(result.hits, 1):
+        table.add_row(str(rank), f"{hit.score:.4f}", hit.label, hit.path)
+    console.print(table)
+
+
+@app.command()
+def evaluate(
+    run: RunArg,
+    images: DataArg,
+    k: Annotated[str, typer.Option("-k", "--k", help="Comma-separated k values for recall@k.")] = "1,5,10",
+) -> None:
+    """Score leave-one-out retrieval over a labeled collection; writes RUN/metrics.json."""
+    from retrieval.embedders import OnnxEmbedder
+    from retrieval.evaluation import evaluate_collection
+
+    run_dir = RunDir(run)
+    embedder = OnnxEmbedder.from_run(run_dir)
+    evaluation = evaluate_collection(embedder, load_collection(images), parse_ks(k))
+    write_json(run_dir.metrics, evaluation.metrics)
+    report_skipped(evaluation.skipped, None)
+    console.print(metrics_table({"model": evaluation.metrics}))
+    console.print(f"wrote {run_dir.metrics}")
+
+
+@app.command()
+def serve(
+    run: RunArg,
+    host: Annotated[str, typer.Option(help="Address to bind; 127.0.0.1 keeps the app on this machine.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port.")] = 7860,
+    index_dir: Annotated[Optional[Path], typer.Option("--index", help="Index directory (default: RUN/index).")] = None,
+) -> None:
+    """Serve the search app for the run's index in the browser."""
+    from app.server import serve as run_server
+
+    run_server(RunDir(run), host, port, index_dir)
+
+
+@app.command()
+def demo(
+    run: Annotated[Path, typer.Option("--run", help="Run directory for the demo.")] = Path("runs/demo"),
+    serve_app: Annotated[bool, typer.Option("--serve/--no-serve", help="Serve the app at the end.")] = True,
+    epochs: Annotated[int, typer.Option(help="Training epochs.")] = 30,
+    classes: Annotated[Optional[int], typer.Option(help="Use only the first N classes of each split (a quicker look).")] = None,
+    host: Annotated[str, typer.Option(help="Address to bind the app to.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port of the app.")] = 7860,
+) -> None:
+    """Train on the embedded icons dataset, export, index and evaluate its unseen test classes, then serve."""
+    from retrieval.demo import run_demo
+
+    outcome = run_demo(RunDir(run), epochs=epochs, classes=classes)
+    console.print(metrics_table({"trained model": outcome.model_metrics, "raw pixels 16x16 gray": outcome.baseline_metrics}))
+    console.print(f"run directory: {run}  (train {outcome.train_seconds:.0f}s, total {outcome.total_seconds:.0f}s)")
+    if serve_app:
+        console.print(f"serving the search app at http://{host}:{port}  (Ctrl+C to stop)")
+        serve(run, host, port, None)
+
+
+def parse_ks(text: str) -> list[int]:
+    """Parses "1,5,10" into [1, 5, 10]."""
+    try:
+        ks = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise RetrievalError(f"-k {text!r}: give whole numbers separated by commas, e.g. 1,5,10") from None
+    if not ks or ks[0] < 1:
+        raise RetrievalError(f"-k {text!r}: every k must be at least 1")
+    return ks
+
+
+def metrics_table(columns: dict[str, dict]) -> Table:
+    """Returns a table with one row per metric and one column per evaluated model."""
+    table = Table(title="retrieval metrics")
+    table.add_column("metric")
+    for name in columns:
+        table.add_column(name, justify="right")
+    first = next(iter(columns.values()))
+    for key, value in first.items():
+        if isinstance(value, (int, float)):
+            table.add_row(key, *(_format(metrics.get(key)) for metrics in columns.values()))
+    return table
+
+
+def _format(value: object) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def report_skipped(skipped: list[Skipped], report: Path | None) -> None:
+    """Tells how many files were skipped and where the list is (or prints the first few)."""
+    if not skipped:
+        return
+    where = f"; the list is in {report}" if report else ""
+    errors.print(f"skipped {len(skipped)} file(s){where}")
+    for entry in skipped[:5]:
+        errors.print(f"  {entry.path}: {entry.reason}", highlight=False)
+    if len(skipped) > 5:
+        errors.print(f"  … and {len(skipped) - 5} more")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command line and returns its exit status; our own errors become one line on stderr and status 2."""
+    try:
+        app(args=argv, prog_name="retrieval")
+    except RetrievalError as error:
+        errors.print(f"error: {error}", highlight=False, soft_wrap=True)
+        return 2
+    except SystemExit as exit_:  # the command line parser exits by itself, with 0 after --help
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Labeled image collections (a folder of label folders, or a CSV) and safe image decoding."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import warnings
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from retrieval.errors import ImageError, RetrievalError
+from retrieval.runs import write_json
+
+IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+# Refuse decompression bombs: 64 megapixels is far above any retrieval input size.
+MAX_PIXELS = 64_000_000
+
+
+@dataclass(frozen=True)
+class Item:
+    """One image of a collection: an absolute path and its label ("" when unlabeled)."""
+
+    path: Path
+    label: str
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A file left out of a job, and why."""
+
+    path: Path
+    reason: str
+
+
+@dataclass
+class Collection:
+    """The items found under a source, plus what was left out while listing it."""
+
+    source: Path
+    items: list[Item]
+    skipped: list[Skipped] = field(default_factory=list)
+
+    @property
+    def labels(self) -> list[str]:
+        return [item.label for item in self.items]
+
+    def class_counts(self) -> Counter[str]:
+        return Counter(item.label for item in self.items if item.label)
+
+
+def load_collection(source: str | Path) -> Collection:
+    """Lists a folder `ROOT/<label>/<image>` or a CSV with columns `path,label` (paths relative to the CSV).
+
+    Files directly under a folder root are unlabeled. Files with a non-image suffix are skipped and
+    reported; decoding problems are found later, when the image is read.
+    """
+    source = Path(source).expanduser()
+    if not source.exists():
+        raise RetrievalError(f"{source}: no such file or folder; give an image folder ROOT/<label>/<image> or a CSV with columns path,label")
+    collection = _load_csv(source) if source.is_file() else _load_folder(source)
+    if not collection.items:
+        raise RetrievalError(
+            f"{source}: no images found (looked for {', '.join(sorted(IMAGE_SUFFIXES))}); "
+            "put images in ROOT/<label>/<image> or list them in a CSV with columns path,label"
+        )
+    return collection
+
+
+def _load_folder(root: Path) -> Collection:
+    items: list[Item] = []
+    skipped: list[Skipped] = []
+    for path in sorted(root.rglob("*")):
+        relative = path.relative_to(root)
+        if any(part.startswith(".") for part in relative.parts) or path.is_dir():
+            continue
+        if path.suffix.lower() not in IMAGE_SUFFIXES:
+            skipped.append(Skipped(path, f"not an image file type ({path.suffix or 'no suffix'})"))
+            continue
+        label = relative.parts[0] if len(relative.parts) > 1 else ""
+        items.append(Item(path.resolve(), label))
+    return Collection(root.resolve(), items, skipped)
+
+
+def _load_csv(csv_path: Path) -> Collection:
+    if csv_path.suffix.lower() != ".csv":
+        raise RetrievalError(f"{csv_path}: expected an image folder or a .csv file with columns path,label")
+    base = csv_path.resolve().parent
+    items: list[Item] = []
+    skipped: list[Skipped] = []
+    with csv_path.open(newline="", encoding="utf-8") as handle:
+        reader = csv.DictReader(handle)
+        missing = {"path", "label"} - set(reader.fieldnames or [])
+        if missing:
+            raise RetrievalError(f"{csv_path}: missing column(s) {', '.join(sorted(missing))}; the header must name path,label")
+        for row in reader:
+            raw = (row.get("path") or "").strip()
+            if not raw:
+                continue
+            path = (base / raw).resolve()
+            if not path.is_file():
+                skipped.append(Skipped(path, "listed in the CSV but not found"))
+                continue
+            items.append(Item(path, (row.get("label") or "").strip()))
+    return Collection(csv_path.resolve(), items, skipped)
+
+
+def read_image_bytes(path: Path) -> tuple[bytes, str]:
+    """Returns a file's bytes and their sha256, raising ImageError when it cannot be read."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as error:
+        raise ImageError(f"{path}: cannot be read ({error.strerror or error})") from None
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def decode_image(data: bytes, name: str | Path = "image") -> Image.Image:
+    """Decodes bytes into an RGB image: EXIF orientation applied, transparency composited over white.
+
+    Raises ImageError for empty, truncated, non-image or oversized (decompression bomb) input.
+    """
+    if not data:
+        raise ImageError(f"{name}: empty file")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            width, height = image.size
+            if width * height > MAX_PIXELS:
+                raise ImageError(f"{name}: {width}x{height} pixels is over the limit of {MAX_PIXELS:,}; downscale it first")
+            image.load()
+            image = ImageOps.exif_transpose(image)
+            return _to_rgb(image)
+    except ImageError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise ImageError(f"{name}: too many pixels (decompression bomb guard); downscale it first") from None
+    except (OSError, SyntaxError, ValueError, TypeError, EOFError) as error:
+        raise ImageError(f"{name}: not a readable image ({error})") from None
+
+
+def load_image(path: str | Path) -> Image.Image:
+    """Reads and decodes one image file into RGB (see decode_image)."""
+    data, _ = read_image_bytes(Path(path))
+    return decode_image(data, path)
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        array = np.asarray(image, dtype=np.float64)
+        scale = 65535.0 if image.mode.startswith("I;16") else max(float(array.max()), 1.0)
+        if image.mode == "F" and array.max() <= 1.0:
+            scale = 1.0
+        image = Image.fromarray(np.clip(array / scale * 255.0, 0, 255).astype(np.uint8), "L")
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def write_skip_report(path: Path, skipped: Sequence[Skipped]) -> None:
+    """Writes the skipped files and their reasons as JSON (an empty list when nothing was skipped)."""
+    write_json(path, [{"path": str(s.path), "reason": s.reason} for s in skipped])

@@ -1,0 +1,11 @@
+"""The one exception family of the project: a message a user can act on."""
+
+from __future__ import annotations
+
+
+class RetrievalError(Exception):
+    """A problem with the user's input or artifacts; the CLI prints it as one line, the app as a message."""
+
+
+class ImageError(RetrievalError):
+    """An image file that cannot be decoded safely (missing, truncated, not an image, too large)."""

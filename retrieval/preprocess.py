@@ -1,0 +1,57 @@
+"""The evaluation-time image transform, in numpy and Pillow, shared by training, export and inference."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from PIL import Image
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """How an RGB image becomes the encoder's input: resize the shorter side, centre-crop, normalise."""
+
+    image_size: int = 64
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    resize: str = "shorter-side-bilinear-then-center-crop"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "Preprocessing":
+        return cls(
+            image_size=int(values["image_size"]),
+            mean=tuple(float(v) for v in values["mean"]),
+            std=tuple(float(v) for v in values["std"]),
+            resize=str(values.get("resize", cls.resize)),
+        )
+
+    def __call__(self, images: Sequence[Image.Image]) -> np.ndarray:
+        """Returns float32 [N, 3, S, S] normalised input for RGB images."""
+        return np.stack([self.normalise(resize_and_crop(image, self.image_size)) for image in images])
+
+    def normalise(self, image: Image.Image) -> np.ndarray:
+        """Returns float32 [3, H, W]: pixels scaled to [0, 1], minus mean, over std."""
+        array = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+        array = (array - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+        return np.ascontiguousarray(array.transpose(2, 0, 1))
+
+
+def resize_and_crop(image: Image.Image, size: int) -> Image.Image:
+    """Returns a size x size image: the shorter side resized to size (bilinear), then centre-cropped."""
+    width, height = image.size
+    if (width, height) != (size, size):
+        scale = size / min(width, height)
+        new_size = (max(size, round(width * scale)), max(size, round(height * scale)))
+        image = image.resize(new_size, Image.Resampling.BILINEAR)
+        left = (new_size[0] - size) // 2
+        top = (new_size[1] - size) // 2
+        image = image.crop((left, top, left + size, top + size))
+    return image

@@ -1,0 +1,105 @@
+"""The run-directory layout (see ARCHITECTURE.md) and atomic writes of the files in it."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from retrieval.errors import RetrievalError
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths of everything one model produced."""
+
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def last_checkpoint(self) -> Path:
+        return self.checkpoints / "last.safetensors"
+
+    @property
+    def train_log(self) -> Path:
+        return self.root / "train_log.jsonl"
+
+    @property
+    def model(self) -> Path:
+        return self.root / "model.onnx"
+
+    @property
+    def model_card(self) -> Path:
+        return self.root / "model.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.json"
+
+    @property
+    def index(self) -> Path:
+        return self.root / "index"
+
+    def require_checkpoint(self) -> Path:
+        """Returns the last checkpoint, or says to train first."""
+        if not self.last_checkpoint.is_file():
+            raise RetrievalError(f"{self.root}: no trained checkpoint ({self.last_checkpoint.name}); run `retrieval train DATA --run {self.root}` first")
+        return self.last_checkpoint
+
+    def require_model(self) -> Path:
+        """Returns the exported ONNX model, or says to export first."""
+        if not self.root.is_dir():
+            raise RetrievalError(f"{self.root}: no such run directory; train one with `retrieval train DATA --run {self.root}`")
+        if not self.model.is_file() or not self.model_card.is_file():
+            raise RetrievalError(f"{self.root}: no exported model (model.onnx + model.json); run `retrieval export {self.root}` first")
+        return self.model
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Writes a file so that readers see the old or the new content, never a partial one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Writes pretty JSON atomically."""
+    write_atomic(path, (json.dumps(value, indent=2, sort_keys=False) + "\n").encode())
+
+
+def read_json(path: Path) -> Any:
+    """Reads JSON, naming the file when it is missing or malformed."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RetrievalError(f"{path}: missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RetrievalError(f"{path}: not valid JSON ({error}); the file is damaged, recreate it") from None
+
+
+def fsync_dir(directory: Path) -> None:
+    """Makes a rename in a directory durable."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

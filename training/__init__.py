@@ -1,0 +1,1 @@
+"""Training of image embeddings with supervised contrastive losses, and ONNX export (needs torch)."""

@@ -1,0 +1,54 @@
+"""The training configuration: one typed dataclass, resolved once and written to the run directory."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from retrieval.errors import RetrievalError
+from retrieval.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
+
+
+@dataclass
+class TrainConfig:
+    """Everything that decides a training run (written to RUN/config.json)."""
+
+    data: str
+    loss: str = "supcon"
+    temperature: float = 0.1
+    epochs: int = 30
+    batch_size: int = 64
+    images_per_class: int = 4
+    backbone: str = "resnet18"
+    pretrained: bool = False
+    image_size: int = 64
+    embedding_dim: int = 128
+    learning_rate: float = 1e-3
+    weight_decay: float = 1e-4
+    device: str = "auto"
+    seed: int = 0
+    workers: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size", "image_size", "embedding_dim"):
+            if getattr(self, name) < 1:
+                raise RetrievalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.image_size < 32:
+            raise RetrievalError(f"--image-size must be at least 32 pixels, got {self.image_size}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise RetrievalError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+
+    @property
+    def preprocessing(self) -> Preprocessing:
+        return Preprocessing(self.image_size, IMAGENET_MEAN, IMAGENET_STD)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "TrainConfig":
+        """Rebuilds a config, refusing keys it does not know (rather than silently dropping them)."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise RetrievalError(f"config.json has unknown keys {sorted(unknown)}; it was written by another version")
+        return cls(**values)

@@ -1,0 +1,160 @@
+"""The training loop: class-balanced batches, a contrastive loss, atomic safetensors checkpoints."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms import v2
+from tqdm import tqdm
+
+from retrieval.data import Item, Skipped, load_collection, load_image, write_skip_report
+from retrieval.errors import ImageError, RetrievalError
+from retrieval.preprocess import Preprocessing
+from retrieval.runs import RunDir, read_json, write_atomic, write_json
+from training.config import TrainConfig
+from training.losses import make_loss
+from training.model import Encoder
+from training.samplers import ClassBalancedBatchSampler
+
+
+@dataclass
+class TrainResult:
+    """What a finished run produced."""
+
+    run: RunDir
+    num_images: int
+    num_classes: int
+    skipped: list[Skipped]
+    final_loss: float
+
+
+class AugmentedImages(Dataset):
+    """Items decoded on access, augmented, then put through the shared evaluation preprocessing."""
+
+    def __init__(self, items: Sequence[Item], classes: Sequence[str], preprocessing: Preprocessing) -> None:
+        self.items = list(items)
+        codes = {label: code for code, label in enumerate(classes)}
+        self.codes = [codes[item.label] for item in self.items]
+        self.preprocessing = preprocessing
+        size = preprocessing.image_size
+        # Cross-style retrieval: the same concept in other colours, line weights and framings.
+        # No flips: some classes are mirror images of each other.
+        self.augment = v2.Compose(
+            [
+                v2.RandomResizedCrop(size, scale=(0.5, 1.0), ratio=(0.8, 1.25), antialias=True),
+                v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
+                v2.RandomGrayscale(p=0.2),
+            ]
+        )
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image: Image.Image = self.augment(load_image(self.items[index].path))
+        return torch.from_numpy(self.preprocessing.normalise(image)), self.codes[index]
+
+
+def readable_items(items: Sequence[Item], progress: bool = True) -> tuple[list[Item], list[Skipped]]:
+    """Splits items into those that decode and those skipped (with the reason)."""
+    good: list[Item] = []
+    skipped: list[Skipped] = []
+    for item in tqdm(items, desc="checking images", unit="img", disable=not progress):
+        if not item.label:
+            skipped.append(Skipped(item.path, "no label (put it in a label folder or give it a label in the CSV)"))
+            continue
+        try:
+            load_image(item.path)
+        except ImageError as error:
+            skipped.append(Skipped(item.path, str(error)))
+            continue
+        good.append(item)
+    return good, skipped
+
+
+def resolve_device(name: str) -> torch.device:
+    """Returns the torch device for auto|cpu|cuda, refusing cuda where there is none."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RetrievalError(f"--device {name}: no CUDA device is available here; use --device cpu or auto")
+    return torch.device(name)
+
+
+def train(config: TrainConfig, run: RunDir, progress: bool = True) -> TrainResult:
+    """Trains an encoder on config.data and writes config, log, skip report and checkpoint to run."""
+    collection = load_collection(config.data)
+    items, skipped = readable_items(collection.items, progress)
+    skipped = collection.skipped + skipped
+    classes = sorted({item.label for item in items})
+    if len(classes) < 2:
+        found = f"only class {classes[0]!r}" if classes else "no readable labeled image"
+        raise RetrievalError(f"{config.data}: {found}; training needs at least two labeled classes (ROOT/<label>/<image>)")
+    device = resolve_device(config.device)
+    random.seed(config.seed)
+    np.random.seed(config.seed)
+    torch.manual_seed(config.seed)
+
+    run.root.mkdir(parents=True, exist_ok=True)
+    write_json(run.config, config.to_dict())
+    write_skip_report(run.root / "skipped.json", skipped)
+    run.train_log.unlink(missing_ok=True)
+
+    model = Encoder(config.backbone, config.embedding_dim, config.pretrained).to(device)
+    loss_fn = make_loss(config.loss, config.temperature)
+    sampler = ClassBalancedBatchSampler([item.label for item in items], config.batch_size, config.images_per_class, config.seed)
+    loader = DataLoader(AugmentedImages(items, classes, config.preprocessing), batch_sampler=sampler, num_workers=config.workers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, config.learning_rate, total_steps=config.epochs * len(sampler), pct_start=0.1)
+    epoch_loss = float("nan")
+    step = 0
+    for epoch in range(config.epochs):
+        sampler.set_epoch(epoch)
+        model.train()
+        started, losses = time.perf_counter(), []
+        for images, labels in tqdm(loader, desc=f"epoch {epoch + 1}/{config.epochs}", unit="batch", disable=not progress, leave=False):
+            loss = loss_fn(model(images.to(device)), labels.to(device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            losses.append(loss.item())
+            step += 1
+        epoch_loss = float(np.mean(losses))
+        entry = {"epoch": epoch + 1, "step": step, "loss": epoch_loss, "lr": schedule.get_last_lr()[0], "seconds": round(time.perf_counter() - started, 2)}
+        with run.train_log.open("a", encoding="utf-8") as log:
+            log.write(json.dumps(entry) + "\n")
+        if progress:
+            tqdm.write(f"epoch {epoch + 1}/{config.epochs}  loss {epoch_loss:.4f}  ({entry['seconds']:.1f}s)")
+        save_checkpoint(run.last_checkpoint, model, {"epoch": str(epoch + 1), "step": str(step)})
+    return TrainResult(run, len(items), len(classes), skipped, epoch_loss)
+
+
+def save_checkpoint(path: Path, model: torch.nn.Module, metadata: dict[str, str]) -> None:
+    """Writes the model's weights as safetensors, atomically."""
+    state = {name: tensor.detach().cpu().contiguous() for name, tensor in model.state_dict().items()}
+    write_atomic(path, save_safetensors(state, metadata=metadata))
+
+
+def load_encoder(run: RunDir) -> tuple[Encoder, TrainConfig]:
+    """Rebuilds the run's encoder from config.json and its last checkpoint (no unpickling)."""
+    checkpoint = run.require_checkpoint()
+    config = TrainConfig.from_dict(read_json(run.config))
+    model = Encoder(config.backbone, config.embedding_dim)
+    try:
+        state = load_safetensors(checkpoint.read_bytes())
+        model.load_state_dict(state)
+    except Exception as error:  # safetensors and load_state_dict raise several untyped errors
+        raise RetrievalError(f"{checkpoint}: not a checkpoint of this encoder ({str(error).splitlines()[0]}); retrain the run") from None
+    return model.eval(), config
