@@ -37,15 +37,15 @@ def train(
     data: DataArg,
     run: Annotated[Path, typer.Option("--run", help="Run directory to create (config, checkpoints, log).")],
     loss: Annotated[str, typer.Option(help="Loss: supcon.")] = "supcon",
-    temperature: Annotated[float, typer.Option(help="Softmax temperature of the loss.")] = 0.1,
+    temperature: Annotated[float, typer.Option(help="Softmax temperature of the loss.")] = 0.05,
     epochs: Annotated[int, typer.Option(help="Passes over the data.")] = 30,
     batch_size: Annotated[int, typer.Option(help="Images per batch (classes x images per class).")] = 64,
     images_per_class: Annotated[int, typer.Option(help="Images of each class in a batch.")] = 4,
     backbone: Annotated[str, typer.Option(help="torchvision backbone: resnet18, resnet34, resnet50, mobilenet_v3_small, mobilenet_v3_large, efficientnet_b0.")] = "resnet18",
     pretrained: Annotated[bool, typer.Option(help="Start from ImageNet weights (downloaded by torchvision; needs a network once).")] = False,
     image_size: Annotated[int, typer.Option(help="Input size in pixels (square).")] = 64,
-    embedding_dim: Annotated[int, typer.Option(help="Embedding dimension.")] = 128,
-    learning_rate: Annotated[float, typer.Option(help="Peak learning rate (AdamW, one-cycle schedule).")] = 1e-3,
+    embedding_dim: Annotated[Optional[int], typer.Option(help="Embedding dimension (default: the backbone's feature width, e.g. 512 for resnet18).")] = None,
+    learning_rate: Annotated[float, typer.Option(help="Peak learning rate (AdamW, one-cycle schedule).")] = 3e-3,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
 ) -> None:
@@ -129,9 +129,10 @@ def evaluate(
     from retrieval.embedders import OnnxEmbedder
     from retrieval.evaluation import evaluate_collection
 
+    ks = parse_ks(k)
     run_dir = RunDir(run)
     embedder = OnnxEmbedder.from_run(run_dir)
-    evaluation = evaluate_collection(embedder, load_collection(images), parse_ks(k))
+    evaluation = evaluate_collection(embedder, load_collection(images), ks)
     write_json(run_dir.metrics, evaluation.metrics)
     report_skipped(evaluation.skipped, None)
     console.print(metrics_table({"model": evaluation.metrics}))

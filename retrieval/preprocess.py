@@ -45,13 +45,19 @@ class Preprocessing:
 
 
 def resize_and_crop(image: Image.Image, size: int) -> Image.Image:
-    """Returns a size x size image: the shorter side resized to size (bilinear), then centre-cropped."""
+    """Returns a size x size image: the shorter side resized to size (bilinear), then centre-cropped.
+
+    Sizes and offsets are rounded as torchvision's Resize(size) + CenterCrop(size) round them, so that
+    training-time evaluation and this torch-free path give the same pixels.
+    """
     width, height = image.size
-    if (width, height) != (size, size):
-        scale = size / min(width, height)
-        new_size = (max(size, round(width * scale)), max(size, round(height * scale)))
-        image = image.resize(new_size, Image.Resampling.BILINEAR)
-        left = (new_size[0] - size) // 2
-        top = (new_size[1] - size) // 2
-        image = image.crop((left, top, left + size, top + size))
-    return image
+    if (width, height) == (size, size):
+        return image
+    if width <= height:
+        new_size = (size, int(size * height / width))
+    else:
+        new_size = (int(size * width / height), size)
+    image = image.resize(new_size, Image.Resampling.BILINEAR)
+    left = int(round((new_size[0] - size) / 2.0))
+    top = int(round((new_size[1] - size) / 2.0))
+    return image.crop((left, top, left + size, top + size))

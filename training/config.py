@@ -14,15 +14,15 @@ class TrainConfig:
 
     data: str
     loss: str = "supcon"
-    temperature: float = 0.1
+    temperature: float = 0.05
     epochs: int = 30
     batch_size: int = 64
     images_per_class: int = 4
     backbone: str = "resnet18"
     pretrained: bool = False
     image_size: int = 64
-    embedding_dim: int = 128
-    learning_rate: float = 1e-3
+    embedding_dim: int | None = None  # None: the backbone's feature width
+    learning_rate: float = 3e-3
     weight_decay: float = 1e-4
     device: str = "auto"
     seed: int = 0
@@ -30,7 +30,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "image_size", "embedding_dim"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise RetrievalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.image_size < 32:
             raise RetrievalError(f"--image-size must be at least 32 pixels, got {self.image_size}")

@@ -52,9 +52,8 @@ class AugmentedImages(Dataset):
         # No flips: some classes are mirror images of each other.
         self.augment = v2.Compose(
             [
-                v2.RandomResizedCrop(size, scale=(0.5, 1.0), ratio=(0.8, 1.25), antialias=True),
-                v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
-                v2.RandomGrayscale(p=0.2),
+                v2.RandomResizedCrop(size, scale=(0.7, 1.0), ratio=(0.9, 1.1), antialias=True),
+                v2.RandomApply([v2.ColorJitter(0.2, 0.2, 0.2, 0.05)], p=0.5),
             ]
         )
 
@@ -124,7 +123,7 @@ def train(config: TrainConfig, run: RunDir, progress: bool = True) -> TrainResul
         model.train()
         started, losses = time.perf_counter(), []
         for images, labels in tqdm(loader, desc=f"epoch {epoch + 1}/{config.epochs}", unit="batch", disable=not progress, leave=False):
-            loss = loss_fn(model(images.to(device)), labels.to(device))
+            loss = loss_fn(model.project(images.to(device)), labels.to(device))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -1,0 +1,52 @@
+"""Shared fixtures: the embedded icons dataset, small image folders, and one small demo run."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from retrieval.cli import main
+from retrieval.datasets import icons
+from retrieval.runs import RunDir
+
+
+@pytest.fixture(scope="session")
+def icons_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded dataset, unpacked into a test-only cache."""
+    return icons(tmp_path_factory.mktemp("cache"))
+
+
+def copy_classes(icons_root: Path, target: Path, classes: int, split: str = "train") -> Path:
+    """Copies the first `classes` classes of a split into target (ROOT/<label>/<image>)."""
+    for folder in sorted((icons_root / split).iterdir())[:classes]:
+        shutil.copytree(folder, target / folder.name)
+    return target
+
+
+@pytest.fixture
+def small_folder(icons_root: Path, tmp_path: Path) -> Path:
+    """Four real classes of the icons training split."""
+    return copy_classes(icons_root, tmp_path / "images", 4)
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory, icons_root: Path) -> RunDir:
+    """A run made by `retrieval demo --no-serve` on a small subset (8 classes, 2 epochs)."""
+    root = tmp_path_factory.mktemp("demo") / "run"
+    assert main(["demo", "--no-serve", "--run", str(root), "--classes", "8", "--epochs", "2"]) == 0
+    return RunDir(root)
+
+
+def write_bad_files(folder: Path) -> dict[str, Path]:
+    """Writes an empty, a truncated and a non-image file (with an image suffix) into folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    good = folder / "good.png"
+    Image.new("RGB", (40, 30), (200, 30, 30)).save(good)
+    paths = {"empty": folder / "empty.png", "truncated": folder / "truncated.png", "text": folder / "notes.jpg"}
+    paths["empty"].write_bytes(b"")
+    paths["truncated"].write_bytes(good.read_bytes()[:60])
+    paths["text"].write_text("this is not an image\n")
+    return paths

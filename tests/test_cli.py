@@ -1,0 +1,86 @@
+"""The command line: --help everywhere, the stages on a user's folder, and every bad input of the foundation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from retrieval.cli import main
+from retrieval.runs import RunDir
+from tests.conftest import write_bad_files
+
+COMMANDS = ["train", "export", "index", "search", "evaluate", "serve", "demo"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([command, "--help"]) == 0
+    assert "Usage" in capsys.readouterr().out
+
+
+def test_top_level_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(command in out for command in COMMANDS)
+
+
+def test_stages_on_a_users_folder_with_bad_files(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = write_bad_files(small_folder / sorted(p.name for p in small_folder.iterdir())[0])
+    run = RunDir(tmp_path / "run")
+    assert main(["train", str(small_folder), "--run", str(run.root), "--epochs", "1", "--batch-size", "8", "--image-size", "32"]) == 0
+    report = {Path(entry["path"]).name: entry["reason"] for entry in json.loads((run.root / "skipped.json").read_text())}
+    assert set(report) == {path.name for path in bad.values()}
+    assert "skipped 3 file(s)" in capsys.readouterr().err
+
+    assert main(["export", str(run.root)]) == 0
+    assert main(["index", str(run.root), str(small_folder)]) == 0
+    index_report = json.loads((run.index / "skipped.json").read_text())
+    assert {Path(entry["path"]).name for entry in index_report} == {path.name for path in bad.values()}
+    manifest = json.loads((run.index / "manifest.json").read_text())
+    good = [p for p in small_folder.rglob("*.png") if p.name not in {path.name for path in bad.values()}]
+    assert manifest["count"] == len(good)
+
+    capsys.readouterr()
+    assert main(["search", str(run.root), str(good[0]), "-k", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "similarity" in out and good[0].parent.name in out
+
+    assert main(["evaluate", str(run.root), str(small_folder), "-k", "1,2"]) == 0
+    metrics = json.loads(run.metrics.read_text())
+    for key in ("recall@1", "recall@2", "map@r", "r_precision", "num_queries", "protocol"):
+        assert key in metrics
+    assert metrics["protocol"] == "leave-one-out" and metrics["num_queries"] == len(good) - 1  # good.png is alone in its label
+
+
+def expect_error(argv: list[str], capsys: pytest.CaptureFixture[str], *fragments: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err.replace("\n", "")
+
+
+def test_train_on_missing_empty_and_one_class_folders(tmp_path: Path, small_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    expect_error(["train", str(tmp_path / "nope"), "--run", str(tmp_path / "r")], capsys, "nope", "no such file or folder")
+    (tmp_path / "empty").mkdir()
+    expect_error(["train", str(tmp_path / "empty"), "--run", str(tmp_path / "r")], capsys, "empty", "no images found")
+    one = tmp_path / "one"
+    one.mkdir()
+    sorted(small_folder.iterdir())[0].rename(one / "only")
+    expect_error(["train", str(one), "--run", str(tmp_path / "r")], capsys, "only class 'only'", "at least two")
+    expect_error(["evaluate", str(tmp_path / "r"), str(one)], capsys, "no exported model")
+
+
+@pytest.mark.parametrize("command", ["export", "index", "search", "evaluate", "serve"])
+def test_a_run_without_a_model_names_what_to_do(command: str, tmp_path: Path, small_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    extra = {"index": [str(small_folder)], "search": [str(next(small_folder.rglob("*.png")))], "evaluate": [str(small_folder)]}.get(command, [])
+    hint = "retrieval train" if command == "export" else "retrieval export"
+    expect_error([command, str(run), *extra], capsys, str(run), hint)
+
+
+def test_bad_k_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    expect_error(["evaluate", str(tmp_path), str(tmp_path), "-k", "1,five"], capsys, "1,five")

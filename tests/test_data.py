@@ -1,0 +1,136 @@
+"""Collections (folder and CSV), the embedded dataset's split, safe decoding and preprocessing."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import retrieval.data as data
+from retrieval.data import decode_image, load_collection, load_image
+from retrieval.errors import ImageError, RetrievalError
+from retrieval.preprocess import Preprocessing, resize_and_crop
+from tests.conftest import write_bad_files
+
+
+def test_folder_labels_come_from_the_first_folder_level(tmp_path: Path) -> None:
+    for label, name in [("cat", "a.png"), ("cat", "sub/b.png"), ("dog", "c.jpg")]:
+        path = tmp_path / label / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8)).save(path)
+    (tmp_path / "dog" / "readme.txt").write_text("not an image")
+    (tmp_path / ".hidden").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / ".hidden" / "x.png")
+    collection = load_collection(tmp_path)
+    assert [(item.path.name, item.label) for item in collection.items] == [("a.png", "cat"), ("b.png", "cat"), ("c.jpg", "dog")]
+    assert [s.path.name for s in collection.skipped] == ["readme.txt"]
+
+
+def test_csv_paths_are_relative_to_the_csv(tmp_path: Path) -> None:
+    (tmp_path / "imgs").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / "one.png")
+    listing = tmp_path / "list.csv"
+    with listing.open("w", newline="") as handle:
+        csv.writer(handle).writerows([["path", "label"], ["imgs/one.png", "printer, laser \"A\""], ["imgs/missing.png", "x"]])
+    collection = load_collection(listing)
+    assert [(item.path, item.label) for item in collection.items] == [((tmp_path / "imgs" / "one.png").resolve(), 'printer, laser "A"')]
+    assert "not found" in collection.skipped[0].reason
+
+
+def test_csv_without_the_columns_is_refused(tmp_path: Path) -> None:
+    listing = tmp_path / "list.csv"
+    listing.write_text("file,class\na.png,x\n")
+    with pytest.raises(RetrievalError, match="missing column.*label.*path"):
+        load_collection(listing)
+
+
+@pytest.mark.parametrize("make", ["missing", "empty"])
+def test_missing_or_empty_source_names_it(tmp_path: Path, make: str) -> None:
+    source = tmp_path / "nothing"
+    if make == "empty":
+        source.mkdir()
+    with pytest.raises(RetrievalError, match=str(source)):
+        load_collection(source)
+
+
+def test_embedded_dataset_has_class_disjoint_splits(icons_root: Path) -> None:
+    train, test = load_collection(icons_root / "train"), load_collection(icons_root / "test")
+    assert (len(train.items), len(train.class_counts())) == (1004, 117)
+    assert (len(test.items), len(test.class_counts())) == (494, 59)
+    assert not set(train.class_counts()) & set(test.class_counts())
+    assert min(test.class_counts().values()) >= 3
+    assert not train.skipped and not test.skipped
+    assert load_image(train.items[0].path).size == (64, 64)
+
+
+def test_bad_files_raise_image_errors(tmp_path: Path) -> None:
+    for kind, path in write_bad_files(tmp_path).items():
+        with pytest.raises(ImageError, match=path.name):
+            load_image(path)
+    with pytest.raises(ImageError, match="cannot be read"):
+        load_image(tmp_path / "absent.png")
+
+
+def test_decompression_bombs_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "big.png"
+    Image.new("L", (300, 200)).save(path)
+    monkeypatch.setattr(data, "MAX_PIXELS", 50_000)
+    with pytest.raises(ImageError, match="300x200 pixels is over the limit"):
+        load_image(path)
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        Image.new("RGBA", (4, 4), (0, 0, 0, 0)),
+        Image.new("LA", (4, 4), (0, 0)),
+        Image.new("1", (4, 4), 1),
+        Image.new("CMYK", (4, 4), (0, 0, 0, 0)),
+        Image.new("I;16", (4, 4), 65535),
+        Image.new("F", (4, 4), 1.0),
+    ],
+    ids=lambda image: image.mode,
+)
+def test_every_mode_becomes_white_rgb(tmp_path: Path, image: Image.Image) -> None:
+    path = tmp_path / "image.tiff"
+    image.save(path)
+    decoded = load_image(path)
+    assert decoded.mode == "RGB"
+    assert np.asarray(decoded).min() == 255  # transparent and full-scale pixels become white
+
+
+def test_palette_transparency_is_composited_over_white() -> None:
+    image = Image.new("P", (4, 4), 0)
+    image.putpalette([0, 0, 0] * 256)
+    image.info["transparency"] = 0
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", transparency=0)
+    assert np.asarray(decode_image(buffer.getvalue())).min() == 255
+
+
+def test_preprocessing_matches_torchvision(icons_root: Path) -> None:
+    from torchvision import transforms
+
+    preprocessing = Preprocessing(image_size=48)
+    reference = transforms.Compose(
+        [transforms.Resize(48), transforms.CenterCrop(48), transforms.ToTensor(), transforms.Normalize(preprocessing.mean, preprocessing.std)]
+    )
+    images = [load_image(path) for path in sorted((icons_root / "test").rglob("*.png"))[:4]]
+    images += [images[0].resize((90, 61)), images[1].resize((33, 70))]
+    ours = preprocessing(images)
+    theirs = np.stack([reference(image).numpy() for image in images])
+    assert ours.shape == (6, 3, 48, 48) and ours.dtype == np.float32
+    assert np.abs(ours - theirs).max() <= 1e-5
+
+
+def test_resize_and_crop_keeps_the_centre() -> None:
+    image = Image.new("RGB", (100, 50), (255, 0, 0))
+    image.paste((0, 0, 255), (0, 0, 25, 50))  # a blue band on the left, cropped away
+    out = resize_and_crop(image, 20)
+    assert out.size == (20, 20)
+    assert np.asarray(out)[:, :, 2].max() < 50
