@@ -38,7 +38,7 @@ def train(
     run: Annotated[Path, typer.Option("--run", help="Run directory to create (config, checkpoints, log).")],
     loss: Annotated[str, typer.Option(help="Loss: supcon.")] = "supcon",
     temperature: Annotated[float, typer.Option(help="Softmax temperature of the loss.")] = 0.05,
-    epochs: Annotated[int, typer.Option(help="Passes over the data.")] = 30,
+    epochs: Annotated[int, typer.Option(help="Passes over the data.")] = 50,
     batch_size: Annotated[int, typer.Option(help="Images per batch (classes x images per class).")] = 64,
     images_per_class: Annotated[int, typer.Option(help="Images of each class in a batch.")] = 4,
     backbone: Annotated[str, typer.Option(help="torchvision backbone: resnet18, resnet34, resnet50, mobilenet_v3_small, mobilenet_v3_large, efficientnet_b0.")] = "resnet18",
@@ -156,7 +156,7 @@ def serve(
 def demo(
     run: Annotated[Path, typer.Option("--run", help="Run directory for the demo.")] = Path("runs/demo"),
     serve_app: Annotated[bool, typer.Option("--serve/--no-serve", help="Serve the app at the end.")] = True,
-    epochs: Annotated[int, typer.Option(help="Training epochs.")] = 30,
+    epochs: Annotated[Optional[int], typer.Option(help="Training epochs (default: those of `retrieval train`).")] = None,
     classes: Annotated[Optional[int], typer.Option(help="Use only the first N classes of each split (a quicker look).")] = None,
     host: Annotated[str, typer.Option(help="Address to bind the app to.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port of the app.")] = 7860,
@@ -205,9 +205,9 @@ def report_skipped(skipped: list[Skipped], report: Path | None) -> None:
     if not skipped:
         return
     where = f"; the list is in {report}" if report else ""
-    errors.print(f"skipped {len(skipped)} file(s){where}")
+    errors.print(f"skipped {len(skipped)} file(s){where}", soft_wrap=True)
     for entry in skipped[:5]:
-        errors.print(f"  {entry.path}: {entry.reason}", highlight=False)
+        errors.print(f"  {entry.path}: {entry.reason}", highlight=False, soft_wrap=True, markup=False)
     if len(skipped) > 5:
         errors.print(f"  … and {len(skipped) - 5} more")
 
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app(args=argv, prog_name="retrieval")
     except RetrievalError as error:
-        errors.print(f"error: {error}", highlight=False, soft_wrap=True)
+        errors.print(f"error: {error}", highlight=False, soft_wrap=True, markup=False)
         return 2
     except SystemExit as exit_:  # the command line parser exits by itself, with 0 after --help
         return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from retrieval.errors import ImageError, RetrievalError
 from retrieval.runs import write_json
@@ -115,7 +115,7 @@ def read_image_bytes(path: Path) -> tuple[bytes, str]:
     try:
         data = Path(path).read_bytes()
     except OSError as error:
-        raise ImageError(f"{path}: cannot be read ({error.strerror or error})") from None
+        raise ImageError(path, f"cannot be read ({error.strerror or error})") from None
     return data, hashlib.sha256(data).hexdigest()
 
 
@@ -125,23 +125,25 @@ def decode_image(data: bytes, name: str | Path = "image") -> Image.Image:
     Raises ImageError for empty, truncated, non-image or oversized (decompression bomb) input.
     """
     if not data:
-        raise ImageError(f"{name}: empty file")
+        raise ImageError(name, "empty file")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
             width, height = image.size
             if width * height > MAX_PIXELS:
-                raise ImageError(f"{name}: {width}x{height} pixels is over the limit of {MAX_PIXELS:,}; downscale it first")
+                raise ImageError(name, f"{width}x{height} pixels is over the limit of {MAX_PIXELS:,}; downscale it first")
             image.load()
             image = ImageOps.exif_transpose(image)
             return _to_rgb(image)
     except ImageError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise ImageError(f"{name}: too many pixels (decompression bomb guard); downscale it first") from None
+        raise ImageError(name, "too many pixels (decompression bomb guard); downscale it first") from None
+    except UnidentifiedImageError:
+        raise ImageError(name, "not a readable image (not a format Pillow recognises)") from None
     except (OSError, SyntaxError, ValueError, TypeError, EOFError) as error:
-        raise ImageError(f"{name}: not a readable image ({error})") from None
+        raise ImageError(name, f"not a readable image ({error})") from None
 
 
 def load_image(path: str | Path) -> Image.Image:

@@ -32,15 +32,19 @@ class DemoOutcome:
     total_seconds: float
 
 
-def run_demo(run: RunDir, epochs: int = 30, classes: int | None = None, progress: bool = True) -> DemoOutcome:
-    """Runs train -> export -> index -> evaluate on the icons dataset and the raw-pixel baseline."""
+def run_demo(run: RunDir, epochs: int | None = None, classes: int | None = None, progress: bool = True) -> DemoOutcome:
+    """Runs train -> export -> index -> evaluate on the icons dataset and the raw-pixel baseline.
+
+    Training uses the default recipe of `retrieval train`; epochs and classes shorten the demo.
+    """
     started = time.perf_counter()
     dataset = icons()
     run.root.mkdir(parents=True, exist_ok=True)
     train_source = _split(dataset / "train", classes, run.root / "demo-train.csv")
     test_source = _split(dataset / "test", classes, run.root / "demo-test.csv")
 
-    train(TrainConfig(data=str(train_source), epochs=epochs), run, progress=progress)
+    config = TrainConfig(data=str(train_source)) if epochs is None else TrainConfig(data=str(train_source), epochs=epochs)
+    train(config, run, progress=progress)
     train_seconds = time.perf_counter() - started
     export(run)
     embedder = OnnxEmbedder.from_run(run)

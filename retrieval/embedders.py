@@ -116,7 +116,7 @@ def embed_items(embedder: Embedder, items: Sequence[Item], batch_size: int | Non
                     data, digest = read_image_bytes(item.path)
                     images.append(decode_image(data, item.path))
                 except ImageError as error:
-                    skipped.append(Skipped(item.path, str(error)))
+                    skipped.append(Skipped(item.path, error.reason))
                     continue
                 kept.append(item)
                 hashes.append(digest)

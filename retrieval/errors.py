@@ -9,3 +9,7 @@ class RetrievalError(Exception):
 
 class ImageError(RetrievalError):
     """An image file that cannot be decoded safely (missing, truncated, not an image, too large)."""
+
+    def __init__(self, name: object, reason: str) -> None:
+        super().__init__(f"{name}: {reason}")
+        self.reason = reason

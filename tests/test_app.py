@@ -50,15 +50,19 @@ def test_served_page_answers_a_query_and_survives_a_bad_upload(service: SearchSe
 
     demo = build_app(service)
     port = free_port()
-    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, allowed_paths=service.served_folders(), quiet=True)
+    demo.queue().launch(
+        server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, allowed_paths=service.served_folders(), quiet=True, show_error=True
+    )
     try:
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
         item = service.items[2]
         gallery, summary = client.predict(handle_file(str(item.path)), 4, item.label, api_name="/search")
         assert len(gallery) == 4 and "4 results" in summary
-        truncated = write_bad_files(tmp_path)["truncated"]
-        gallery, summary = client.predict(handle_file(str(truncated)), 4, "", api_name="/search")
-        assert gallery == [] and "not a readable image" in summary
+        bad = write_bad_files(tmp_path)
+        gallery, summary = client.predict(handle_file(str(bad["truncated"])), 4, "", api_name="/search")
+        assert gallery == [] and "image file is truncated" in summary
+        with pytest.raises(Exception, match="cannot identify image file"):  # refused by Gradio's upload check, shown to the user
+            client.predict(handle_file(str(bad["text"])), 4, "", api_name="/search")
         gallery, summary = client.predict(handle_file(str(item.path)), 3, "", api_name="/search")
         assert len(gallery) == 3  # still serving
     finally:

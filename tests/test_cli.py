@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -51,12 +52,12 @@ def test_stages_on_a_users_folder_with_bad_files(small_folder: Path, tmp_path: P
     metrics = json.loads(run.metrics.read_text())
     for key in ("recall@1", "recall@2", "map@r", "r_precision", "num_queries", "protocol"):
         assert key in metrics
-    assert metrics["protocol"] == "leave-one-out" and metrics["num_queries"] == len(good) - 1  # good.png is alone in its label
+    assert metrics["protocol"] == "leave-one-out" and metrics["num_queries"] == len(good)
 
 
 def expect_error(argv: list[str], capsys: pytest.CaptureFixture[str], *fragments: str) -> None:
     assert main(argv) == 2
-    err = capsys.readouterr().err
+    err = re.split(r"[\r\n]+", capsys.readouterr().err.strip())[-1]  # the last line, after any progress bar
     assert err.startswith("error: ") and "Traceback" not in err
     for fragment in fragments:
         assert fragment in err.replace("\n", "")
@@ -70,7 +71,7 @@ def test_train_on_missing_empty_and_one_class_folders(tmp_path: Path, small_fold
     one.mkdir()
     sorted(small_folder.iterdir())[0].rename(one / "only")
     expect_error(["train", str(one), "--run", str(tmp_path / "r")], capsys, "only class 'only'", "at least two")
-    expect_error(["evaluate", str(tmp_path / "r"), str(one)], capsys, "no exported model")
+    expect_error(["evaluate", str(tmp_path / "r"), str(one)], capsys, "no such run directory")  # failed trainings leave no run behind
 
 
 @pytest.mark.parametrize("command", ["export", "index", "search", "evaluate", "serve"])

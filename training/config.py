@@ -15,7 +15,7 @@ class TrainConfig:
     data: str
     loss: str = "supcon"
     temperature: float = 0.05
-    epochs: int = 30
+    epochs: int = 50
     batch_size: int = 64
     images_per_class: int = 4
     backbone: str = "resnet18"

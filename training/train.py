@@ -76,7 +76,7 @@ def readable_items(items: Sequence[Item], progress: bool = True) -> tuple[list[I
         try:
             load_image(item.path)
         except ImageError as error:
-            skipped.append(Skipped(item.path, str(error)))
+            skipped.append(Skipped(item.path, error.reason))
             continue
         good.append(item)
     return good, skipped
