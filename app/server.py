@@ -8,7 +8,7 @@ from pathlib import Path
 import gradio as gr
 
 from index.store import GalleryIndex, Hit
-from retrieval.data import load_image
+from retrieval.data import decode_image, read_image_bytes
 from retrieval.embedders import OnnxEmbedder
 from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir, read_json
@@ -35,10 +35,14 @@ class SearchService:
         self.metrics = read_json(run.metrics) if run.metrics.is_file() else None
 
     def search(self, image_path: str | Path, k: int = 10, query_label: str = "") -> SearchResult:
-        """Embeds the image at image_path and returns its k nearest gallery items (itself excluded)."""
-        image = load_image(image_path)
-        query = Path(image_path).resolve().as_posix()
-        hits = [hit for hit in self.index.search(self.embedder.embed([image]), k + 1)[0] if hit.path != query][:k]
+        """Embeds the image at image_path and returns its k nearest gallery items.
+
+        Gallery items with the query's exact bytes (the query itself, when picked from the gallery)
+        are left out, as in leave-one-out evaluation.
+        """
+        data, digest = read_image_bytes(Path(image_path))
+        image = decode_image(data, image_path)
+        hits = [hit for hit in self.index.search(self.embedder.embed([image]), k + 1)[0] if hit.sha256 != digest][:k]
         summary = f"{len(hits)} results"
         if query_label:
             correct = sum(hit.label == query_label for hit in hits)
@@ -65,7 +69,7 @@ def result_gallery(result: SearchResult, query_label: str) -> list[tuple[str, st
     """Returns gallery entries (path, caption): rank, similarity, label, file name and a hit/miss mark."""
     entries = []
     for rank, hit in enumerate(result.hits, 1):
-        mark = "" if not query_label else ("✅ hit · " if hit.label == query_label else "❌ miss · ")
+        mark = "" if not query_label else ("HIT · " if hit.label == query_label else "miss · ")
         entries.append((hit.path, f"{mark}#{rank} · {hit.score:.3f} · {hit.label} · {Path(hit.path).name}"))
     return entries
 

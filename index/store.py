@@ -39,6 +39,7 @@ class Hit:
     path: str
     label: str
     score: float
+    sha256: str
 
 
 class GalleryIndex:
@@ -137,25 +138,29 @@ class GalleryIndex:
             raise RetrievalError(f"queries have dimension {queries.shape[1]}, the index {self.dim}")
         k = max(1, min(k, len(self)))
         scores, ids = self.vectors.search(queries, k)
-        found = self.items(ids[ids >= 0].tolist())
+        found = self.rows(ids[ids >= 0].tolist())
         return [
-            [Hit(int(i), found[int(i)].path.as_posix(), found[int(i)].label, float(s)) for i, s in zip(row_ids, row_scores) if i >= 0]
+            [Hit(int(i), found[int(i)][0], found[int(i)][1], float(s), found[int(i)][2]) for i, s in zip(row_ids, row_scores) if i >= 0]
             for row_ids, row_scores in zip(ids, scores)
         ]
 
-    def items(self, ids: Sequence[int] | None = None) -> dict[int, Item]:
-        """Returns the items with these ids (all items when ids is None)."""
+    def items(self) -> dict[int, Item]:
+        """Returns every indexed item by id."""
+        return {i: Item(Path(path), label) for i, (path, label, _) in self.rows().items()}
+
+    def rows(self, ids: Sequence[int] | None = None) -> dict[int, tuple[str, str, str]]:
+        """Returns (path, label, sha256) of the items with these ids (all items when ids is None)."""
+        query = "SELECT id, path, label, sha256 FROM items"
         with _read_only(self.directory / ITEMS) as connection:
             if ids is None:
-                rows = connection.execute("SELECT id, path, label FROM items ORDER BY id").fetchall()
+                rows = connection.execute(f"{query} ORDER BY id").fetchall()
             else:
                 unique = sorted(set(ids))
                 rows = []
                 for start in range(0, len(unique), 500):
                     chunk = unique[start : start + 500]
-                    marks = ",".join("?" * len(chunk))
-                    rows += connection.execute(f"SELECT id, path, label FROM items WHERE id IN ({marks})", chunk).fetchall()
-        return {int(i): Item(Path(path), label) for i, path, label in rows}
+                    rows += connection.execute(f"{query} WHERE id IN ({','.join('?' * len(chunk))})", chunk).fetchall()
+        return {int(i): (path, label, digest) for i, path, label, digest in rows}
 
 
 def _read_only(path: Path) -> closing[sqlite3.Connection]:
