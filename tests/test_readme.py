@@ -1,0 +1,61 @@
+"""The README stays true to the code: its commands and options exist, its set-up is what CI runs."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from retrieval.cli import main
+
+ROOT = Path(__file__).parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def reference_rows() -> list[tuple[str, list[str]]]:
+    """(command, options) for each row of the README's command reference table."""
+    rows = []
+    for line in README.splitlines():
+        match = re.match(r"\| `retrieval (\w+)[^`]*` \|", line)
+        if match:
+            cells = re.split(r"(?<!\\)\|", line)  # table cells; "\|" inside a cell is an escaped pipe
+            rows.append((match.group(1), re.findall(r"`(-{1,2}[\w-]+)", cells[3])))
+    return rows
+
+
+def test_the_reference_covers_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    listed = set(re.findall(r"│ (\w+)\s{2,}", capsys.readouterr().out))
+    assert len(listed) >= 7 and {command for command, _ in reference_rows()} == listed
+
+
+@pytest.mark.parametrize("command,options", reference_rows())
+def test_every_documented_option_exists(command: str, options: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([command, "--help"]) == 0
+    help_text = capsys.readouterr().out
+    for option in options:
+        assert option in help_text, f"README documents {option} for `retrieval {command}`"
+
+
+def test_quick_start_commands_exist(capsys: pytest.CaptureFixture[str]) -> None:
+    block = README.split("## Quick start")[1].split("```")[1]
+    commands = re.findall(r"^retrieval (\w+)", block, flags=re.MULTILINE)
+    assert commands == ["train", "export", "index", "evaluate", "search", "serve"]
+
+
+def test_ci_runs_the_readmes_test_command() -> None:
+    setup = README.split("## Two commands on a fresh machine")[1].split("```")[1].split()
+    assert setup == ["make", "demo", "make", "test"]
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_cpu_and_gpu_builds_are_alternatives() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = " ".join(project["dependencies"])
+    assert "faiss" not in base and "onnxruntime" not in base and "torch" not in base
+    extras = project["optional-dependencies"]
+    assert {name.split(">")[0].split("=")[0] for name in extras["cpu"]} == {"faiss-cpu", "onnxruntime"}
+    assert {name.split(">")[0].split("=")[0] for name in extras["gpu"]} == {"faiss-gpu-cu12", "onnxruntime-gpu"}
+    assert "torch==2.14.1" in extras["train"] and "torchvision==0.29.1" in extras["train"]
