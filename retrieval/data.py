@@ -46,10 +46,6 @@ class Collection:
     items: list[Item]
     skipped: list[Skipped] = field(default_factory=list)
 
-    @property
-    def labels(self) -> list[str]:
-        return [item.label for item in self.items]
-
     def class_counts(self) -> Counter[str]:
         return Counter(item.label for item in self.items if item.label)
 
