@@ -1,27 +1,83 @@
-"""Building a gallery index from a collection of images with any embedder."""
+"""Indexing a collection of images: incremental by content hash, resumable after a crash."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from index.store import GalleryIndex
-from retrieval.data import Collection, Skipped, write_skip_report
-from retrieval.embedders import Embedder, embed_items
+from index.journal import Journal
+from index.store import MANIFEST, Additions, GalleryIndex
+from retrieval.data import Collection, Item, Skipped, write_skip_report
+from retrieval.embedders import Embedder, iter_embedded
 
 
 @dataclass
-class Built:
-    """The index that was written, and the files left out of it."""
+class IndexReport:
+    """What one indexing job did."""
 
     index: GalleryIndex
+    embedded: int  # embedded by this job (new or changed files)
+    resumed: int  # embedded by an interrupted earlier job, taken from its journal
+    unchanged: int  # already indexed with the same content
+    removed: int  # entries whose file changed or (with sync) disappeared
     skipped: list[Skipped]
 
 
-def build_index(embedder: Embedder, collection: Collection, directory: Path, progress: bool = True) -> Built:
-    """Embeds every readable image of the collection and saves the index to directory (skipped.json beside it lists the rest)."""
-    embedded = embed_items(embedder, collection.items, progress=progress)
-    index = GalleryIndex.build(directory, embedded.vectors, embedded.items, embedded.hashes, embedder.fingerprint)
-    skipped = collection.skipped + embedded.skipped
-    write_skip_report(Path(directory) / "skipped.json", skipped)
-    return Built(index, skipped)
+def journal_path(directory: Path) -> Path:
+    """Where an indexing job into directory keeps its not-yet-committed embeddings."""
+    return directory.with_name(f".{directory.name}.journal.sqlite")
+
+
+def build_index(
+    embedder: Embedder,
+    collection: Collection,
+    directory: Path,
+    sync: bool = False,
+    rebuild: bool = False,
+    batch_size: int | None = None,
+    progress: bool = True,
+) -> IndexReport:
+    """Adds the collection's new and changed images to the index at directory (creating it if needed).
+
+    Files already indexed with the same content (sha256) are not embedded again; with sync, entries
+    whose file is no longer in the collection are removed; rebuild ignores any existing index.
+    Embedded batches go to a journal first, so a killed job resumes where it stopped. The skipped
+    files and their reasons are written to directory/skipped.json.
+    """
+    directory = Path(directory)
+    base = None if rebuild or not (directory / MANIFEST).is_file() else GalleryIndex.load(directory, embedder.fingerprint, embedder.dim)
+    indexed = {path: (item_id, digest) for item_id, (path, _, digest) in (base.rows() if base else {}).items()}
+    journal = Journal(journal_path(directory), embedder.fingerprint, embedder.dim)
+    skipped = list(collection.skipped)
+    embedded = unchanged_count = 0
+    pending = journal.hashes()
+    from_journal: list[str] = []  # list.append is atomic: the check runs in the decoding threads
+
+    def unchanged(item: Item, digest: str) -> bool:
+        path = str(item.path)
+        if pending.get(path) == digest:
+            from_journal.append(path)
+            return True
+        return indexed.get(path, (None, None))[1] == digest
+
+    for batch in iter_embedded(embedder, collection.items, batch_size, unchanged, progress=progress):
+        if batch.items:
+            journal.add(batch.items, batch.hashes, batch.vectors)
+        embedded += len(batch.items)
+        unchanged_count += batch.unchanged
+        skipped += batch.skipped
+
+    listed = {str(item.path) for item in collection.items}
+    replaced = {path for path in journal.hashes() if path in listed}
+    remove = [item_id for path, (item_id, _) in indexed.items() if path in replaced or (sync and path not in listed)]
+    # rows an interrupted job left for files no longer listed are not added
+    additions = (Additions(c.vectors[keep], [c.items[i] for i in keep], [c.hashes[i] for i in keep]) for c in journal.chunks() if (keep := [i for i, item in enumerate(c.items) if str(item.path) in listed]))
+    if base is not None and not replaced and not remove:
+        index = base  # nothing changed: the index on disk stays as it is
+    elif base is None:
+        index = GalleryIndex.create(directory, additions, embedder.fingerprint, embedder.dim)
+    else:
+        index = base.update(additions, remove)
+    journal.discard()
+    write_skip_report(directory / "skipped.json", skipped)
+    return IndexReport(index, embedded, len(from_journal), unchanged_count - len(from_journal), len(remove), skipped)

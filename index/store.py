@@ -12,7 +12,7 @@ import os
 import shutil
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -57,45 +57,26 @@ class GalleryIndex:
     def __len__(self) -> int:
         return int(self.vectors.ntotal)
 
+    @property
+    def encoder_sha256(self) -> str:
+        return str(self.manifest["encoder_sha256"])
+
     @classmethod
     def build(cls, directory: Path, vectors: np.ndarray, items: Sequence[Item], hashes: Sequence[str], encoder_sha256: str) -> "GalleryIndex":
         """Builds an exact index of vectors (ids 1..N in item order) and saves it atomically to directory."""
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         if len(vectors) != len(items) or len(items) != len(hashes):
             raise RetrievalError(f"{len(vectors)} vectors for {len(items)} items and {len(hashes)} hashes")
-        if len(items) == 0:
-            raise RetrievalError(f"{directory}: nothing to index (no readable images)")
-        dim = vectors.shape[1]
-        index = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
-        ids = np.arange(1, len(items) + 1, dtype=np.int64)
-        index.add_with_ids(vectors, ids)
-        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "index_type": "IDMap2,Flat",
-            "metric": "inner_product",
-            "dim": dim,
-            "count": len(items),
-            "encoder_sha256": encoder_sha256,
-            "created": now,
-            "updated": now,
-        }
-        directory = Path(directory)
-        staging = directory.with_name(f".{directory.name}.tmp-{time.time_ns()}")
-        staging.mkdir(parents=True)
-        try:
-            faiss.write_index(index, str(staging / VECTORS))
-            _write_items(staging / ITEMS, ids, items, hashes, now)
-            (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-            for name in (VECTORS, ITEMS, MANIFEST):
-                with open(staging / name, "rb") as handle:
-                    os.fsync(handle.fileno())
-            fsync_dir(staging)
-            _swap_into_place(staging, directory)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        return cls(directory, manifest, index)
+        return cls.create(Path(directory), [Additions(vectors, list(items), list(hashes))], encoder_sha256, vectors.shape[1])
+
+    @classmethod
+    def create(cls, directory: Path, additions: Iterable[Additions], encoder_sha256: str, dim: int) -> "GalleryIndex":
+        """Builds a new exact index from chunks of items and saves it atomically to directory (replacing any there)."""
+        return commit(Path(directory), None, additions, [], encoder_sha256, dim)
+
+    def update(self, additions: Iterable[Additions], remove_ids: Sequence[int]) -> "GalleryIndex":
+        """Saves a new version of this index with items added and removed; this object stays as it was."""
+        return commit(self.directory, self, additions, remove_ids, self.encoder_sha256, self.dim)
 
     @classmethod
     def load(cls, directory: Path, encoder_sha256: str | None = None, dim: int | None = None) -> "GalleryIndex":
@@ -104,6 +85,9 @@ class GalleryIndex:
         if not (directory / MANIFEST).is_file():
             raise RetrievalError(f"{directory}: not an index (no {MANIFEST}); build one with `retrieval index RUN IMAGES`")
         manifest = read_json(directory / MANIFEST)
+        missing = {"format_version", "dim", "count", "next_id", "encoder_sha256", "created"} - set(manifest)
+        if missing:
+            raise RetrievalError(f"{directory / MANIFEST}: lacks {', '.join(sorted(missing))}; rebuild the index with `retrieval index --rebuild`")
         if manifest.get("format_version") != FORMAT_VERSION:
             raise RetrievalError(f"{directory}: index format {manifest.get('format_version')} is not {FORMAT_VERSION}; rebuild it with `retrieval index`")
         if encoder_sha256 is not None and manifest.get("encoder_sha256") != encoder_sha256:
@@ -163,21 +147,81 @@ class GalleryIndex:
         return {int(i): (path, label, digest) for i, path, label, digest in rows}
 
 
+@dataclass(frozen=True)
+class Additions:
+    """A chunk of new items with their vectors and file hashes."""
+
+    vectors: np.ndarray
+    items: list[Item]
+    hashes: list[str]
+
+
+def commit(directory: Path, base: GalleryIndex | None, additions: Iterable[Additions], remove_ids: Sequence[int], encoder_sha256: str, dim: int) -> GalleryIndex:
+    """Writes base (or an empty index) with removals and additions to directory, atomically.
+
+    Everything is written into a temporary sibling directory, fsynced and renamed into place, so a
+    crash leaves the previous index whole. New items get ids after the highest ever given (ids of
+    removed items are never reused).
+    """
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    staging = directory.with_name(f".{directory.name}.tmp-{time.time_ns()}")
+    staging.mkdir(parents=True)
+    try:
+        if base is None:
+            vectors = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+            _create_items(staging / ITEMS)
+            created, next_id = now, 1
+        else:
+            vectors = faiss.clone_index(base.vectors)
+            shutil.copyfile(base.directory / ITEMS, staging / ITEMS)
+            created, next_id = base.manifest["created"], int(base.manifest["next_id"])
+        with closing(sqlite3.connect(staging / ITEMS)) as connection:
+            if remove_ids:
+                vectors.remove_ids(np.asarray(remove_ids, dtype=np.int64))
+                connection.executemany("DELETE FROM items WHERE id = ?", [(int(i),) for i in remove_ids])
+            for chunk in additions:
+                ids = np.arange(next_id, next_id + len(chunk.items), dtype=np.int64)
+                vectors.add_with_ids(np.ascontiguousarray(chunk.vectors, dtype=np.float32), ids)
+                connection.executemany(
+                    "INSERT INTO items VALUES (?, ?, ?, ?, ?)",
+                    [(int(i), str(item.path), item.label, digest, now) for i, item, digest in zip(ids, chunk.items, chunk.hashes)],
+                )
+                next_id += len(chunk.items)
+            connection.commit()
+        if vectors.ntotal == 0:
+            raise RetrievalError(f"{directory}: nothing to index (no readable images)")
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "index_type": "IDMap2,Flat",
+            "metric": "inner_product",
+            "dim": dim,
+            "count": int(vectors.ntotal),
+            "next_id": next_id,
+            "encoder_sha256": encoder_sha256,
+            "created": created,
+            "updated": now,
+        }
+        faiss.write_index(vectors, str(staging / VECTORS))
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        for name in (VECTORS, ITEMS, MANIFEST):
+            with open(staging / name, "rb") as handle:
+                os.fsync(handle.fileno())
+        fsync_dir(staging)
+        _swap_into_place(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return GalleryIndex(directory, manifest, vectors)
+
+
 def _read_only(path: Path) -> closing[sqlite3.Connection]:
     return closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False))
 
 
-def _write_items(path: Path, ids: np.ndarray, items: Sequence[Item], hashes: Sequence[str], added_at: str) -> None:
-    connection = sqlite3.connect(path)
-    try:
+def _create_items(path: Path) -> None:
+    with closing(sqlite3.connect(path)) as connection:
         connection.execute("CREATE TABLE items (id INTEGER PRIMARY KEY, path TEXT NOT NULL, label TEXT NOT NULL, sha256 TEXT NOT NULL, added_at TEXT NOT NULL)")
-        connection.executemany(
-            "INSERT INTO items VALUES (?, ?, ?, ?, ?)",
-            [(int(i), str(item.path), item.label, digest, added_at) for i, item, digest in zip(ids, items, hashes)],
-        )
         connection.commit()
-    finally:
-        connection.close()
 
 
 def _swap_into_place(staging: Path, directory: Path) -> None:

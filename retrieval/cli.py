@@ -85,19 +85,25 @@ def export(run: RunArg) -> None:
 @app.command()
 def index(
     run: RunArg,
-    images: DataArg,
+    images: Annotated[Path, typer.Argument(help="Images to index: a folder (labels from ROOT/<label>/ when present), a CSV path,label, or a .txt list of paths.", show_default=False)],
     index_dir: Annotated[Optional[Path], typer.Option("--index", help="Index directory (default: RUN/index).")] = None,
+    sync: Annotated[bool, typer.Option("--sync", help="Also remove entries whose files are no longer in IMAGES.")] = False,
+    rebuild: Annotated[bool, typer.Option("--rebuild", help="Ignore the existing index and build it anew.")] = False,
+    batch_size: Annotated[Optional[int], typer.Option(help="Images per encoder call (default: 64 on CPU, 256 on CUDA).")] = None,
 ) -> None:
-    """Embed a gallery with the run's ONNX model and build its FAISS index."""
+    """Embed a gallery with the run's ONNX model and add it to its FAISS index (incremental and resumable)."""
     from index.build import build_index
     from retrieval.embedders import OnnxEmbedder
 
     run_dir = RunDir(run)
     embedder = OnnxEmbedder.from_run(run_dir)
     target = index_dir or run_dir.index
-    built = build_index(embedder, load_collection(images), target)
-    report_skipped(built.skipped, target / "skipped.json")
-    console.print(f"indexed {len(built.index)} images into {target}")
+    report = build_index(embedder, load_collection(images), target, sync=sync, rebuild=rebuild, batch_size=batch_size)
+    report_skipped(report.skipped, target / "skipped.json")
+    console.print(
+        f"index {target}: {len(report.index)} images · embedded {report.embedded} · resumed {report.resumed} · "
+        f"unchanged {report.unchanged} · removed {report.removed} · skipped {len(report.skipped)}"
+    )
 
 
 @app.command()

@@ -51,15 +51,21 @@ class Collection:
 
 
 def load_collection(source: str | Path) -> Collection:
-    """Lists a folder `ROOT/<label>/<image>` or a CSV with columns `path,label` (paths relative to the CSV).
+    """Lists a folder `ROOT/<label>/<image>`, a CSV with columns `path,label`, or a .txt list of paths.
 
-    Files directly under a folder root are unlabeled. Files with a non-image suffix are skipped and
+    Paths in a CSV or list are relative to that file. Files directly under a folder root, and the
+    files of a list, are unlabeled. Files with a non-image suffix are skipped and
     reported; decoding problems are found later, when the image is read.
     """
     source = Path(source).expanduser()
     if not source.exists():
         raise RetrievalError(f"{source}: no such file or folder; give an image folder ROOT/<label>/<image> or a CSV with columns path,label")
-    collection = _load_csv(source) if source.is_file() else _load_folder(source)
+    if source.is_dir():
+        collection = _load_folder(source)
+    elif source.suffix.lower() == ".txt":
+        collection = _load_list(source)
+    else:
+        collection = _load_csv(source)
     if not collection.items:
         raise RetrievalError(
             f"{source}: no images found (looked for {', '.join(sorted(IMAGE_SUFFIXES))}); "
@@ -85,7 +91,7 @@ def _load_folder(root: Path) -> Collection:
 
 def _load_csv(csv_path: Path) -> Collection:
     if csv_path.suffix.lower() != ".csv":
-        raise RetrievalError(f"{csv_path}: expected an image folder or a .csv file with columns path,label")
+        raise RetrievalError(f"{csv_path}: expected an image folder, a .csv file with columns path,label or a .txt list of paths")
     base = csv_path.resolve().parent
     items: list[Item] = []
     skipped: list[Skipped] = []
@@ -104,6 +110,21 @@ def _load_csv(csv_path: Path) -> Collection:
                 continue
             items.append(Item(path, (row.get("label") or "").strip()))
     return Collection(csv_path.resolve(), items, skipped)
+
+
+def _load_list(list_path: Path) -> Collection:
+    base = list_path.resolve().parent
+    items: list[Item] = []
+    skipped: list[Skipped] = []
+    for line in list_path.read_text(encoding="utf-8").splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        path = (base / line.strip()).resolve()
+        if path.is_file():
+            items.append(Item(path, ""))
+        else:
+            skipped.append(Skipped(path, "listed but not found"))
+    return Collection(list_path.resolve(), items, skipped)
 
 
 def read_image_bytes(path: Path) -> tuple[bytes, str]:

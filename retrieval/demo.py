@@ -49,7 +49,7 @@ def run_demo(run: RunDir, epochs: int | None = None, classes: int | None = None,
     export(run)
     embedder = OnnxEmbedder.from_run(run)
     test = load_collection(test_source)
-    build_index(embedder, test, run.index, progress=progress)
+    build_index(embedder, test, run.index, rebuild=True, progress=progress)
     model = evaluate_collection(embedder, test, progress=progress).metrics
     write_json(run.metrics, model)
     baseline = evaluate_collection(PixelEmbedder(16), test, progress=progress).metrics

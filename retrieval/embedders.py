@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -20,10 +22,23 @@ from retrieval.runs import RunDir, read_json
 
 
 class Embedder(Protocol):
-    """Maps RGB images to L2-normalised embeddings; `fingerprint` names the exact encoder."""
+    """Maps RGB images to L2-normalised embeddings; `fingerprint` names the exact encoder.
+
+    `prepare` (resizing, normalising) is thread-safe and runs in the decoding threads of a batch job;
+    `embed_prepared` runs the model. `embed(images)` is the two in one call.
+    """
 
     dim: int
     fingerprint: str
+    batch_size: int
+
+    def prepare(self, images: Sequence[Image.Image]) -> np.ndarray:
+        """Returns the model's input batch for RGB images."""
+        ...
+
+    def embed_prepared(self, batch: np.ndarray) -> np.ndarray:
+        """Returns float32 [N, dim] with unit-norm rows for a prepared batch."""
+        ...
 
     def embed(self, images: Sequence[Image.Image]) -> np.ndarray:
         """Returns float32 [N, dim] with unit-norm rows."""
@@ -69,12 +84,17 @@ class OnnxEmbedder:
             raise RetrievalError(f"{model_path}: sha256 {digest[:12]}… does not match model.json ({str(card.get('sha256'))[:12]}…); re-export with `retrieval export {run.root}`")
         return cls(model_path, card, threads)
 
-    def embed(self, images: Sequence[Image.Image]) -> np.ndarray:
-        if not images:
+    def prepare(self, images: Sequence[Image.Image]) -> np.ndarray:
+        return self.preprocessing(images)
+
+    def embed_prepared(self, batch: np.ndarray) -> np.ndarray:
+        if len(batch) == 0:
             return np.zeros((0, self.dim), np.float32)
-        batch = self.preprocessing(images)
         (output,) = self.session.run(None, {self.input_name: batch})
         return l2_normalise(output)
+
+    def embed(self, images: Sequence[Image.Image]) -> np.ndarray:
+        return self.embed_prepared(self.prepare(images))
 
 
 class PixelEmbedder:
@@ -86,9 +106,76 @@ class PixelEmbedder:
         self.fingerprint = f"raw-pixels-{size}x{size}-grayscale"
         self.batch_size = 256
 
-    def embed(self, images: Sequence[Image.Image]) -> np.ndarray:
+    def prepare(self, images: Sequence[Image.Image]) -> np.ndarray:
         rows = [np.asarray(image.convert("L").resize((self.size, self.size), Image.Resampling.BILINEAR), np.float32).ravel() for image in images]
-        return l2_normalise(np.stack(rows) if rows else np.zeros((0, self.dim), np.float32))
+        return np.stack(rows) if rows else np.zeros((0, self.dim), np.float32)
+
+    def embed_prepared(self, batch: np.ndarray) -> np.ndarray:
+        return l2_normalise(batch)
+
+    def embed(self, images: Sequence[Image.Image]) -> np.ndarray:
+        return self.embed_prepared(self.prepare(images))
+
+
+@dataclass
+class EmbeddedBatch:
+    """One batch of a job: vectors of the readable new items, the files skipped and how many were unchanged."""
+
+    vectors: np.ndarray
+    items: list[Item]
+    hashes: list[str]
+    skipped: list[Skipped]
+    unchanged: int = 0
+
+
+def iter_embedded(
+    embedder: Embedder,
+    items: Sequence[Item],
+    batch_size: int | None = None,
+    unchanged: Callable[[Item, str], bool] | None = None,
+    workers: int = 2,
+    progress: bool = True,
+) -> Iterator[EmbeddedBatch]:
+    """Embeds items batch by batch, decoding the next batches in threads while the model runs.
+
+    Files that cannot be read or decoded are skipped with their reason; items for which
+    unchanged(item, sha256) is true are counted but not decoded. At most workers + 1 batches are in
+    memory at once, whatever the number of items.
+    """
+    size = batch_size or embedder.batch_size
+    chunks = [items[start : start + size] for start in range(0, len(items), size)]
+
+    def load(chunk: Sequence[Item]) -> tuple[np.ndarray, EmbeddedBatch]:
+        images: list[Image.Image] = []
+        batch = EmbeddedBatch(np.zeros((0, embedder.dim), np.float32), [], [], [])
+        for item in chunk:
+            try:
+                data, digest = read_image_bytes(item.path)
+                if unchanged is not None and unchanged(item, digest):
+                    batch.unchanged += 1
+                    continue
+                images.append(decode_image(data, item.path))
+            except ImageError as error:
+                batch.skipped.append(Skipped(item.path, error.reason))
+                continue
+            batch.items.append(item)
+            batch.hashes.append(digest)
+        return (embedder.prepare(images) if images else np.zeros((0,), np.float32)), batch
+
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="decode") as pool, tqdm(
+        total=len(items), desc="embedding", unit="img", disable=not progress
+    ) as bar:
+        pending = deque(pool.submit(load, chunk) for chunk in chunks[: workers + 1])
+        following = len(pending)
+        while pending:
+            prepared, batch = pending.popleft().result()
+            if following < len(chunks):
+                pending.append(pool.submit(load, chunks[following]))
+                following += 1
+            if batch.items:
+                batch.vectors = embedder.embed_prepared(prepared)
+            bar.update(len(batch.items) + len(batch.skipped) + batch.unchanged)
+            yield batch
 
 
 @dataclass
@@ -102,26 +189,13 @@ class Embedded:
 
 
 def embed_items(embedder: Embedder, items: Sequence[Item], batch_size: int | None = None, progress: bool = True) -> Embedded:
-    """Embeds items in batches; files that cannot be decoded are skipped and reported, the rest kept."""
-    batch_size = batch_size or getattr(embedder, "batch_size", 64)
-    vectors: list[np.ndarray] = []
-    kept: list[Item] = []
-    hashes: list[str] = []
-    skipped: list[Skipped] = []
-    with tqdm(total=len(items), desc="embedding", unit="img", disable=not progress) as bar:
-        for start in range(0, len(items), batch_size):
-            images: list[Image.Image] = []
-            for item in items[start : start + batch_size]:
-                try:
-                    data, digest = read_image_bytes(item.path)
-                    images.append(decode_image(data, item.path))
-                except ImageError as error:
-                    skipped.append(Skipped(item.path, error.reason))
-                    continue
-                kept.append(item)
-                hashes.append(digest)
-            if images:
-                vectors.append(embedder.embed(images))
-            bar.update(min(batch_size, len(items) - start))
+    """Embeds all items into one matrix; files that cannot be decoded are skipped and reported."""
+    batches = list(iter_embedded(embedder, items, batch_size, progress=progress))
+    vectors = [batch.vectors for batch in batches if len(batch.vectors)]
     matrix = np.concatenate(vectors) if vectors else np.zeros((0, embedder.dim), np.float32)
-    return Embedded(matrix, kept, hashes, skipped)
+    return Embedded(
+        matrix,
+        [item for batch in batches for item in batch.items],
+        [digest for batch in batches for digest in batch.hashes],
+        [entry for batch in batches for entry in batch.skipped],
+    )

@@ -35,7 +35,7 @@ def test_a_failed_index_save_keeps_the_old_index(tmp_path: Path, monkeypatch: py
     def crash(*args: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store, "_write_items", crash)
+    monkeypatch.setattr(store.faiss, "write_index", crash)
     with pytest.raises(OSError):
         build(directory, n=3)
     loaded = GalleryIndex.load(directory)

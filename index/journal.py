@@ -1,0 +1,58 @@
+"""The on-disk journal of an indexing job: embeddings computed but not yet committed to the index.
+
+Each batch is committed to SQLite as soon as it is embedded, so a job killed at any moment (even
+with SIGKILL) and started again resumes where it stopped instead of embedding everything again.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from index.store import Additions
+from retrieval.data import Item
+
+
+class Journal:
+    """Pending (path, label, sha256, vector) rows of one encoder, keyed by path."""
+
+    def __init__(self, path: Path, encoder_sha256: str, dim: int) -> None:
+        self.path = path
+        self.dim = dim
+        self.connection = sqlite3.connect(path)
+        self.connection.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        self.connection.execute("CREATE TABLE IF NOT EXISTS pending (path TEXT PRIMARY KEY, label TEXT NOT NULL, sha256 TEXT NOT NULL, vector BLOB NOT NULL)")
+        owner = self.connection.execute("SELECT value FROM meta WHERE key = 'encoder'").fetchone()
+        if owner is None or owner[0] != f"{encoder_sha256}:{dim}":
+            # a journal of another encoder cannot be resumed: its vectors live in another space
+            self.connection.execute("DELETE FROM pending")
+            self.connection.execute("INSERT OR REPLACE INTO meta VALUES ('encoder', ?)", (f"{encoder_sha256}:{dim}",))
+        self.connection.commit()
+
+    def __len__(self) -> int:
+        return int(self.connection.execute("SELECT COUNT(*) FROM pending").fetchone()[0])
+
+    def hashes(self) -> dict[str, str]:
+        """Returns sha256 by path of every pending row."""
+        return dict(self.connection.execute("SELECT path, sha256 FROM pending"))
+
+    def add(self, items: Sequence[Item], hashes: Sequence[str], vectors: np.ndarray) -> None:
+        """Stores one embedded batch durably (a later row for the same path replaces the earlier one)."""
+        rows = [(str(item.path), item.label, digest, np.asarray(vector, np.float32).tobytes()) for item, digest, vector in zip(items, hashes, vectors)]
+        self.connection.executemany("INSERT OR REPLACE INTO pending VALUES (?, ?, ?, ?)", rows)
+        self.connection.commit()
+
+    def chunks(self, size: int = 10_000) -> Iterator[Additions]:
+        """Yields the pending rows in insertion order, size at a time (memory stays bounded)."""
+        cursor = self.connection.execute("SELECT path, label, sha256, vector FROM pending ORDER BY rowid")
+        while rows := cursor.fetchmany(size):
+            vectors = np.frombuffer(b"".join(row[3] for row in rows), dtype=np.float32).reshape(len(rows), self.dim)
+            yield Additions(vectors, [Item(Path(row[0]), row[1]) for row in rows], [row[2] for row in rows])
+
+    def discard(self) -> None:
+        """Closes and deletes the journal once its rows are committed to the index."""
+        self.connection.close()
+        self.path.unlink(missing_ok=True)
