@@ -1,0 +1,118 @@
+"""Batch indexing: incremental by content hash, --sync, .txt lists, and resuming after SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from index.build import build_index, journal_path
+from index.store import GalleryIndex
+from retrieval.data import load_collection
+from retrieval.embedders import OnnxEmbedder
+from retrieval.runs import RunDir
+from tests.conftest import copy_classes, write_bad_files
+
+
+@pytest.fixture(scope="module")
+def embedder(demo_run: RunDir) -> OnnxEmbedder:
+    return OnnxEmbedder.from_run(demo_run)
+
+
+def indexed_paths(directory: Path) -> list[str]:
+    return sorted(item.path.name for item in GalleryIndex.load(directory).items().values())
+
+
+def test_incremental_runs_embed_only_new_or_changed_files(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:
+    gallery = copy_classes(icons_root, tmp_path / "gallery", 3, split="test")
+    directory = tmp_path / "index"
+    first = build_index(embedder, load_collection(gallery), directory, progress=False)
+    total = len(first.index)
+    assert (first.embedded, first.unchanged, first.removed) == (total, 0, 0)
+    ids_before = {item.path.name: item_id for item_id, item in first.index.items().items()}
+
+    again = build_index(embedder, load_collection(gallery), directory, progress=False)
+    assert (again.embedded, again.unchanged, again.removed) == (0, total, 0)
+
+    files = sorted(gallery.rglob("*.png"))
+    Image.new("RGB", (64, 64), (10, 200, 10)).save(files[0])  # changed content
+    shutil.copy(files[1], files[1].with_name("copy.png"))  # new file
+    third = build_index(embedder, load_collection(gallery), directory, progress=False)
+    assert (third.embedded, third.unchanged, third.removed) == (2, total - 1, 1)
+    after = {item.path.name: item_id for item_id, item in third.index.items().items()}
+    assert len(after) == total + 1
+    assert all(after[name] == ids_before[name] for name in ids_before if name != files[0].name)  # ids stay stable
+    assert after[files[0].name] > max(ids_before.values())  # a changed file gets a new id, never a reused one
+
+    files[2].unlink()
+    kept = build_index(embedder, load_collection(gallery), directory, progress=False)
+    assert files[2].name in indexed_paths(directory) and kept.removed == 0
+    synced = build_index(embedder, load_collection(gallery), directory, sync=True, progress=False)
+    assert synced.removed == 1 and files[2].name not in indexed_paths(directory)
+    assert not journal_path(directory).exists()
+
+
+def test_a_txt_list_indexes_unlabeled_images(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:
+    files = sorted((icons_root / "test").rglob("*.png"))[:5]
+    listing = tmp_path / "gallery.txt"
+    listing.write_text("# my gallery\n" + "\n".join(os.path.relpath(f, tmp_path) for f in files) + "\nmissing.png\n")
+    report = build_index(embedder, load_collection(listing), tmp_path / "index", progress=False)
+    assert len(report.index) == 5 and {item.label for item in report.index.items().values()} == {""}
+    assert [s.path.name for s in report.skipped] == ["missing.png"]
+
+
+def test_an_index_of_another_encoder_needs_rebuild(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:
+    from retrieval.embedders import PixelEmbedder
+    from retrieval.errors import RetrievalError
+
+    gallery = copy_classes(icons_root, tmp_path / "gallery", 2, split="test")
+    build_index(PixelEmbedder(), load_collection(gallery), tmp_path / "index", progress=False)
+    with pytest.raises(RetrievalError, match="built with encoder"):
+        build_index(embedder, load_collection(gallery), tmp_path / "index", progress=False)
+    rebuilt = build_index(embedder, load_collection(gallery), tmp_path / "index", rebuild=True, progress=False)
+    assert rebuilt.index.encoder_sha256 == embedder.fingerprint
+
+
+def journal_rows(path: Path) -> int:
+    try:
+        with sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=0.1) as connection:
+            return int(connection.execute("SELECT COUNT(*) FROM pending").fetchone()[0])
+    except sqlite3.Error:
+        return 0
+
+
+def test_indexing_killed_with_sigkill_resumes_and_indexes_every_image_once(demo_run: RunDir, icons_root: Path, tmp_path: Path) -> None:
+    gallery = tmp_path / "gallery"
+    for copy in range(4):  # about 2,000 files: long enough to be killed part-way
+        for source in (icons_root / "test").rglob("*.png"):
+            target = gallery / source.parent.name / f"{copy}-{source.name}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(source.read_bytes())
+    bad = write_bad_files(gallery / "broken")
+    directory = tmp_path / "index"
+    command = [sys.executable, "-m", "retrieval", "index", str(demo_run.root), str(gallery), "--index", str(directory), "--batch-size", "16"]
+    worker = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=Path(__file__).parents[1])
+    deadline = time.monotonic() + 120
+    while journal_rows(journal_path(directory)) < 200 and worker.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait()
+    done_before_kill = journal_rows(journal_path(directory))
+    assert 0 < done_before_kill, "the job was killed before embedding anything"
+    assert not (directory / "manifest.json").exists()  # nothing half-written is visible as an index
+
+    finished = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=300)
+    assert finished.returncode == 0, finished.stderr
+    good = [p for p in gallery.rglob("*.png") if p.name not in {b.name for b in bad.values()}]
+    names = [item.path for item in GalleryIndex.load(directory).items().values()]
+    assert len(names) == len(set(names)) == len(good)  # every readable image exactly once
+    assert f"resumed {done_before_kill}" in finished.stdout.replace("\n", " ")
+    assert not journal_path(directory).exists()
