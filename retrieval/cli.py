@@ -74,12 +74,15 @@ def train(
 
 
 @app.command()
-def export(run: RunArg) -> None:
+def export(
+    run: RunArg,
+    fp16: Annotated[bool, typer.Option("--fp16", help="Export in float16 for GPUs (float32 inputs and outputs, normalisations kept in float32).")] = False,
+) -> None:
     """Export the run's encoder to RUN/model.onnx and RUN/model.json, checked against PyTorch."""
     from training.export import export as run_export
 
-    parity = run_export(RunDir(run))
-    console.print(f"wrote {RunDir(run).model} (max |Δ| vs PyTorch {parity.max_abs_difference:.1e}, min cosine {parity.min_cosine:.6f})")
+    parity = run_export(RunDir(run), float16=fp16)
+    console.print(f"wrote {RunDir(run).model} ({parity.precision}; vs PyTorch: {parity.describe()})")
 
 
 @app.command()

@@ -134,3 +134,12 @@ def test_resize_and_crop_keeps_the_centre() -> None:
     out = resize_and_crop(image, 20)
     assert out.size == (20, 20)
     assert np.asarray(out)[:, :, 2].max() < 50
+
+
+def test_exif_orientation_is_applied(tmp_path: Path) -> None:
+    image = Image.new("RGB", (40, 20), (255, 0, 0))
+    exif = image.getexif()
+    exif[0x0112] = 6  # stored landscape, shown rotated 90 degrees: portrait
+    path = tmp_path / "rotated.jpg"
+    image.save(path, exif=exif.tobytes())
+    assert load_image(path).size == (20, 40)

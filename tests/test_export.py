@@ -79,3 +79,41 @@ def test_a_model_that_does_not_match_its_card_is_refused(trained: RunDir, tmp_pa
     run.model.write_bytes(trained.model.read_bytes()[:-10])
     with pytest.raises(RetrievalError, match="does not match model.json"):
         OnnxEmbedder.from_run(run)
+
+
+def test_float16_export_keeps_float32_io_and_passes_its_check(trained: RunDir, tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "fp16")
+    run.checkpoints.mkdir(parents=True)
+    run.config.write_bytes(trained.config.read_bytes())
+    run.last_checkpoint.write_bytes(trained.last_checkpoint.read_bytes())
+    parity = export(run, float16=True)
+    card = json.loads(run.model_card.read_text())
+    assert card["precision"] == "float16" and parity.min_cosine >= export_module.MIN_COSINE_FLOAT16
+    embedder = OnnxEmbedder.from_run(run)
+    assert embedder.session.get_inputs()[0].type == "tensor(float)"
+    vectors = embedder.embed_prepared(np.random.default_rng(0).standard_normal((3, 3, 40, 40)).astype(np.float32))
+    assert vectors.dtype == np.float32 and np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-3)
+    assert run.model.stat().st_size < 0.6 * trained.model.stat().st_size
+
+
+class SwappedSession:
+    """An ONNX session stand-in whose output puts two images in each other's place."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def run(self, _: object, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        with torch.no_grad():
+            out = self.model(torch.from_numpy(feeds["images"])).numpy()
+        if len(out) > 3:
+            out[[0, 3]] = out[[3, 0]]
+        return [out]
+
+
+def test_the_neighbour_check_catches_a_reordered_ranking(trained: RunDir) -> None:
+    model, _ = load_encoder(trained)
+    stand_in = type("Stub", (), {"session": SwappedSession(model), "input_name": "images"})()
+    batches = [np.random.default_rng(1).standard_normal((16, 3, 40, 40)).astype(np.float32)]
+    parity = export_module.measure_parity(model, stand_in, batches)
+    assert not parity.same_neighbours and not parity.ok
+    assert "DIFFERENT" in parity.describe()
