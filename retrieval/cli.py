@@ -39,7 +39,7 @@ def train(
     loss: Annotated[str, typer.Option(help="Loss: supcon.")] = "supcon",
     temperature: Annotated[float, typer.Option(help="Softmax temperature of the loss.")] = 0.05,
     epochs: Annotated[int, typer.Option(help="Passes over the data.")] = 50,
-    batch_size: Annotated[int, typer.Option(help="Images per batch (classes x images per class).")] = 64,
+    batch_size: Annotated[int, typer.Option(help="Images per batch (classes x images per class).")] = 128,
     images_per_class: Annotated[int, typer.Option(help="Images of each class in a batch.")] = 4,
     backbone: Annotated[str, typer.Option(help="torchvision backbone: resnet18, resnet34, resnet50, mobilenet_v3_small, mobilenet_v3_large, efficientnet_b0.")] = "resnet18",
     pretrained: Annotated[bool, typer.Option(help="Start from ImageNet weights (downloaded by torchvision; needs a network once).")] = False,

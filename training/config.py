@@ -16,7 +16,7 @@ class TrainConfig:
     loss: str = "supcon"
     temperature: float = 0.05
     epochs: int = 50
-    batch_size: int = 64
+    batch_size: int = 128
     images_per_class: int = 4
     backbone: str = "resnet18"
     pretrained: bool = False
