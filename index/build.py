@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,14 @@ class IndexReport:
 def journal_path(directory: Path) -> Path:
     """Where an indexing job into directory keeps its not-yet-committed embeddings."""
     return directory.with_name(f".{directory.name}.journal.sqlite")
+
+
+def _listed_only(chunks: Iterator[Additions], listed: set[str]) -> Iterator[Additions]:
+    """Drops journal rows an interrupted job left for files that are no longer in the collection."""
+    for chunk in chunks:
+        keep = [i for i, item in enumerate(chunk.items) if str(item.path) in listed]
+        if keep:
+            yield Additions(chunk.vectors[keep], [chunk.items[i] for i in keep], [chunk.hashes[i] for i in keep])
 
 
 def build_index(
@@ -70,8 +79,7 @@ def build_index(
     listed = {str(item.path) for item in collection.items}
     replaced = {path for path in journal.hashes() if path in listed}
     remove = [item_id for path, (item_id, _) in indexed.items() if path in replaced or (sync and path not in listed)]
-    # rows an interrupted job left for files no longer listed are not added
-    additions = (Additions(c.vectors[keep], [c.items[i] for i in keep], [c.hashes[i] for i in keep]) for c in journal.chunks() if (keep := [i for i, item in enumerate(c.items) if str(item.path) in listed]))
+    additions = _listed_only(journal.chunks(), listed)
     if base is not None and not replaced and not remove:
         index = base  # nothing changed: the index on disk stays as it is
     elif base is None:

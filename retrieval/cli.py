@@ -93,13 +93,14 @@ def index(
     sync: Annotated[bool, typer.Option("--sync", help="Also remove entries whose files are no longer in IMAGES.")] = False,
     rebuild: Annotated[bool, typer.Option("--rebuild", help="Ignore the existing index and build it anew.")] = False,
     batch_size: Annotated[Optional[int], typer.Option(help="Images per encoder call (default: 64 on CPU, 256 on CUDA).")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads (default: all cores).")] = None,
 ) -> None:
     """Embed a gallery with the run's ONNX model and add it to its FAISS index (incremental and resumable)."""
     from index.build import build_index
     from retrieval.embedders import OnnxEmbedder
 
     run_dir = RunDir(run)
-    embedder = OnnxEmbedder.from_run(run_dir)
+    embedder = OnnxEmbedder.from_run(run_dir, threads)
     target = index_dir or run_dir.index
     report = build_index(embedder, load_collection(images), target, sync=sync, rebuild=rebuild, batch_size=batch_size)
     report_skipped(report.skipped, target / "skipped.json")

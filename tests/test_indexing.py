@@ -116,3 +116,21 @@ def test_indexing_killed_with_sigkill_resumes_and_indexes_every_image_once(demo_
     assert len(names) == len(set(names)) == len(good)  # every readable image exactly once
     assert f"resumed {done_before_kill}" in finished.stdout.replace("\n", " ")
     assert not journal_path(directory).exists()
+
+
+def test_a_journal_resumes_and_ignores_files_no_longer_listed(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:
+    from index.journal import Journal
+    from retrieval.embedders import embed_items
+
+    gallery = copy_classes(icons_root, tmp_path / "gallery", 2, split="test")
+    collection = load_collection(gallery)
+    earlier = embed_items(embedder, collection.items[:3] + collection.items[-1:], progress=False)
+    journal = Journal(journal_path(tmp_path / "index"), embedder.fingerprint, embedder.dim)
+    journal.add(earlier.items, earlier.hashes, earlier.vectors)  # as left by a job killed part-way
+    journal.connection.close()
+    collection.items[-1].path.unlink()
+    collection = load_collection(gallery)
+    report = build_index(embedder, collection, tmp_path / "index", progress=False)
+    assert (report.resumed, report.embedded) == (3, len(collection.items) - 3)
+    names = indexed_paths(tmp_path / "index")
+    assert len(names) == len(collection.items) and earlier.items[-1].path.name not in names
