@@ -104,7 +104,7 @@ def build_app(service: SearchService) -> gr.Blocks:
         with gr.Row():
             with gr.Column(scale=1):
                 query = gr.Image(label="Query image", type="filepath", sources=["upload", "clipboard"], height=256)
-                query_label = gr.Dropdown(labels, label="Query label (optional: marks hits and misses)", allow_custom_value=True)
+                query_label = gr.Dropdown(labels, value="", label="Query label (optional: marks hits and misses)", allow_custom_value=True)
                 k = gr.Slider(1, 50, value=10, step=1, label="k")
                 button = gr.Button("Search", variant="primary")
             with gr.Column(scale=2):
@@ -113,10 +113,14 @@ def build_app(service: SearchService) -> gr.Blocks:
         with gr.Tab("Pick a query from the gallery"):
             picker = gr.Gallery(value=samples, label="Gallery (click an image to query with it)", columns=10, height=360, allow_preview=False)
         with gr.Tab("Metrics"):
-            gr.Dataframe(metrics_rows(service.metrics), headers=["metric", "value"], interactive=False)
+            with gr.Row():
+                gr.Dataframe(metrics_rows(service.metrics), headers=["metric", "value"], interactive=False)
+                if service.run.loss_plot.is_file():
+                    gr.Image(str(service.run.loss_plot), label="training loss", interactive=False)
         inputs = [query, k, query_label]
         button.click(run_search, inputs, [results, summary], api_name="search")
         picker.select(pick, None, [query, query_label], api_name=False).then(run_search, inputs, [results, summary], api_name=False)
+        query.upload(lambda: "", None, query_label, api_name=False)  # an uploaded image's label is unknown
     return demo
 
 

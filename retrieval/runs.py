@@ -35,6 +35,10 @@ class RunDir:
         return self.root / "train_log.jsonl"
 
     @property
+    def loss_plot(self) -> Path:
+        return self.root / "train_loss.png"
+
+    @property
     def model(self) -> Path:
         return self.root / "model.onnx"
 

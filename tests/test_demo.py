@@ -20,3 +20,4 @@ def test_demo_trains_exports_indexes_and_evaluates(demo_run: RunDir) -> None:
     assert manifest["count"] == metrics["num_queries"]
     log = [json.loads(line) for line in demo_run.train_log.read_text().splitlines()]
     assert [entry["epoch"] for entry in log] == [1, 2]
+    assert demo_run.loss_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from retrieval.data import Item, Skipped, load_collection, load_image, write_skip_report
 from retrieval.errors import ImageError, RetrievalError
+from retrieval.plots import plot_training_log
 from retrieval.preprocess import Preprocessing
 from retrieval.runs import RunDir, read_json, write_atomic, write_json
 from training.config import TrainConfig
@@ -137,6 +138,7 @@ def train(config: TrainConfig, run: RunDir, progress: bool = True) -> TrainResul
         if progress:
             tqdm.write(f"epoch {epoch + 1}/{config.epochs}  loss {epoch_loss:.4f}  ({entry['seconds']:.1f}s)")
         save_checkpoint(run.last_checkpoint, model, {"epoch": str(epoch + 1), "step": str(step)})
+    plot_training_log(run.train_log, run.loss_plot)
     return TrainResult(run, len(items), len(classes), skipped, epoch_loss)
 
 
