@@ -29,10 +29,10 @@ def journal_path(directory: Path) -> Path:
     return directory.with_name(f".{directory.name}.journal.sqlite")
 
 
-def _listed_only(chunks: Iterator[Additions], listed: set[str]) -> Iterator[Additions]:
-    """Drops journal rows an interrupted job left for files that are no longer in the collection."""
+def _current_only(chunks: Iterator[Additions], current: dict[str, str]) -> Iterator[Additions]:
+    """Drops journal rows whose file is no longer listed or no longer has the content that was embedded."""
     for chunk in chunks:
-        keep = [i for i, item in enumerate(chunk.items) if str(item.path) in listed]
+        keep = [i for i, (item, digest) in enumerate(zip(chunk.items, chunk.hashes)) if current.get(str(item.path)) == digest]
         if keep:
             yield Additions(chunk.vectors[keep], [chunk.items[i] for i in keep], [chunk.hashes[i] for i in keep])
 
@@ -60,10 +60,13 @@ def build_index(
     skipped = list(collection.skipped)
     embedded = unchanged_count = 0
     pending = journal.hashes()
-    from_journal: list[str] = []  # list.append is atomic: the check runs in the decoding threads
+    # the check runs in the decoding threads: list.append and dict item assignment are atomic
+    from_journal: list[str] = []
+    current: dict[str, str] = {}  # sha256 of every readable listed file, as read by this job
 
     def unchanged(item: Item, digest: str) -> bool:
         path = str(item.path)
+        current[path] = digest
         if pending.get(path) == digest:
             from_journal.append(path)
             return True
@@ -77,9 +80,9 @@ def build_index(
         skipped += batch.skipped
 
     listed = {str(item.path) for item in collection.items}
-    replaced = {path for path in journal.hashes() if path in listed}
+    replaced = {path for path, digest in journal.hashes().items() if current.get(path) == digest}
     remove = [item_id for path, (item_id, _) in indexed.items() if path in replaced or (sync and path not in listed)]
-    additions = _listed_only(journal.chunks(), listed)
+    additions = _current_only(journal.chunks(), current)
     if base is not None and not replaced and not remove:
         index = base  # nothing changed: the index on disk stays as it is
     elif base is None:

@@ -36,9 +36,6 @@ class Journal:
             self.connection.execute("INSERT OR REPLACE INTO meta VALUES ('encoder', ?)", (f"{encoder_sha256}:{dim}",))
         self.connection.commit()
 
-    def __len__(self) -> int:
-        return int(self.connection.execute("SELECT COUNT(*) FROM pending").fetchone()[0])
-
     def hashes(self) -> dict[str, str]:
         """Returns sha256 by path of every pending row."""
         return dict(self.connection.execute("SELECT path, sha256 FROM pending"))

@@ -134,3 +134,27 @@ def test_a_journal_resumes_and_ignores_files_no_longer_listed(embedder: OnnxEmbe
     assert (report.resumed, report.embedded) == (3, len(collection.items) - 3)
     names = indexed_paths(tmp_path / "index")
     assert len(names) == len(collection.items) and earlier.items[-1].path.name not in names
+
+
+def test_a_journal_row_for_content_that_changed_back_is_not_used(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:
+    from index.journal import Journal
+
+    gallery = copy_classes(icons_root, tmp_path / "gallery", 2, split="test")
+    directory = tmp_path / "index"
+    build_index(embedder, load_collection(gallery), directory, progress=False)
+    target = sorted(gallery.rglob("*.png"))[0]
+    original = target.read_bytes()
+    Image.new("RGB", (64, 64), (0, 0, 255)).save(target)  # changed, embedded by a job that is then killed
+    changed = load_collection(gallery)
+    from retrieval.embedders import embed_items
+
+    stale = embed_items(embedder, [item for item in changed.items if item.path == target.resolve()], progress=False)
+    journal = Journal(journal_path(directory), embedder.fingerprint, embedder.dim)
+    journal.add(stale.items, stale.hashes, stale.vectors)
+    journal.connection.close()
+    target.write_bytes(original)  # and changed back before the next run
+    report = build_index(embedder, load_collection(gallery), directory, progress=False)
+    assert (report.embedded, report.removed) == (0, 0)
+    query = embed_items(embedder, [item for item in changed.items if item.path == target.resolve()], progress=False).vectors
+    best = report.index.search(query, k=1)[0][0]
+    assert best.path == target.resolve().as_posix() and best.score > 0.9999  # the indexed vector is the original's
