@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-import faiss
 import numpy as np
 
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
+from retrieval.extras import require
 from retrieval.runs import fsync_dir, read_json
+
+faiss = require("faiss", "cpu")  # or the gpu extra: faiss-gpu provides the same module
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

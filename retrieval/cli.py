@@ -16,6 +16,7 @@ from rich.table import Table
 
 from retrieval.data import Skipped, load_collection
 from retrieval.errors import RetrievalError
+from retrieval.extras import require
 from retrieval.runs import RunDir, write_json
 
 app = typer.Typer(
@@ -50,6 +51,7 @@ def train(
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
 ) -> None:
     """Train an embedding model on a labeled image collection."""
+    require("torch", "train")
     from training.config import TrainConfig
     from training.train import train as run_training
 
@@ -79,6 +81,7 @@ def export(
     fp16: Annotated[bool, typer.Option("--fp16", help="Export in float16 for GPUs (float32 inputs and outputs, normalisations kept in float32).")] = False,
 ) -> None:
     """Export the run's encoder to RUN/model.onnx and RUN/model.json, checked against PyTorch."""
+    require("torch", "train")
     from training.export import export as run_export
 
     parity = run_export(RunDir(run), float16=fp16)
@@ -172,6 +175,7 @@ def demo(
     port: Annotated[int, typer.Option(help="Port of the app.")] = 7860,
 ) -> None:
     """Train on the embedded icons dataset, export, index and evaluate its unseen test classes, then serve."""
+    require("torch", "train")
     from retrieval.demo import run_demo
 
     outcome = run_demo(RunDir(run), epochs=epochs, classes=classes)

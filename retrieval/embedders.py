@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from retrieval.data import Item, Skipped, decode_image, read_image_bytes
 from retrieval.errors import ImageError, RetrievalError
+from retrieval.extras import require
 from retrieval.preprocess import Preprocessing
 from retrieval.runs import RunDir, read_json
 
@@ -56,7 +57,7 @@ class OnnxEmbedder:
     """Runs an exported encoder (model.onnx + model.json) with ONNX Runtime, on CUDA when available."""
 
     def __init__(self, model_path: Path, card: dict, threads: int | None = None) -> None:
-        import onnxruntime as ort  # imported here so that metrics and data need no runtime
+        ort = require("onnxruntime", "cpu")  # imported here so that metrics and data need no runtime
 
         self.card = card
         self.preprocessing = Preprocessing.from_dict(card["preprocessing"])

@@ -34,3 +34,25 @@ print("ok without torch")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=300)
     assert done.returncode == 0, done.stderr
     assert "ok without torch" in done.stdout
+
+
+def test_training_without_torch_says_which_extra_to_install(tmp_path: Path) -> None:
+    script = BLOCK_TORCH + f"""
+from retrieval.cli import main
+raise SystemExit(main(["train", {str(tmp_path)!r}, "--run", {str(tmp_path / "run")!r}]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=120)
+    assert done.returncode == 2
+    assert "pip install 'retrieval[train]'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_search_without_faiss_says_which_extra_to_install(demo_run: RunDir) -> None:
+    script = f"""
+import sys
+sys.modules["faiss"] = None  # as if no faiss build were installed
+from retrieval.cli import main
+raise SystemExit(main(["search", {str(demo_run.root)!r}, "query.png"]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=120)
+    assert done.returncode == 2
+    assert "pip install 'retrieval[cpu]'" in done.stderr and "Traceback" not in done.stderr
