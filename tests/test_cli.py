@@ -85,3 +85,11 @@ def test_a_run_without_a_model_names_what_to_do(command: str, tmp_path: Path, sm
 
 def test_bad_k_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     expect_error(["evaluate", str(tmp_path), str(tmp_path), "-k", "1,five"], capsys, "1,five")
+
+
+@pytest.mark.parametrize("loss", ["infonce", "npair", "hcl"])
+def test_every_loss_trains(loss: str, small_folder: Path, tmp_path: Path) -> None:
+    run = RunDir(tmp_path / loss)
+    assert main(["train", str(small_folder), "--run", str(run.root), "--loss", loss, "--epochs", "1", "--batch-size", "8", "--image-size", "32"]) == 0
+    entry = json.loads(run.train_log.read_text().splitlines()[-1])
+    assert entry["loss"] == entry["loss"] and json.loads(run.config.read_text())["loss"] == loss  # a number, not NaN

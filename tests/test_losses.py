@@ -10,7 +10,7 @@ from pytorch_metric_learning import losses as pml_losses
 from torch.nn import functional as F
 
 from retrieval.errors import RetrievalError
-from training.losses import SupConLoss, make_loss
+from training.losses import HCLLoss, InfoNCELoss, NPairLoss, SupConLoss, make_loss
 from training.samplers import ClassBalancedBatchSampler
 
 
@@ -91,3 +91,123 @@ def test_sampler_refuses_batches_without_positives() -> None:
         ClassBalancedBatchSampler(["a"] * 10, batch_size=8)
     with pytest.raises(RetrievalError, match="at least 2"):
         ClassBalancedBatchSampler(["a", "b"] * 5, batch_size=8, images_per_class=1)
+
+
+def reference_infonce(embeddings: torch.Tensor, labels: torch.Tensor, t: float, queue: torch.Tensor | None = None, queue_labels: torch.Tensor | None = None) -> float:
+    """NT-Xent, one positive pair at a time, in float64; queue keys of other labels add negatives."""
+    z = F.normalize(embeddings.double(), dim=1)
+    keys = F.normalize(queue.double(), dim=1) if queue is not None else torch.zeros(0, z.shape[1], dtype=torch.float64)
+    key_labels = queue_labels if queue_labels is not None else torch.zeros(0, dtype=labels.dtype)
+    terms = []
+    for i in range(len(z)):
+        negatives = [math.exp(float(z[i] @ z[n]) / t) for n in range(len(z)) if labels[n] != labels[i]]
+        negatives += [math.exp(float(z[i] @ keys[n]) / t) for n in range(len(keys)) if key_labels[n] != labels[i]]
+        for p in range(len(z)):
+            if p != i and labels[p] == labels[i]:
+                positive = math.exp(float(z[i] @ z[p]) / t)
+                terms.append(-math.log(positive / (positive + sum(negatives))))
+    return sum(terms) / len(terms)
+
+
+def reference_npair(embeddings: torch.Tensor, labels: torch.Tensor, l2_reg: float, t: float) -> float:
+    """Sohn 2016: the first two rows of each class form a pair; log(1 + sum_j exp(f.f+_j - f.f+_i))."""
+    x = embeddings.double()
+    pairs = []
+    for label in sorted(set(labels.tolist())):
+        rows = [i for i in range(len(labels)) if labels[i] == label]
+        if len(rows) >= 2:
+            pairs.append((rows[0], rows[1]))
+    total = 0.0
+    for i, (anchor, positive) in enumerate(pairs):
+        own = float(x[anchor] @ x[positive]) / t
+        total += math.log(1 + sum(math.exp(float(x[anchor] @ x[other]) / t - own) for j, (_, other) in enumerate(pairs) if j != i))
+    return total / len(pairs) + l2_reg * float(x.pow(2).sum(dim=1).mean())
+
+
+def reference_hcl(embeddings: torch.Tensor, labels: torch.Tensor, t: float, beta: float, tau_plus: float) -> float:
+    """The estimator of joshr17/HCL written out per pair, in float64, outside log space."""
+    z = F.normalize(embeddings.double(), dim=1)
+    terms = []
+    for i in range(len(z)):
+        negatives = [math.exp(float(z[i] @ z[n]) / t) for n in range(len(z)) if labels[n] != labels[i]]
+        m = len(negatives)
+        weights = [value**beta for value in negatives]
+        reweighted = sum(w * value for w, value in zip(weights, negatives)) / (sum(weights) / m)
+        for p in range(len(z)):
+            if p != i and labels[p] == labels[i]:
+                positive = math.exp(float(z[i] @ z[p]) / t)
+                ng = max((-tau_plus * m * positive + reweighted) / (1 - tau_plus), m * math.exp(-1 / t))
+                terms.append(-math.log(positive / (positive + ng)))
+    return sum(terms) / len(terms)
+
+
+def gradient(loss: torch.nn.Module, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[float, torch.Tensor]:
+    x = embeddings.clone().requires_grad_(True)
+    value = loss(x, labels)
+    value.backward()
+    return value.item(), x.grad
+
+
+@pytest.mark.parametrize("temperature", [0.05, 0.1, 0.5, 1.0])
+def test_infonce_matches_pml_ntxent_and_the_reference(temperature: float) -> None:
+    embeddings, labels = random_batch(4)
+    ours, our_grad = gradient(InfoNCELoss(temperature), embeddings, labels)
+    theirs, their_grad = gradient(pml_losses.NTXentLoss(temperature=temperature), embeddings, labels)
+    assert ours == pytest.approx(theirs, rel=1e-5) and torch.allclose(our_grad, their_grad, atol=1e-5)
+    assert ours == pytest.approx(reference_infonce(embeddings, labels, temperature), rel=1e-5)
+
+
+def test_infonce_with_a_queue_of_negatives() -> None:
+    embeddings, labels = random_batch(5)
+    generator = torch.Generator().manual_seed(9)
+    queue, queue_labels = torch.randn(40, 16, generator=generator), torch.randint(0, 8, (40,), generator=generator)
+    ours = InfoNCELoss(0.1)(embeddings, labels, queue, queue_labels)
+    assert ours.item() == pytest.approx(reference_infonce(embeddings, labels, 0.1, queue, queue_labels), rel=1e-5)
+    assert ours.item() > InfoNCELoss(0.1)(embeddings, labels).item()  # more negatives, larger loss
+
+
+@pytest.mark.parametrize("temperature", [0.05, 0.5, 1.0])
+def test_npair_matches_pml_and_the_reference(temperature: float) -> None:
+    from pytorch_metric_learning.distances import DotProductSimilarity
+
+    embeddings, labels = random_batch(6)
+    embeddings = embeddings * 0.3
+    pml = pml_losses.NPairsLoss(distance=DotProductSimilarity(normalize_embeddings=False))
+    ours, our_grad = gradient(NPairLoss(l2_reg=0.0, temperature=1.0), embeddings, labels)
+    theirs, their_grad = gradient(pml, embeddings, labels)
+    assert ours == pytest.approx(theirs, rel=1e-5) and torch.allclose(our_grad, their_grad, atol=1e-5)
+    assert NPairLoss(0.02, temperature)(embeddings, labels).item() == pytest.approx(reference_npair(embeddings, labels, 0.02, temperature), rel=1e-5)
+
+
+@pytest.mark.parametrize("beta,tau_plus,temperature", [(1.0, 0.1, 0.5), (0.5, 0.05, 0.2), (2.0, 0.3, 0.1), (1.0, 0.6, 0.5)])
+def test_hcl_matches_the_reference_code(beta: float, tau_plus: float, temperature: float) -> None:
+    embeddings, labels = random_batch(7)
+    ours = HCLLoss(temperature, beta, tau_plus)(embeddings, labels)
+    assert ours.item() == pytest.approx(reference_hcl(embeddings, labels, temperature, beta, tau_plus), rel=1e-4)
+
+
+def test_hcl_without_hardness_or_debiasing_is_ntxent_on_two_views() -> None:
+    generator = torch.Generator().manual_seed(11)
+    views = torch.randn(2, 12, 16, generator=generator)
+    embeddings, labels = views.reshape(24, 16), torch.arange(12).repeat(2)
+    hcl = HCLLoss(temperature=0.5, beta=0.0, tau_plus=0.0)(embeddings, labels)
+    assert hcl.item() == pytest.approx(pml_losses.NTXentLoss(temperature=0.5)(embeddings, labels).item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("loss", [InfoNCELoss(0.01), HCLLoss(0.01), SupConLoss(0.01)], ids=lambda loss: type(loss).__name__)
+def test_finite_at_small_temperature_under_bfloat16_autocast(loss: torch.nn.Module) -> None:
+    embeddings, labels = random_batch(8)
+    weights = torch.randn(16, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        value = loss(embeddings @ weights, labels)
+    value.backward()
+    assert torch.isfinite(value) and torch.isfinite(weights.grad).all()
+
+
+def test_each_loss_gets_its_own_default_temperature() -> None:
+    from training.config import TrainConfig
+
+    assert [TrainConfig(data="d", loss=name).temperature for name in ("supcon", "infonce", "npair", "hcl")] == [0.05, 0.07, 1.0, 0.5]
+    assert TrainConfig(data="d", loss="hcl", temperature=0.2).temperature == 0.2
+    with pytest.raises(RetrievalError, match="unknown loss 'arcface'"):
+        TrainConfig(data="d", loss="arcface")

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, fields
 
 from retrieval.errors import RetrievalError
 from retrieval.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
+from training.losses import DEFAULT_TEMPERATURES
 
 
 @dataclass
@@ -14,7 +15,7 @@ class TrainConfig:
 
     data: str
     loss: str = "supcon"
-    temperature: float = 0.05
+    temperature: float | None = None  # None: the loss's default (training.losses.DEFAULT_TEMPERATURES)
     epochs: int = 50
     batch_size: int = 128
     images_per_class: int = 4
@@ -29,6 +30,10 @@ class TrainConfig:
     workers: int = 0
 
     def __post_init__(self) -> None:
+        if self.loss not in DEFAULT_TEMPERATURES:
+            raise RetrievalError(f"unknown loss {self.loss!r}; choose one of {', '.join(sorted(DEFAULT_TEMPERATURES))}")
+        if self.temperature is None:
+            self.temperature = DEFAULT_TEMPERATURES[self.loss]
         for name in ("epochs", "batch_size", "image_size", "embedding_dim"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise RetrievalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
