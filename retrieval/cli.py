@@ -37,8 +37,8 @@ DataArg = Annotated[Path, typer.Argument(help="An image folder ROOT/<label>/<ima
 def train(
     data: DataArg,
     run: Annotated[Path, typer.Option("--run", help="Run directory to create (config, checkpoints, log).")],
-    loss: Annotated[str, typer.Option(help="Loss: supcon (Khosla et al. 2020), infonce (NT-Xent), npair (Sohn 2016), hcl (Robinson et al. 2021).")] = "supcon",
-    temperature: Annotated[Optional[float], typer.Option(help="Softmax temperature of the loss (default: supcon 0.05, infonce 0.07, npair 1.0, hcl 0.5).")] = None,
+    loss: Annotated[str, typer.Option(help="Loss: supcon (Khosla et al. 2020), infonce (NT-Xent), npair (Sohn 2016), hcl (Robinson et al. 2021), hard (Wang & Liu 2021).")] = "supcon",
+    temperature: Annotated[Optional[float], typer.Option(help="Softmax temperature of the loss (default: supcon 0.05, infonce 0.07, npair 1.0, hcl 0.5, hard 0.2).")] = None,
     epochs: Annotated[int, typer.Option(help="Passes over the data.")] = 50,
     batch_size: Annotated[int, typer.Option(help="Images per batch (classes x images per class).")] = 128,
     images_per_class: Annotated[int, typer.Option(help="Images of each class in a batch.")] = 4,

@@ -87,7 +87,7 @@ def test_bad_k_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     expect_error(["evaluate", str(tmp_path), str(tmp_path), "-k", "1,five"], capsys, "1,five")
 
 
-@pytest.mark.parametrize("loss", ["infonce", "npair", "hcl"])
+@pytest.mark.parametrize("loss", ["infonce", "npair", "hcl", "hard"])
 def test_every_loss_trains(loss: str, small_folder: Path, tmp_path: Path) -> None:
     run = RunDir(tmp_path / loss)
     assert main(["train", str(small_folder), "--run", str(run.root), "--loss", loss, "--epochs", "1", "--batch-size", "8", "--image-size", "32"]) == 0

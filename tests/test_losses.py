@@ -10,7 +10,7 @@ from pytorch_metric_learning import losses as pml_losses
 from torch.nn import functional as F
 
 from retrieval.errors import RetrievalError
-from training.losses import HCLLoss, InfoNCELoss, NPairLoss, SupConLoss, make_loss
+from training.losses import HardContrastiveLoss, HCLLoss, InfoNCELoss, NPairLoss, SupConLoss, make_loss
 from training.samplers import ClassBalancedBatchSampler
 
 
@@ -194,7 +194,7 @@ def test_hcl_without_hardness_or_debiasing_is_ntxent_on_two_views() -> None:
     assert hcl.item() == pytest.approx(pml_losses.NTXentLoss(temperature=0.5)(embeddings, labels).item(), rel=1e-5)
 
 
-@pytest.mark.parametrize("loss", [InfoNCELoss(0.01), HCLLoss(0.01), SupConLoss(0.01)], ids=lambda loss: type(loss).__name__)
+@pytest.mark.parametrize("loss", [InfoNCELoss(0.01), HCLLoss(0.01), SupConLoss(0.01), HardContrastiveLoss(0.01)], ids=lambda loss: type(loss).__name__)
 def test_finite_at_small_temperature_under_bfloat16_autocast(loss: torch.nn.Module) -> None:
     embeddings, labels = random_batch(8)
     weights = torch.randn(16, 16, requires_grad=True)
@@ -207,7 +207,47 @@ def test_finite_at_small_temperature_under_bfloat16_autocast(loss: torch.nn.Modu
 def test_each_loss_gets_its_own_default_temperature() -> None:
     from training.config import TrainConfig
 
-    assert [TrainConfig(data="d", loss=name).temperature for name in ("supcon", "infonce", "npair", "hcl")] == [0.05, 0.07, 1.0, 0.5]
+    assert [TrainConfig(data="d", loss=name).temperature for name in ("supcon", "infonce", "npair", "hcl", "hard")] == [0.05, 0.07, 1.0, 0.5, 0.2]
     assert TrainConfig(data="d", loss="hcl", temperature=0.2).temperature == 0.2
     with pytest.raises(RetrievalError, match="unknown loss 'arcface'"):
         TrainConfig(data="d", loss="arcface")
+
+
+def reference_hard(embeddings: torch.Tensor, labels: torch.Tensor, t: float, threshold: float, top_k: int | None) -> float:
+    z = F.normalize(embeddings.double(), dim=1)
+    terms = []
+    for i in range(len(z)):
+        sims = sorted((float(z[i] @ z[n]) for n in range(len(z)) if labels[n] != labels[i]), reverse=True)
+        hard = [s for s in sims if s >= threshold][: top_k or len(sims)]
+        for p in range(len(z)):
+            if p != i and labels[p] == labels[i]:
+                positive = math.exp(float(z[i] @ z[p]) / t)
+                terms.append(-math.log(positive / (positive + sum(math.exp(s / t) for s in hard))))
+    return sum(terms) / len(terms)
+
+
+@pytest.mark.parametrize("threshold,top_k", [(0.0, None), (-1.0, 3), (0.1, 2), (0.9, None)])
+def test_hard_contrastive_matches_the_reference(threshold: float, top_k: int | None) -> None:
+    embeddings, labels = random_batch(12)
+    ours = HardContrastiveLoss(0.2, threshold, top_k)(embeddings, labels)
+    assert ours.item() == pytest.approx(reference_hard(embeddings, labels, 0.2, threshold, top_k), rel=1e-5, abs=1e-7)
+
+
+def test_hard_contrastive_over_all_negatives_is_ntxent() -> None:
+    embeddings, labels = random_batch(13)
+    assert HardContrastiveLoss(0.3, threshold=-1.0)(embeddings, labels).item() == pytest.approx(InfoNCELoss(0.3)(embeddings, labels).item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("make", [InfoNCELoss, SupConLoss, HardContrastiveLoss], ids=lambda make: make.__name__)
+def test_lower_temperature_puts_more_of_the_gradient_on_the_hardest_negative(make: type) -> None:
+    """Wang & Liu 2021's hardness-aware property, on one anchor, its positive and five negatives."""
+    angles = torch.tensor([0.0, 0.3, 0.6, 0.8, 1.0, 1.2, 1.4])  # anchor, positive, negatives from hardest to easiest
+    base = torch.stack([torch.cos(angles), torch.sin(angles)], dim=1)
+    labels = torch.tensor([0, 0, 1, 2, 3, 4, 5])
+    shares = []
+    for temperature in (1.0, 0.5, 0.2, 0.1, 0.05):
+        x = base.clone().requires_grad_(True)
+        make(temperature)(x, labels).backward()
+        norms = x.grad[2:].norm(dim=1)
+        shares.append(float(norms[0] / norms.sum()))
+    assert all(a < b for a, b in zip(shares, shares[1:])), shares

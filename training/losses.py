@@ -174,10 +174,46 @@ class HCLLoss(nn.Module):
         return loss[positives & (count > 0)].mean()
 
 
-LOSSES = {"supcon": SupConLoss, "infonce": InfoNCELoss, "npair": NPairLoss, "hcl": HCLLoss}
+class HardContrastiveLoss(nn.Module):
+    """The hard contrastive loss of Wang & Liu 2021 ("Understanding the Behaviour of Contrastive Loss").
+
+    Only negatives in the informative interval enter the denominator: those with cosine similarity
+    s_in >= threshold and, with top_k, only the k most similar ones of each anchor. For each positive
+    pair (i, p), with H(i) those hard negatives,
+
+        l(i, p) = -log( exp(s_ip / t) / (exp(s_ip / t) + sum_{n in H(i)} exp(s_in / t)) )
+
+    averaged over positive pairs (a pair whose anchor has no hard negative contributes 0). With
+    threshold=-1 and no top_k it is NT-Xent. Defaults: temperature=0.2, threshold=0.0 (negatives more
+    similar than orthogonal), top_k=None.
+    """
+
+    def __init__(self, temperature: float = 0.2, threshold: float = 0.0, top_k: int | None = None) -> None:
+        super().__init__()
+        if temperature <= 0:
+            raise RetrievalError(f"temperature must be positive, got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise RetrievalError(f"top_k must be at least 1, got {top_k}")
+        self.temperature, self.threshold, self.top_k = temperature, threshold, top_k
+
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        z = F.normalize(embeddings.float(), dim=1)
+        positives, negatives = _pairs(labels)
+        _require_positives(positives, "HardContrastiveLoss")
+        similarity = z @ z.T
+        hard = negatives & (similarity >= self.threshold)
+        if self.top_k is not None and self.top_k < len(labels):
+            ranked = similarity.masked_fill(~hard, float("-inf")).topk(self.top_k, dim=1).indices
+            hard = hard & torch.zeros_like(hard).scatter_(1, ranked, True)
+        logits = similarity / self.temperature
+        log_negatives = torch.logsumexp(logits.masked_fill(~hard, float("-inf")), dim=1, keepdim=True)
+        return -(logits - torch.logaddexp(logits, log_negatives))[positives].mean()
+
+
+LOSSES = {"supcon": SupConLoss, "infonce": InfoNCELoss, "npair": NPairLoss, "hcl": HCLLoss, "hard": HardContrastiveLoss}
 # The temperature `retrieval train` uses when none is given: each paper's default, except SupCon's
 # 0.05, which did better than the paper's 0.1 on the embedded dataset's training runs.
-DEFAULT_TEMPERATURES = {"supcon": 0.05, "infonce": 0.07, "npair": 1.0, "hcl": 0.5}
+DEFAULT_TEMPERATURES = {"supcon": 0.05, "infonce": 0.07, "npair": 1.0, "hcl": 0.5, "hard": 0.2}
 
 
 def make_loss(name: str, temperature: float) -> nn.Module:
