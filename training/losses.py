@@ -33,18 +33,19 @@ class SupConLoss(nn.Module):
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         z = F.normalize(embeddings.float(), dim=1)
-        logits = z @ z.T / self.temperature
-        n = len(labels)
-        self_mask = torch.eye(n, dtype=torch.bool, device=z.device)
-        positives = (labels[:, None] == labels[None, :]) & ~self_mask
-        logits = logits.masked_fill(self_mask, float("-inf"))
-        log_prob = logits - torch.logsumexp(logits, dim=1, keepdim=True)
-        counts = positives.sum(dim=1)
+        _, codes = torch.unique(labels, return_inverse=True)
+        counts = torch.bincount(codes)[codes] - 1  # positives of each anchor
         anchors = counts > 0
         if not anchors.any():
             raise RetrievalError("SupConLoss: the batch has no positive pair; sample at least two images per class (class-balanced batches)")
-        mean_log_prob = log_prob.masked_fill(~positives, 0.0).sum(dim=1)[anchors] / counts[anchors]
-        return -mean_log_prob.mean()
+        # mean over positives of log p(p | i) = (sum_p s_ip / t) / |P(i)| - logsumexp_{a != i} s_ia / t,
+        # and sum_p z_i.z_p = z_i.(sum of i's class - z_i): no N x N mask is ever built
+        class_sums = torch.zeros(int(codes.max()) + 1, z.shape[1], dtype=z.dtype, device=z.device).index_add(0, codes, z)
+        positive_logits = ((class_sums[codes] - z) * z).sum(dim=1) / self.temperature
+        logits = (z / self.temperature) @ z.T  # scaling the rows, not the N x N product, saves a pass
+        logits.fill_diagonal_(float("-inf"))  # self-contrast excluded from the denominator
+        log_denominator = torch.logsumexp(logits, dim=1)
+        return -(positive_logits[anchors] / counts[anchors] - log_denominator[anchors]).mean()
 
 
 def _pairs(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
