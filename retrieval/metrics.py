@@ -107,3 +107,31 @@ def retrieval_metrics(
 def _encode_labels(query_labels: Sequence[str], gallery_labels: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     vocabulary = {label: code for code, label in enumerate(sorted(set(query_labels) | set(gallery_labels)))}
     return (np.array([vocabulary[label] for label in query_labels], np.int64), np.array([vocabulary[label] for label in gallery_labels], np.int64))
+
+
+def embedding_diagnostics(embeddings: np.ndarray, labels: Sequence[str], max_points: int = 10_000, seed: int = 0) -> dict[str, float]:
+    """Returns alignment, uniformity (Wang & Isola 2020) and tolerance (Wang & Liu 2021) of unit embeddings.
+
+    - alignment = mean over same-label pairs of ||x - y||^2 (lower: positives closer);
+    - uniformity = log mean over all distinct pairs of exp(-2 ||x - y||^2) (lower: more spread out);
+    - tolerance = mean over same-label pairs of x.y (higher: classes kept together).
+
+    With more than max_points rows, a seeded random subset of max_points rows is used.
+    """
+    z = np.asarray(embeddings, np.float64)
+    codes = np.unique(np.asarray(labels), return_inverse=True)[1]
+    if len(z) > max_points:
+        keep = np.sort(np.random.default_rng(seed).choice(len(z), max_points, replace=False))
+        z, codes = z[keep], codes[keep]
+    n = len(z)
+    if n < 2:
+        raise RetrievalError("embedding diagnostics need at least two embeddings")
+    similarity = np.clip(z @ z.T, -1.0, 1.0)
+    distinct = ~np.eye(n, dtype=bool)
+    same = (codes[:, None] == codes[None, :]) & distinct
+    squared = 2.0 - 2.0 * similarity[distinct]
+    result = {"uniformity": float(np.log(np.mean(np.exp(-2.0 * squared))))}
+    if same.any():
+        result["alignment"] = float(np.mean(2.0 - 2.0 * similarity[same]))
+        result["tolerance"] = float(np.mean(similarity[same]))
+    return result

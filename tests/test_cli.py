@@ -50,7 +50,7 @@ def test_stages_on_a_users_folder_with_bad_files(small_folder: Path, tmp_path: P
 
     assert main(["evaluate", str(run.root), str(small_folder), "-k", "1,2"]) == 0
     metrics = json.loads(run.metrics.read_text())
-    for key in ("recall@1", "recall@2", "map@r", "r_precision", "num_queries", "protocol"):
+    for key in ("recall@1", "recall@2", "map@r", "r_precision", "num_queries", "protocol", "alignment", "uniformity", "tolerance"):
         assert key in metrics
     assert metrics["protocol"] == "leave-one-out" and metrics["num_queries"] == len(good)
 

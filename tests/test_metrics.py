@@ -91,3 +91,17 @@ def test_agrees_with_pytorch_metric_learning_query_gallery() -> None:
     assert ours["recall@1"] == pytest.approx(theirs["precision_at_1"], abs=1e-6)
     assert ours["r_precision"] == pytest.approx(theirs["r_precision"], abs=1e-6)
     assert ours["map@r"] == pytest.approx(theirs["mean_average_precision_at_r"], abs=1e-6)
+
+
+def test_embedding_diagnostics_by_hand() -> None:
+    from retrieval.metrics import embedding_diagnostics
+
+    z = np.array([[1, 0], [0, 1], [-1, 0], [0, -1]], np.float32)  # a square on the circle
+    result = embedding_diagnostics(z, ["a", "a", "b", "b"])
+    assert result["tolerance"] == pytest.approx(0.0)  # each same-label pair is orthogonal
+    assert result["alignment"] == pytest.approx(2.0)  # ||x - y||^2 = 2 for orthogonal unit vectors
+    # distinct pairs: 8 at squared distance 2, 4 at 4
+    assert result["uniformity"] == pytest.approx(np.log((8 * np.exp(-4) + 4 * np.exp(-8)) / 12))
+    collapsed = embedding_diagnostics(np.tile([[1.0, 0.0]], (4, 1)), ["a", "a", "b", "b"])
+    assert collapsed["uniformity"] == pytest.approx(0.0) and collapsed["tolerance"] == pytest.approx(1.0)
+    assert "alignment" not in embedding_diagnostics(z, ["a", "b", "c", "d"])  # no same-label pairs
