@@ -47,6 +47,8 @@ def train(
     image_size: Annotated[int, typer.Option(help="Input size in pixels (square).")] = 64,
     embedding_dim: Annotated[Optional[int], typer.Option(help="Embedding dimension (default: the backbone's feature width, e.g. 512 for resnet18).")] = None,
     learning_rate: Annotated[float, typer.Option(help="Peak learning rate (AdamW, one-cycle schedule).")] = 3e-3,
+    val_classes: Annotated[float, typer.Option(help="Fraction of the classes held out to validate each epoch (recall@1, MAP@R); the best epoch is exported.")] = 0.0,
+    patience: Annotated[int, typer.Option(help="Stop after this many epochs without a better validation MAP@R (0: never).")] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
 ) -> None:
@@ -67,6 +69,8 @@ def train(
         image_size=image_size,
         embedding_dim=embedding_dim,
         learning_rate=learning_rate,
+        val_classes=val_classes,
+        patience=patience,
         device=device,
         seed=seed,
     )

@@ -188,3 +188,13 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 def write_skip_report(path: Path, skipped: Sequence[Skipped]) -> None:
     """Writes the skipped files and their reasons as JSON (an empty list when nothing was skipped)."""
     write_json(path, [{"path": str(s.path), "reason": s.reason} for s in skipped])
+
+
+def split_by_class(items: Sequence[Item], fraction: float, seed: int = 0) -> tuple[list[Item], list[Item]]:
+    """Splits labeled items class-disjointly: (the rest, a seeded random fraction of the classes)."""
+    if not 0 <= fraction < 1:
+        raise RetrievalError(f"the fraction of classes to hold out must be in [0, 1), got {fraction}")
+    classes = sorted({item.label for item in items})
+    count = round(len(classes) * fraction)
+    held = set(np.random.default_rng(seed).permutation(classes)[:count].tolist()) if count else set()
+    return [item for item in items if item.label not in held], [item for item in items if item.label in held]

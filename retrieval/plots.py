@@ -15,10 +15,12 @@ from retrieval.runs import write_atomic  # noqa: E402
 
 
 def plot_training_log(log: Path, target: Path) -> Path:
-    """Draws the loss and learning rate of each epoch in train_log.jsonl into a PNG; returns its path."""
+    """Draws each epoch's loss and learning rate (and validation scores, when logged) into a PNG; returns its path."""
     entries = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines() if line.strip()]
     epochs = [entry["epoch"] for entry in entries]
-    figure, loss_axis = plt.subplots(figsize=(6, 3.5), dpi=120)
+    validated = all("val_map@r" in entry for entry in entries)
+    figure, axes = plt.subplots(1, 2 if validated else 1, figsize=(11 if validated else 6, 3.5), dpi=120, squeeze=False)
+    loss_axis = axes[0][0]
     loss_axis.plot(epochs, [entry["loss"] for entry in entries], marker="o", markersize=3, color="tab:blue", label="loss")
     loss_axis.set_xlabel("epoch")
     loss_axis.set_ylabel("training loss", color="tab:blue")
@@ -26,6 +28,13 @@ def plot_training_log(log: Path, target: Path) -> Path:
     rate_axis.plot(epochs, [entry["lr"] for entry in entries], color="tab:orange", alpha=0.6, label="learning rate")
     rate_axis.set_ylabel("learning rate", color="tab:orange")
     loss_axis.set_title(f"training: {log.parent.name}")
+    if validated:
+        scores = axes[0][1]
+        scores.plot(epochs, [entry["val_recall@1"] for entry in entries], marker="o", markersize=3, label="recall@1")
+        scores.plot(epochs, [entry["val_map@r"] for entry in entries], marker="o", markersize=3, label="MAP@R")
+        scores.set_xlabel("epoch")
+        scores.set_title("validation (held-out classes)")
+        scores.legend()
     figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")

@@ -31,6 +31,10 @@ class RunDir:
         return self.checkpoints / "last.safetensors"
 
     @property
+    def best_checkpoint(self) -> Path:
+        return self.checkpoints / "best.safetensors"
+
+    @property
     def train_log(self) -> Path:
         return self.root / "train_log.jsonl"
 
@@ -55,7 +59,9 @@ class RunDir:
         return self.root / "index"
 
     def require_checkpoint(self) -> Path:
-        """Returns the last checkpoint, or says to train first."""
+        """Returns the best checkpoint (when training validated) or the last one, or says to train first."""
+        if self.best_checkpoint.is_file():
+            return self.best_checkpoint
         if not self.last_checkpoint.is_file():
             raise RetrievalError(f"{self.root}: no trained checkpoint ({self.last_checkpoint.name}); run `retrieval train DATA --run {self.root}` first")
         return self.last_checkpoint

@@ -93,3 +93,25 @@ def test_every_loss_trains(loss: str, small_folder: Path, tmp_path: Path) -> Non
     assert main(["train", str(small_folder), "--run", str(run.root), "--loss", loss, "--epochs", "1", "--batch-size", "8", "--image-size", "32"]) == 0
     entry = json.loads(run.train_log.read_text().splitlines()[-1])
     assert entry["loss"] == entry["loss"] and json.loads(run.config.read_text())["loss"] == loss  # a number, not NaN
+
+
+def test_validation_on_held_out_classes_picks_the_best_epoch(icons_root: Path, tmp_path: Path) -> None:
+    from tests.conftest import copy_classes
+
+    data = copy_classes(icons_root, tmp_path / "data", 10)
+    run = RunDir(tmp_path / "run")
+    argv = ["train", str(data), "--run", str(run.root), "--epochs", "4", "--batch-size", "16", "--image-size", "32", "--val-classes", "0.3", "--patience", "1"]
+    assert main(argv) == 0
+    log = [json.loads(line) for line in run.train_log.read_text().splitlines()]
+    assert all("val_recall@1" in entry and "val_map@r" in entry for entry in log)
+    scores = [entry["val_map@r"] for entry in log]
+    assert len(log) == 4 or (len(log) >= 2 and scores[-1] <= max(scores[:-1]))  # stopped only after an epoch without improvement
+    assert run.best_checkpoint.is_file() and run.require_checkpoint() == run.best_checkpoint
+    from safetensors import safe_open
+
+    with safe_open(str(run.best_checkpoint), "pt") as checkpoint:
+        assert int(checkpoint.metadata()["epoch"]) == 1 + scores.index(max(scores))
+
+
+def test_too_few_validation_classes_is_an_error(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    expect_error(["train", str(small_folder), "--run", str(tmp_path / "r"), "--val-classes", "0.1"], capsys, "--val-classes 0.1", "fewer than two of the 4 classes")

@@ -25,6 +25,8 @@ class TrainConfig:
     embedding_dim: int | None = None  # None: the backbone's feature width
     learning_rate: float = 3e-3
     weight_decay: float = 1e-4
+    val_classes: float = 0.0  # fraction of the classes held out to validate each epoch (0: none)
+    patience: int = 0  # epochs without a better validation MAP@R before stopping early (0: never)
     device: str = "auto"
     seed: int = 0
     workers: int = 0

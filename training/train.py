@@ -18,8 +18,9 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 from tqdm import tqdm
 
-from retrieval.data import Item, Skipped, load_collection, load_image, write_skip_report
+from retrieval.data import Item, Skipped, load_collection, load_image, split_by_class, write_skip_report
 from retrieval.errors import ImageError, RetrievalError
+from retrieval.metrics import retrieval_metrics
 from retrieval.plots import plot_training_log
 from retrieval.preprocess import Preprocessing
 from retrieval.runs import RunDir, read_json, write_atomic, write_json
@@ -83,6 +84,22 @@ def readable_items(items: Sequence[Item], progress: bool = True) -> tuple[list[I
     return good, skipped
 
 
+class Validator:
+    """Leave-one-out recall@1 and MAP@R of the model on held-out classes (images decoded once)."""
+
+    def __init__(self, items: Sequence[Item], preprocessing: Preprocessing, device: torch.device) -> None:
+        self.labels = [item.label for item in items]
+        self.images = torch.from_numpy(preprocessing([load_image(item.path) for item in items]))
+        self.device = device
+
+    def __call__(self, model: Encoder) -> dict:
+        model.eval()
+        with torch.no_grad():
+            vectors = torch.cat([model(self.images[i : i + 256].to(self.device)).cpu() for i in range(0, len(self.images), 256)])
+        model.train()
+        return retrieval_metrics(vectors.numpy(), self.labels, ks=(1,))
+
+
 def resolve_device(name: str) -> torch.device:
     """Returns the torch device for auto|cpu|cuda, refusing cuda where there is none."""
     if name == "auto":
@@ -95,12 +112,16 @@ def resolve_device(name: str) -> torch.device:
 def train(config: TrainConfig, run: RunDir, progress: bool = True) -> TrainResult:
     """Trains an encoder on config.data and writes config, log, skip report and checkpoint to run."""
     collection = load_collection(config.data)
-    items, skipped = readable_items(collection.items, progress)
+    readable, skipped = readable_items(collection.items, progress)
     skipped = collection.skipped + skipped
+    items, validation = split_by_class(readable, config.val_classes, config.seed)
     classes = sorted({item.label for item in items})
     if len(classes) < 2:
         found = f"only class {classes[0]!r}" if classes else "no readable labeled image"
-        raise RetrievalError(f"{config.data}: {found}; training needs at least two labeled classes (ROOT/<label>/<image>)")
+        raise RetrievalError(f"{config.data}: {found} to train on; training needs at least two labeled classes (ROOT/<label>/<image>)")
+    if config.val_classes > 0 and len({item.label for item in validation}) < 2:
+        total = len({item.label for item in readable})
+        raise RetrievalError(f"--val-classes {config.val_classes} holds out fewer than two of the {total} classes; raise it or use 0")
     device = resolve_device(config.device)
     random.seed(config.seed)
     np.random.seed(config.seed)
@@ -110,6 +131,9 @@ def train(config: TrainConfig, run: RunDir, progress: bool = True) -> TrainResul
     write_json(run.config, config.to_dict())
     write_skip_report(run.root / "skipped.json", skipped)
     run.train_log.unlink(missing_ok=True)
+    run.best_checkpoint.unlink(missing_ok=True)  # a best checkpoint of an earlier run would be taken for this one's
+    validator = Validator(validation, config.preprocessing, device) if validation else None
+    best_map, stale_epochs = -1.0, 0
 
     model = Encoder(config.backbone, config.embedding_dim, config.pretrained).to(device)
     loss_fn = make_loss(config.loss, config.temperature)
@@ -133,11 +157,25 @@ def train(config: TrainConfig, run: RunDir, progress: bool = True) -> TrainResul
             step += 1
         epoch_loss = float(np.mean(losses))
         entry = {"epoch": epoch + 1, "step": step, "loss": epoch_loss, "lr": schedule.get_last_lr()[0], "seconds": round(time.perf_counter() - started, 2)}
+        metadata = {"epoch": str(epoch + 1), "step": str(step)}
+        save_checkpoint(run.last_checkpoint, model, metadata)
+        if validator is not None:
+            scores = validator(model)
+            entry.update({"val_recall@1": scores["recall@1"], "val_map@r": scores["map@r"]})
+            if scores["map@r"] > best_map:
+                best_map, stale_epochs = scores["map@r"], 0
+                save_checkpoint(run.best_checkpoint, model, metadata)
+            else:
+                stale_epochs += 1
         with run.train_log.open("a", encoding="utf-8") as log:
             log.write(json.dumps(entry) + "\n")
         if progress:
-            tqdm.write(f"epoch {epoch + 1}/{config.epochs}  loss {epoch_loss:.4f}  ({entry['seconds']:.1f}s)")
-        save_checkpoint(run.last_checkpoint, model, {"epoch": str(epoch + 1), "step": str(step)})
+            validated = f"  val recall@1 {entry['val_recall@1']:.3f} MAP@R {entry['val_map@r']:.3f}" if validator else ""
+            tqdm.write(f"epoch {epoch + 1}/{config.epochs}  loss {epoch_loss:.4f}{validated}  ({entry['seconds']:.1f}s)")
+        if config.patience and stale_epochs >= config.patience:
+            if progress:
+                tqdm.write(f"stopping early: validation MAP@R has not improved for {stale_epochs} epochs (best {best_map:.3f})")
+            break
     plot_training_log(run.train_log, run.loss_plot)
     return TrainResult(run, len(items), len(classes), skipped, epoch_loss)
 
