@@ -27,8 +27,7 @@ class SupConLoss(nn.Module):
 
     def __init__(self, temperature: float = 0.1) -> None:
         super().__init__()
-        if temperature <= 0:
-            raise RetrievalError(f"temperature must be positive, got {temperature}")
+        _check_temperature(temperature)
         self.temperature = temperature
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -37,7 +36,7 @@ class SupConLoss(nn.Module):
         counts = torch.bincount(codes)[codes] - 1  # positives of each anchor
         anchors = counts > 0
         if not anchors.any():
-            raise RetrievalError("SupConLoss: the batch has no positive pair; sample at least two images per class (class-balanced batches)")
+            raise _no_positive_pair("SupConLoss")
         # mean over positives of log p(p | i) = (sum_p s_ip / t) / |P(i)| - logsumexp_{a != i} s_ia / t,
         # and sum_p z_i.z_p = z_i.(sum of i's class - z_i): no N x N mask is ever built
         class_sums = torch.zeros(int(codes.max()) + 1, z.shape[1], dtype=z.dtype, device=z.device).index_add(0, codes, z)
@@ -48,16 +47,22 @@ class SupConLoss(nn.Module):
         return -(positive_logits[anchors] / counts[anchors] - log_denominator[anchors]).mean()
 
 
-def _pairs(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns the masks of positive pairs (same label, not self) and negative pairs (other label)."""
+def _check_temperature(temperature: float) -> None:
+    if temperature <= 0:
+        raise RetrievalError(f"temperature must be positive, got {temperature}")
+
+
+def _no_positive_pair(name: str) -> RetrievalError:
+    return RetrievalError(f"{name}: the batch has no positive pair; sample at least two images per class (class-balanced batches)")
+
+
+def _normalised_pairs(embeddings: torch.Tensor, labels: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns unit embeddings and the masks of positive pairs (same label, not self) and negative pairs."""
     same = labels[:, None] == labels[None, :]
-    self_mask = torch.eye(len(labels), dtype=torch.bool, device=labels.device)
-    return same & ~self_mask, ~same
-
-
-def _require_positives(positives: torch.Tensor, name: str) -> None:
+    positives = same & ~torch.eye(len(labels), dtype=torch.bool, device=labels.device)
     if not positives.any():
-        raise RetrievalError(f"{name}: the batch has no positive pair; sample at least two images per class (class-balanced batches)")
+        raise _no_positive_pair(name)
+    return F.normalize(embeddings.float(), dim=1), positives, ~same
 
 
 class InfoNCELoss(nn.Module):
@@ -74,14 +79,11 @@ class InfoNCELoss(nn.Module):
 
     def __init__(self, temperature: float = 0.07) -> None:
         super().__init__()
-        if temperature <= 0:
-            raise RetrievalError(f"temperature must be positive, got {temperature}")
+        _check_temperature(temperature)
         self.temperature = temperature
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, queue: torch.Tensor | None = None, queue_labels: torch.Tensor | None = None) -> torch.Tensor:
-        z = F.normalize(embeddings.float(), dim=1)
-        positives, negatives = _pairs(labels)
-        _require_positives(positives, "InfoNCELoss")
+        z, positives, negatives = _normalised_pairs(embeddings, labels, "InfoNCELoss")
         logits = z @ z.T / self.temperature
         negative_logits = logits.masked_fill(~negatives, float("-inf"))
         if queue is not None:
@@ -109,8 +111,7 @@ class NPairLoss(nn.Module):
 
     def __init__(self, l2_reg: float = 0.02, temperature: float = 1.0) -> None:
         super().__init__()
-        if temperature <= 0:
-            raise RetrievalError(f"temperature must be positive, got {temperature}")
+        _check_temperature(temperature)
         self.l2_reg = l2_reg
         self.temperature = temperature
 
@@ -124,7 +125,7 @@ class NPairLoss(nn.Module):
         has_pair = (starts + 1 < len(labels)) & (sorted_labels[(starts + 1).clamp(max=len(labels) - 1)] == sorted_labels[starts])
         starts = starts[has_pair]
         if len(starts) == 0:
-            raise RetrievalError("NPairLoss: the batch has no positive pair; sample at least two images per class (class-balanced batches)")
+            raise _no_positive_pair("NPairLoss")
         anchors, positives = x[order[starts]], x[order[starts + 1]]
         logits = anchors @ positives.T / self.temperature
         loss = F.cross_entropy(logits, torch.arange(len(starts), device=x.device))
@@ -147,16 +148,13 @@ class HCLLoss(nn.Module):
 
     def __init__(self, temperature: float = 0.5, beta: float = 1.0, tau_plus: float = 0.1) -> None:
         super().__init__()
-        if temperature <= 0:
-            raise RetrievalError(f"temperature must be positive, got {temperature}")
+        _check_temperature(temperature)
         if not 0 <= tau_plus < 1:
             raise RetrievalError(f"tau_plus must be in [0, 1), got {tau_plus}")
         self.temperature, self.beta, self.tau_plus = temperature, beta, tau_plus
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        z = F.normalize(embeddings.float(), dim=1)
-        positives, negatives = _pairs(labels)
-        _require_positives(positives, "HCLLoss")
+        z, positives, negatives = _normalised_pairs(embeddings, labels, "HCLLoss")
         t = self.temperature
         logits = z @ z.T / t
         count = negatives.sum(dim=1, keepdim=True).float()
@@ -191,16 +189,13 @@ class HardContrastiveLoss(nn.Module):
 
     def __init__(self, temperature: float = 0.2, threshold: float = 0.0, top_k: int | None = None) -> None:
         super().__init__()
-        if temperature <= 0:
-            raise RetrievalError(f"temperature must be positive, got {temperature}")
+        _check_temperature(temperature)
         if top_k is not None and top_k < 1:
             raise RetrievalError(f"top_k must be at least 1, got {top_k}")
         self.temperature, self.threshold, self.top_k = temperature, threshold, top_k
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        z = F.normalize(embeddings.float(), dim=1)
-        positives, negatives = _pairs(labels)
-        _require_positives(positives, "HardContrastiveLoss")
+        z, positives, negatives = _normalised_pairs(embeddings, labels, "HardContrastiveLoss")
         similarity = z @ z.T
         hard = negatives & (similarity >= self.threshold)
         if self.top_k is not None and self.top_k < len(labels):
