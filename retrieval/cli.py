@@ -17,7 +17,7 @@ from rich.table import Table
 from retrieval.data import Skipped, load_collection
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
-from retrieval.runs import RunDir, write_json
+from retrieval.runs import RunDir, read_json, write_json
 
 app = typer.Typer(
     name="retrieval",
@@ -47,6 +47,7 @@ def train(
     image_size: Annotated[int, typer.Option(help="Input size in pixels (square).")] = 64,
     embedding_dim: Annotated[Optional[int], typer.Option(help="Embedding dimension (default: the backbone's feature width, e.g. 512 for resnet18).")] = None,
     learning_rate: Annotated[float, typer.Option(help="Peak learning rate (AdamW, one-cycle schedule).")] = 3e-3,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run after its last finished epoch, with its own config.json.")] = False,
     val_classes: Annotated[float, typer.Option(help="Fraction of the classes held out to validate each epoch (recall@1, MAP@R); the best epoch is exported.")] = 0.0,
     patience: Annotated[int, typer.Option(help="Stop after this many epochs without a better validation MAP@R (0: never).")] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
@@ -57,24 +58,29 @@ def train(
     from training.config import TrainConfig
     from training.train import train as run_training
 
-    config = TrainConfig(
-        data=str(data.expanduser().resolve()),
-        loss=loss,
-        temperature=temperature,
-        epochs=epochs,
-        batch_size=batch_size,
-        images_per_class=images_per_class,
-        backbone=backbone,
-        pretrained=pretrained,
-        image_size=image_size,
-        embedding_dim=embedding_dim,
-        learning_rate=learning_rate,
-        val_classes=val_classes,
-        patience=patience,
-        device=device,
-        seed=seed,
-    )
-    result = run_training(config, RunDir(run))
+    if resume:
+        config = TrainConfig.from_dict(read_json(RunDir(run).config))
+        if Path(config.data) != data.expanduser().resolve():
+            raise RetrievalError(f"--resume continues {run} on its own data ({config.data}); give that path, not {data}")
+    else:
+        config = TrainConfig(
+            data=str(data.expanduser().resolve()),
+            loss=loss,
+            temperature=temperature,
+            epochs=epochs,
+            batch_size=batch_size,
+            images_per_class=images_per_class,
+            backbone=backbone,
+            pretrained=pretrained,
+            image_size=image_size,
+            embedding_dim=embedding_dim,
+            learning_rate=learning_rate,
+            val_classes=val_classes,
+            patience=patience,
+            device=device,
+            seed=seed,
+        )
+    result = run_training(config, RunDir(run), resume=resume)
     report_skipped(result.skipped, RunDir(run).root / "skipped.json")
     console.print(f"trained on {result.num_images} images of {result.num_classes} classes; final loss {result.final_loss:.4f}; checkpoint {RunDir(run).last_checkpoint}")
 

@@ -31,6 +31,10 @@ class RunDir:
         return self.checkpoints / "last.safetensors"
 
     @property
+    def trainer_state(self) -> Path:
+        return self.checkpoints / "trainer.safetensors"
+
+    @property
     def best_checkpoint(self) -> Path:
         return self.checkpoints / "best.safetensors"
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch.utils.data import DataLoader, Dataset
@@ -109,8 +110,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def train(config: TrainConfig, run: RunDir, progress: bool = True) -> TrainResult:
-    """Trains an encoder on config.data and writes config, log, skip report and checkpoint to run."""
+def train(config: TrainConfig, run: RunDir, progress: bool = True, resume: bool = False) -> TrainResult:
+    """Trains an encoder on config.data and writes config, log, skip report and checkpoints to run.
+
+    With resume, training continues after the last finished epoch of run (the model, optimizer,
+    schedule, random state and validation record come from checkpoints/trainer.safetensors), and
+    reaches the same weights as a run that was never interrupted.
+    """
     collection = load_collection(config.data)
     readable, skipped = readable_items(collection.items, progress)
     skipped = collection.skipped + skipped
@@ -130,8 +136,6 @@ def train(config: TrainConfig, run: RunDir, progress: bool = True) -> TrainResul
     run.root.mkdir(parents=True, exist_ok=True)
     write_json(run.config, config.to_dict())
     write_skip_report(run.root / "skipped.json", skipped)
-    run.train_log.unlink(missing_ok=True)
-    run.best_checkpoint.unlink(missing_ok=True)  # a best checkpoint of an earlier run would be taken for this one's
     validator = Validator(validation, config.preprocessing, device) if validation else None
     best_map, stale_epochs = -1.0, 0
 
@@ -142,8 +146,18 @@ def train(config: TrainConfig, run: RunDir, progress: bool = True) -> TrainResul
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, config.learning_rate, total_steps=config.epochs * len(sampler), pct_start=0.1)
     epoch_loss = float("nan")
-    step = 0
-    for epoch in range(config.epochs):
+    step = start_epoch = 0
+    if resume:
+        record = load_trainer_state(run.trainer_state, model, optimizer, schedule)
+        start_epoch, step, best_map, stale_epochs = record["epoch"], record["step"], record["best_map"], record["stale_epochs"]
+        lines = run.train_log.read_text(encoding="utf-8").splitlines()[:start_epoch] if run.train_log.is_file() else []
+        write_atomic(run.train_log, "".join(line + "\n" for line in lines).encode())
+        if progress:
+            tqdm.write(f"resuming {run.root} after epoch {start_epoch}")
+    else:
+        run.train_log.unlink(missing_ok=True)
+        run.best_checkpoint.unlink(missing_ok=True)  # a best checkpoint of an earlier run would be taken for this one's
+    for epoch in range(start_epoch, config.epochs):
         sampler.set_epoch(epoch)
         model.train()
         started, losses = time.perf_counter(), []
@@ -169,6 +183,8 @@ def train(config: TrainConfig, run: RunDir, progress: bool = True) -> TrainResul
                 stale_epochs += 1
         with run.train_log.open("a", encoding="utf-8") as log:
             log.write(json.dumps(entry) + "\n")
+        record = {"epoch": epoch + 1, "step": step, "best_map": best_map, "stale_epochs": stale_epochs}
+        save_trainer_state(run.trainer_state, model, optimizer, schedule, record)
         if progress:
             validated = f"  val recall@1 {entry['val_recall@1']:.3f} MAP@R {entry['val_map@r']:.3f}" if validator else ""
             tqdm.write(f"epoch {epoch + 1}/{config.epochs}  loss {epoch_loss:.4f}{validated}  ({entry['seconds']:.1f}s)")
@@ -184,6 +200,50 @@ def save_checkpoint(path: Path, model: torch.nn.Module, metadata: dict[str, str]
     """Writes the model's weights as safetensors, atomically."""
     state = {name: tensor.detach().cpu().contiguous() for name, tensor in model.state_dict().items()}
     write_atomic(path, save_safetensors(state, metadata=metadata))
+
+
+def save_trainer_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: object, record: dict) -> None:
+    """Writes everything a resumed run needs into one safetensors file, atomically.
+
+    Tensors: the model's weights, the optimizer's per-parameter state and the torch random state;
+    metadata (JSON): the epoch record, the optimizer's parameter groups and the schedule's state.
+    """
+    tensors = {f"model/{name}": tensor.detach().cpu().contiguous() for name, tensor in model.state_dict().items()}
+    optimizer_state = optimizer.state_dict()
+    for index, values in optimizer_state["state"].items():
+        for name, value in values.items():
+            tensors[f"optimizer/{index}/{name}"] = torch.as_tensor(value).detach().cpu().contiguous()
+    tensors["rng/torch"] = torch.get_rng_state()
+    metadata = {
+        "record": json.dumps(record),
+        "param_groups": json.dumps(optimizer_state["param_groups"]),
+        "schedule": json.dumps(schedule.state_dict()),  # type: ignore[attr-defined]
+    }
+    write_atomic(path, save_safetensors(tensors, metadata=metadata))
+
+
+def load_trainer_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: object) -> dict:
+    """Restores what save_trainer_state wrote and returns the epoch record."""
+    if not path.is_file():
+        raise RetrievalError(f"{path}: nothing to resume (no trainer state); start the run without --resume")
+    try:
+        with safe_open(str(path), "pt") as handle:
+            metadata = handle.metadata()
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+        model.load_state_dict({name.removeprefix("model/"): t for name, t in tensors.items() if name.startswith("model/")})
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for name, tensor in tensors.items():
+            if name.startswith("optimizer/"):
+                _, index, key = name.split("/", 2)
+                state.setdefault(int(index), {})[key] = tensor
+        optimizer.load_state_dict({"state": state, "param_groups": json.loads(metadata["param_groups"])})
+        schedule.load_state_dict(json.loads(metadata["schedule"]))  # type: ignore[attr-defined]
+        torch.set_rng_state(tensors["rng/torch"])
+        return json.loads(metadata["record"])
+    except RetrievalError:
+        raise
+    except Exception as error:  # safetensors, torch and json raise several untyped errors for a damaged file
+        raise RetrievalError(f"{path}: cannot resume from it ({str(error).splitlines()[0]}); start the run again without --resume") from None
 
 
 def load_encoder(run: RunDir) -> tuple[Encoder, TrainConfig]:
