@@ -43,7 +43,7 @@ class Embedder(Protocol):
 
     def embed(self, images: Sequence[Image.Image]) -> np.ndarray:
         """Returns float32 [N, dim] with unit-norm rows."""
-        ...
+        return self.embed_prepared(self.prepare(images))
 
 
 def l2_normalise(vectors: np.ndarray) -> np.ndarray:
@@ -53,7 +53,7 @@ def l2_normalise(vectors: np.ndarray) -> np.ndarray:
     return vectors / np.maximum(norms, 1e-12)
 
 
-class OnnxEmbedder:
+class OnnxEmbedder(Embedder):
     """Runs an exported encoder (model.onnx + model.json) with ONNX Runtime, on CUDA when available."""
 
     def __init__(self, model_path: Path, card: dict, threads: int | None = None) -> None:
@@ -94,11 +94,8 @@ class OnnxEmbedder:
         (output,) = self.session.run(None, {self.input_name: batch})
         return l2_normalise(output)
 
-    def embed(self, images: Sequence[Image.Image]) -> np.ndarray:
-        return self.embed_prepared(self.prepare(images))
 
-
-class PixelEmbedder:
+class PixelEmbedder(Embedder):
     """The raw-pixel baseline: each image shrunk to size x size grayscale and flattened, compared by cosine."""
 
     def __init__(self, size: int = 16) -> None:
@@ -113,9 +110,6 @@ class PixelEmbedder:
 
     def embed_prepared(self, batch: np.ndarray) -> np.ndarray:
         return l2_normalise(batch)
-
-    def embed(self, images: Sequence[Image.Image]) -> np.ndarray:
-        return self.embed_prepared(self.prepare(images))
 
 
 @dataclass

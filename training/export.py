@@ -60,7 +60,7 @@ class Parity:
 def export(run: RunDir, parity_images: Sequence[Path] = (), float16: bool = False) -> Parity:
     """Exports RUN's encoder to RUN/model.onnx + RUN/model.json after a parity check against PyTorch.
 
-    The check runs random inputs at batch sizes 1, 2, 7 and 64 plus real images (parity_images, or
+    The check runs random inputs at batch sizes 1, 2, 7, 64 and 256 plus real images (parity_images, or
     the training data listed in config.json when it is still there): float32 must agree within
     max |Δ| 1e-4 and cosine 0.9999 with identical top-10 neighbours among those images; float16
     (for GPUs: float32 inputs and outputs, normalisations in float32) within cosine 0.999. A failed
@@ -76,7 +76,8 @@ def export(run: RunDir, parity_images: Sequence[Path] = (), float16: bool = Fals
         if float16:
             _convert_to_float16(candidate)
         onnx.checker.check_model(str(candidate), full_check=True)
-        digest = hashlib.sha256(candidate.read_bytes()).hexdigest()
+        model_bytes = candidate.read_bytes()
+        digest = hashlib.sha256(model_bytes).hexdigest()
         card = {
             "format": "onnx",
             "opset": OPSET,
@@ -105,7 +106,7 @@ def export(run: RunDir, parity_images: Sequence[Path] = (), float16: bool = Fals
             "same_top10_neighbours": parity.same_neighbours,
             "batch_sizes": [len(x) for x in inputs],
         }
-        write_atomic(run.model, candidate.read_bytes())
+        write_atomic(run.model, model_bytes)
     write_json(run.model_card, card)
     return parity
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -129,9 +128,7 @@ def train(config: TrainConfig, run: RunDir, progress: bool = True, resume: bool 
         total = len({item.label for item in readable})
         raise RetrievalError(f"--val-classes {config.val_classes} holds out fewer than two of the {total} classes; raise it or use 0")
     device = resolve_device(config.device)
-    random.seed(config.seed)
-    np.random.seed(config.seed)
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.seed)  # the only global generator used: augmentation; sampler and split seed their own
 
     run.root.mkdir(parents=True, exist_ok=True)
     write_json(run.config, config.to_dict())
@@ -196,10 +193,13 @@ def train(config: TrainConfig, run: RunDir, progress: bool = True, resume: bool 
     return TrainResult(run, len(items), len(classes), skipped, epoch_loss)
 
 
+def _weights(model: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    return {f"{prefix}{name}": tensor.detach().cpu().contiguous() for name, tensor in model.state_dict().items()}
+
+
 def save_checkpoint(path: Path, model: torch.nn.Module, metadata: dict[str, str]) -> None:
     """Writes the model's weights as safetensors, atomically."""
-    state = {name: tensor.detach().cpu().contiguous() for name, tensor in model.state_dict().items()}
-    write_atomic(path, save_safetensors(state, metadata=metadata))
+    write_atomic(path, save_safetensors(_weights(model), metadata=metadata))
 
 
 def save_trainer_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: object, record: dict) -> None:
@@ -208,7 +208,7 @@ def save_trainer_state(path: Path, model: torch.nn.Module, optimizer: torch.opti
     Tensors: the model's weights, the optimizer's per-parameter state and the torch random state;
     metadata (JSON): the epoch record, the optimizer's parameter groups and the schedule's state.
     """
-    tensors = {f"model/{name}": tensor.detach().cpu().contiguous() for name, tensor in model.state_dict().items()}
+    tensors = _weights(model, prefix="model/")
     optimizer_state = optimizer.state_dict()
     for index, values in optimizer_state["state"].items():
         for name, value in values.items():
@@ -247,7 +247,7 @@ def load_trainer_state(path: Path, model: torch.nn.Module, optimizer: torch.opti
 
 
 def load_encoder(run: RunDir) -> tuple[Encoder, TrainConfig]:
-    """Rebuilds the run's encoder from config.json and its last checkpoint (no unpickling)."""
+    """Rebuilds the run's encoder from config.json and its best (else last) checkpoint (no unpickling)."""
     checkpoint = run.require_checkpoint()
     config = TrainConfig.from_dict(read_json(run.config))
     model = Encoder(config.backbone, config.embedding_dim)
