@@ -9,6 +9,11 @@ from retrieval.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 from training.losses import DEFAULT_TEMPERATURES
 
 
+OPTIMIZERS = ("adamw", "sgd")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+QUEUE_LOSSES = ("supcon", "infonce")
+
+
 @dataclass
 class TrainConfig:
     """Everything that decides a training run (written to RUN/config.json)."""
@@ -25,6 +30,15 @@ class TrainConfig:
     embedding_dim: int | None = None  # None: the backbone's feature width
     learning_rate: float = 3e-3
     weight_decay: float = 1e-4
+    optimizer: str = "adamw"  # adamw, or sgd (momentum 0.9, Nesterov)
+    warmup: float = 0.1  # fraction of the steps with a linear warm-up, before the cosine decay to 0
+    clip_grad: float = 0.0  # maximum gradient norm (0: no clipping)
+    precision: str = "auto"  # fp32, bf16 or fp16 autocast; auto: bf16 on a GPU that has it, else fp32
+    compile: bool = False  # torch.compile the encoder
+    queue_size: int = 0  # keys of earlier batches kept as extra contrast (MoCo memory; 0: none)
+    momentum: float = 0.999  # momentum of the key encoder that fills the queue
+    checkpoint_every: int = 0  # also save the trainer state every this many steps (0: after each epoch only)
+    tensorboard: bool = False  # also log to RUN/tensorboard
     val_classes: float = 0.0  # fraction of the classes held out to validate each epoch (0: none)
     patience: int = 0  # epochs without a better validation MAP@R before stopping early (0: never)
     device: str = "auto"
@@ -41,6 +55,18 @@ class TrainConfig:
                 raise RetrievalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.image_size < 32:
             raise RetrievalError(f"--image-size must be at least 32 pixels, got {self.image_size}")
+        if self.optimizer not in OPTIMIZERS:
+            raise RetrievalError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.precision not in PRECISIONS:
+            raise RetrievalError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if not 0 <= self.warmup < 1:
+            raise RetrievalError(f"--warmup is a fraction of the training steps in [0, 1), got {self.warmup}")
+        if self.clip_grad < 0 or self.queue_size < 0 or self.checkpoint_every < 0:
+            raise RetrievalError("--clip-grad, --queue-size and --checkpoint-every must not be negative")
+        if self.queue_size and self.loss not in QUEUE_LOSSES:
+            raise RetrievalError(f"--queue-size works with the {' and '.join(QUEUE_LOSSES)} losses, not {self.loss!r}")
+        if not 0 <= self.momentum < 1:
+            raise RetrievalError(f"--momentum must be in [0, 1), got {self.momentum}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise RetrievalError(f"--device must be auto, cpu or cuda, got {self.device!r}")
 

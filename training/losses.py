@@ -19,6 +19,8 @@ class SupConLoss(nn.Module):
         L = mean_i  -1/|P(i)| * sum_{p in P(i)} log( exp(z_i.z_p / t) / sum_{a in A(i)} exp(z_i.z_a / t) )
 
     Embeddings are L2-normalised here; several views of an image are simply rows sharing its label.
+    With `queue` and `queue_labels` (keys of earlier batches from a momentum encoder, as in MoCo),
+    the keys join A(i), and those sharing i's label join P(i); the anchors stay the batch's rows.
     Anchors without a positive are left out of the mean; a batch with no positive pair at all raises
     RetrievalError rather than returning 0. Computed in log space with the row maximum removed.
 
@@ -30,21 +32,34 @@ class SupConLoss(nn.Module):
         _check_temperature(temperature)
         self.temperature = temperature
 
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, queue: torch.Tensor | None = None, queue_labels: torch.Tensor | None = None) -> torch.Tensor:
         z = F.normalize(embeddings.float(), dim=1)
-        _, codes = torch.unique(labels, return_inverse=True)
-        counts = torch.bincount(codes)[codes] - 1  # positives of each anchor
+        keys, key_labels = _queue_keys(queue, queue_labels, z, "SupConLoss")
+        all_labels = torch.cat([labels, key_labels]) if len(keys) else labels
+        _, codes = torch.unique(all_labels, return_inverse=True)
+        # mean over positives of log p(p | i) = (sum_p s_ip / t) / |P(i)| - logsumexp_{a != i} s_ia / t, and
+        # sum_p z_i.z_p = z_i.(sum of i's class over batch and queue - z_i): no N x N mask is ever built
+        members = torch.cat([z, keys]) if len(keys) else z
+        class_sums = torch.zeros(int(codes.max()) + 1, z.shape[1], dtype=z.dtype, device=z.device).index_add(0, codes, members)
+        counts = torch.bincount(codes)[codes[: len(labels)]] - 1  # positives of each anchor
+        codes = codes[: len(labels)]
         anchors = counts > 0
         if not anchors.any():
             raise _no_positive_pair("SupConLoss")
-        # mean over positives of log p(p | i) = (sum_p s_ip / t) / |P(i)| - logsumexp_{a != i} s_ia / t,
-        # and sum_p z_i.z_p = z_i.(sum of i's class - z_i): no N x N mask is ever built
-        class_sums = torch.zeros(int(codes.max()) + 1, z.shape[1], dtype=z.dtype, device=z.device).index_add(0, codes, z)
         positive_logits = ((class_sums[codes] - z) * z).sum(dim=1) / self.temperature
-        logits = (z / self.temperature) @ z.T  # scaling the rows, not the N x N product, saves a pass
-        logits.fill_diagonal_(float("-inf"))  # self-contrast excluded from the denominator
+        logits = (z / self.temperature) @ members.T  # scaling the rows, not the N x M product, saves a pass
+        logits[:, : len(z)].fill_diagonal_(float("-inf"))  # self-contrast excluded from the denominator
         log_denominator = torch.logsumexp(logits, dim=1)
         return -(positive_logits[anchors] / counts[anchors] - log_denominator[anchors]).mean()
+
+
+def _queue_keys(queue: torch.Tensor | None, queue_labels: torch.Tensor | None, z: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns the unit queue keys and their labels (empty when there is no queue)."""
+    if queue is None:
+        return z.new_zeros(0, z.shape[1]), torch.zeros(0, dtype=torch.long, device=z.device)
+    if queue_labels is None or len(queue_labels) != len(queue):
+        raise RetrievalError(f"{name}: a queue needs one label per key (queue_labels)")
+    return F.normalize(queue.detach().float(), dim=1), queue_labels
 
 
 def _check_temperature(temperature: float) -> None:
@@ -86,11 +101,9 @@ class InfoNCELoss(nn.Module):
         z, positives, negatives = _normalised_pairs(embeddings, labels, "InfoNCELoss")
         logits = z @ z.T / self.temperature
         negative_logits = logits.masked_fill(~negatives, float("-inf"))
-        if queue is not None:
-            if queue_labels is None:
-                raise RetrievalError("InfoNCELoss: a queue needs its labels (queue_labels)")
-            keys = F.normalize(queue.float(), dim=1)
-            queue_logits = (z @ keys.T / self.temperature).masked_fill(labels[:, None] == queue_labels[None, :], float("-inf"))
+        keys, key_labels = _queue_keys(queue, queue_labels, z, "InfoNCELoss")
+        if len(keys):
+            queue_logits = (z @ keys.T / self.temperature).masked_fill(labels[:, None] == key_labels[None, :], float("-inf"))
             negative_logits = torch.cat([negative_logits, queue_logits], dim=1)
         log_negatives = torch.logsumexp(negative_logits, dim=1, keepdim=True)  # -inf where an anchor has none
         log_denominator = torch.logaddexp(logits, log_negatives)

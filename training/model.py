@@ -1,4 +1,4 @@
-"""The encoder: a torchvision backbone, a projection head and L2 normalisation."""
+"""The encoder: a torchvision (or timm) backbone, a projection head and L2 normalisation."""
 
 from __future__ import annotations
 
@@ -8,9 +8,19 @@ from torch import nn
 from torch.nn import functional as F
 
 from retrieval.errors import RetrievalError
+from retrieval.extras import require
 
-BACKBONES = ("resnet18", "resnet34", "resnet50", "mobilenet_v3_small", "mobilenet_v3_large", "efficientnet_b0")
-
+BACKBONES = (
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "mobilenet_v3_small",
+    "mobilenet_v3_large",
+    "efficientnet_b0",
+    "convnext_tiny",
+    "vit_b_16",
+)
+TIMM_PREFIX = "timm:"  # "timm:<model name>" builds the model with timm.create_model
 
 PROJECTION_DIM = 128
 
@@ -24,9 +34,9 @@ class Encoder(nn.Module):
     classes never seen in training.
     """
 
-    def __init__(self, backbone: str = "resnet18", embedding_dim: int | None = None, pretrained: bool = False) -> None:
+    def __init__(self, backbone: str = "resnet18", embedding_dim: int | None = None, pretrained: bool = False, image_size: int = 224) -> None:
         super().__init__()
-        self.backbone, width = make_backbone(backbone, pretrained)
+        self.backbone, width = make_backbone(backbone, pretrained, image_size)
         self.embedding_dim = embedding_dim or width
         self.embedding = nn.Identity() if self.embedding_dim == width else nn.Linear(width, self.embedding_dim)
         self.projection = nn.Sequential(
@@ -42,22 +52,49 @@ class Encoder(nn.Module):
         return self.projection(self.embedding(self.backbone(images)))
 
 
-def make_backbone(name: str, pretrained: bool) -> tuple[nn.Module, int]:
-    """Returns a torchvision classifier with its classification layer removed, and its feature width.
+def make_backbone(name: str, pretrained: bool, image_size: int = 224) -> tuple[nn.Module, int]:
+    """Returns a backbone that maps images to pooled features, and its feature width.
 
-    pretrained=True loads ImageNet weights through torchvision (needs a network the first time).
+    name is a torchvision classifier (its classification layer removed) or "timm:<model>" (timm
+    installed, built with num_classes=0). pretrained=True loads ImageNet weights through the
+    library's own loading code, which needs a network the first time.
     """
+    if name.startswith(TIMM_PREFIX):
+        return _timm_backbone(name.removeprefix(TIMM_PREFIX), pretrained)
     if name not in BACKBONES:
-        raise RetrievalError(f"unknown backbone {name!r}; choose one of {', '.join(BACKBONES)}")
-    weights = "DEFAULT" if pretrained else None
+        raise RetrievalError(f"unknown backbone {name!r}; choose one of {', '.join(BACKBONES)}, or timm:<model> with timm installed")
+    options: dict = {}
+    if name.startswith("vit_"):
+        if image_size % 16:
+            raise RetrievalError(f"{name} cuts images into 16-pixel patches; --image-size must be a multiple of 16, got {image_size}")
+        if pretrained and image_size != 224:
+            raise RetrievalError(f"{name}'s pretrained weights are for 224-pixel images; use --image-size 224 or train without --pretrained")
+        options["image_size"] = image_size
     try:
-        model = torchvision.models.get_model(name, weights=weights)
+        model = torchvision.models.get_model(name, weights="DEFAULT" if pretrained else None, **options)
     except (OSError, RuntimeError) as error:  # urllib errors are OSErrors
         raise RetrievalError(f"cannot load pretrained weights for {name} ({error}); check the network or train without --pretrained") from None
     if name.startswith("resnet"):
         width = model.fc.in_features
         model.fc = nn.Identity()
-    else:  # mobilenet and efficientnet end in a `classifier` Sequential
+    elif name.startswith("vit_"):
+        width = model.hidden_dim
+        model.heads = nn.Identity()
+    elif name.startswith("convnext"):  # classifier = LayerNorm2d, Flatten, Linear: keep the norm
+        width = model.classifier[-1].in_features
+        model.classifier[-1] = nn.Identity()
+    else:  # mobilenet and efficientnet end in a `classifier` Sequential of dropout and linear layers
         width = next(m for m in model.classifier.modules() if isinstance(m, nn.Linear)).in_features
         model.classifier = nn.Identity()
     return model, width
+
+
+def _timm_backbone(name: str, pretrained: bool) -> tuple[nn.Module, int]:
+    timm = require("timm", "timm")
+    if not timm.list_models(name):
+        raise RetrievalError(f"timm has no model {name!r}; see timm.list_models() for the names")
+    try:
+        model = timm.create_model(name, pretrained=pretrained, num_classes=0)
+    except Exception as error:  # timm and huggingface_hub raise many error types when weights cannot be fetched
+        raise RetrievalError(f"cannot build timm model {name!r} ({str(error).splitlines()[0]}); check the network or train without --pretrained") from None
+    return model, model.num_features

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,18 +16,23 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 from tqdm import tqdm
 
 from retrieval.data import Item, Skipped, load_collection, load_image, split_by_class, write_skip_report
 from retrieval.errors import ImageError, RetrievalError
-from retrieval.metrics import retrieval_metrics
+from retrieval.extras import require
+from retrieval.metrics import embedding_diagnostics, retrieval_metrics
 from retrieval.plots import plot_training_log
 from retrieval.preprocess import Preprocessing
 from retrieval.runs import RunDir, read_json, write_atomic, write_json
+from training import distributed
 from training.config import TrainConfig
 from training.losses import make_loss
+from training.memory import MemoryQueue
 from training.model import Encoder
 from training.samplers import ClassBalancedBatchSampler
 
@@ -85,7 +92,7 @@ def readable_items(items: Sequence[Item], progress: bool = True) -> tuple[list[I
 
 
 class Validator:
-    """Leave-one-out recall@1 and MAP@R of the model on held-out classes (images decoded once)."""
+    """Leave-one-out recall@1 and MAP@R, alignment, uniformity and tolerance on held-out classes."""
 
     def __init__(self, items: Sequence[Item], preprocessing: Preprocessing, device: torch.device) -> None:
         self.labels = [item.label for item in items]
@@ -95,27 +102,66 @@ class Validator:
     def __call__(self, model: Encoder) -> dict:
         model.eval()
         with torch.no_grad():
-            vectors = torch.cat([model(self.images[i : i + 256].to(self.device)).cpu() for i in range(0, len(self.images), 256)])
+            vectors = torch.cat([model(self.images[i : i + 256].to(self.device)).float().cpu() for i in range(0, len(self.images), 256)])
         model.train()
-        return retrieval_metrics(vectors.numpy(), self.labels, ks=(1,))
+        scores = retrieval_metrics(vectors.numpy(), self.labels, ks=(1,))
+        return {**scores, **embedding_diagnostics(vectors.numpy(), self.labels)}
 
 
-def resolve_device(name: str) -> torch.device:
-    """Returns the torch device for auto|cpu|cuda, refusing cuda where there is none."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RetrievalError(f"--device {name}: no CUDA device is available here; use --device cpu or auto")
-    return torch.device(name)
+class _Projected(nn.Module):
+    """The encoder as the loss sees it (its projection head's output), for DDP and torch.compile to wrap."""
+
+    def __init__(self, encoder: Encoder) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.encoder.project(images)
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of --precision (None: float32); auto is bf16 on a GPU that has it."""
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW, or SGD with Nesterov momentum 0.9, at the config's learning rate and weight decay."""
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=0.9, nesterov=True, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """A linear warm-up over the first `warmup` fraction of the steps, then a cosine decay to 0."""
+    warm = round(warmup * total_steps)
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total_steps - warm))))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def train(config: TrainConfig, run: RunDir, progress: bool = True, resume: bool = False) -> TrainResult:
     """Trains an encoder on config.data and writes config, log, skip report and checkpoints to run.
 
-    With resume, training continues after the last finished epoch of run (the model, optimizer,
-    schedule, random state and validation record come from checkpoints/trainer.safetensors), and
-    reaches the same weights as a run that was never interrupted.
+    With resume, training continues from the last saved trainer state of run (the model, optimizer,
+    schedule, memory queue, random state and validation record of checkpoints/trainer.safetensors,
+    written after each epoch and every config.checkpoint_every steps), and reaches the same weights
+    as a run that was never interrupted. Under torchrun, each process trains on its own batches and
+    the loss sees the batches of all of them; process 0 validates and writes the run directory.
     """
+    ranks, device = distributed.start(config.device)
+    try:
+        return _train(config, run, progress and ranks.is_main, resume, ranks, device)
+    finally:
+        distributed.stop()
+
+
+def _train(config: TrainConfig, run: RunDir, progress: bool, resume: bool, ranks: distributed.Ranks, device: torch.device) -> TrainResult:
     collection = load_collection(config.data)
     readable, skipped = readable_items(collection.items, progress)
     skipped = collection.skipped + skipped
@@ -127,70 +173,129 @@ def train(config: TrainConfig, run: RunDir, progress: bool = True, resume: bool 
     if config.val_classes > 0 and len({item.label for item in validation}) < 2:
         total = len({item.label for item in readable})
         raise RetrievalError(f"--val-classes {config.val_classes} holds out fewer than two of the {total} classes; raise it or use 0")
-    device = resolve_device(config.device)
-    torch.manual_seed(config.seed)  # the only global generator used: augmentation; sampler and split seed their own
+    torch.manual_seed(config.seed + ranks.rank)  # the only global generator used: augmentation; sampler and split seed their own
 
-    run.root.mkdir(parents=True, exist_ok=True)
-    write_json(run.config, config.to_dict())
-    write_skip_report(run.root / "skipped.json", skipped)
-    validator = Validator(validation, config.preprocessing, device) if validation else None
-    best_map, stale_epochs = -1.0, 0
+    if ranks.is_main:
+        run.root.mkdir(parents=True, exist_ok=True)
+        write_json(run.config, config.to_dict())
+        write_skip_report(run.root / "skipped.json", skipped)
+    validator = Validator(validation, config.preprocessing, device) if validation and ranks.is_main else None
+    cuda = device.type == "cuda"
+    memory_format = torch.channels_last if cuda else torch.contiguous_format
 
-    model = Encoder(config.backbone, config.embedding_dim, config.pretrained).to(device)
+    model = Encoder(config.backbone, config.embedding_dim, config.pretrained, config.image_size).to(device, memory_format=memory_format)
+    queue = MemoryQueue(model, config.queue_size, config.momentum) if config.queue_size else None
     loss_fn = make_loss(config.loss, config.temperature)
-    sampler = ClassBalancedBatchSampler([item.label for item in items], config.batch_size, config.images_per_class, config.seed)
-    loader = DataLoader(AugmentedImages(items, classes, config.preprocessing), batch_sampler=sampler, num_workers=config.workers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, config.learning_rate, total_steps=config.epochs * len(sampler), pct_start=0.1)
-    epoch_loss = float("nan")
-    step = start_epoch = 0
+    sampler = ClassBalancedBatchSampler([item.label for item in items], config.batch_size, config.images_per_class, config.seed, ranks.rank, ranks.world_size)
+    # its own generator: starting an epoch's iterator must not draw from the augmentation's, or a run resumed mid-epoch would diverge
+    generator = torch.Generator().manual_seed(config.seed)
+    loader = DataLoader(AugmentedImages(items, classes, config.preprocessing), batch_sampler=sampler, num_workers=config.workers, pin_memory=cuda, generator=generator)
+    optimizer = make_optimizer(config, model)
+    schedule = warmup_cosine(optimizer, config.epochs * len(sampler), config.warmup)
+    dtype = autocast_dtype(config.precision, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
+    forward: nn.Module = _Projected(model)
+    if ranks.world_size > 1:
+        forward = DistributedDataParallel(forward, device_ids=[device.index] if cuda else None)
+    if config.compile:
+        forward = torch.compile(forward)
+    state = TrainerState(run.trainer_state, model, optimizer, schedule, scaler, queue, ranks)
+    record = {"epoch": 0, "batch": 0, "step": 0, "losses": [], "best_map": -1.0, "stale_epochs": 0}
     if resume:
-        record = load_trainer_state(run.trainer_state, model, optimizer, schedule)
-        start_epoch, step, best_map, stale_epochs = record["epoch"], record["step"], record["best_map"], record["stale_epochs"]
-        lines = run.train_log.read_text(encoding="utf-8").splitlines()[:start_epoch] if run.train_log.is_file() else []
-        write_atomic(run.train_log, "".join(line + "\n" for line in lines).encode())
+        record = state.load()
+        if ranks.is_main:
+            lines = run.train_log.read_text(encoding="utf-8").splitlines()[: record["epoch"]] if run.train_log.is_file() else []
+            write_atomic(run.train_log, "".join(line + "\n" for line in lines).encode())
         if progress:
-            tqdm.write(f"resuming {run.root} after epoch {start_epoch}")
-    else:
+            tqdm.write(f"resuming {run.root} at epoch {record['epoch'] + 1}, batch {record['batch']}")
+    elif ranks.is_main:
         run.train_log.unlink(missing_ok=True)
         run.best_checkpoint.unlink(missing_ok=True)  # a best checkpoint of an earlier run would be taken for this one's
-    for epoch in range(start_epoch, config.epochs):
-        sampler.set_epoch(epoch)
+    board = _tensorboard(run) if config.tensorboard and ranks.is_main else None
+    epoch_loss = float("nan")
+    for epoch in range(record["epoch"], config.epochs):
+        sampler.set_epoch(epoch, skip=record["batch"])
         model.train()
-        started, losses = time.perf_counter(), []
-        for images, labels in tqdm(loader, desc=f"epoch {epoch + 1}/{config.epochs}", unit="batch", disable=not progress, leave=False):
-            loss = loss_fn(model.project(images.to(device)), labels.to(device))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            losses.append(loss.item())
-            step += 1
-        epoch_loss = float(np.mean(losses))
-        entry = {"epoch": epoch + 1, "step": step, "loss": epoch_loss, "lr": schedule.get_last_lr()[0], "seconds": round(time.perf_counter() - started, 2)}
-        metadata = {"epoch": str(epoch + 1), "step": str(step)}
-        save_checkpoint(run.last_checkpoint, model, metadata)
-        if validator is not None:
-            scores = validator(model)
-            entry.update({"val_recall@1": scores["recall@1"], "val_map@r": scores["map@r"]})
-            if scores["map@r"] > best_map:
-                best_map, stale_epochs = scores["map@r"], 0
-                save_checkpoint(run.best_checkpoint, model, metadata)
+        started, seen = time.perf_counter(), 0
+        bar = tqdm(loader, desc=f"epoch {epoch + 1}/{config.epochs}", unit="batch", disable=not progress, leave=False)
+        for images, labels in bar:
+            images = images.to(device, memory_format=memory_format, non_blocking=True)
+            labels = distributed.gather_rows(labels.to(device, non_blocking=True))
+            with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
+                queries = forward(images)
+                keys = queue.encode(images) if queue else None
+            queries = distributed.gather_rows(queries.float())
+            if queue is not None:
+                loss = loss_fn(queries, labels, *queue.contents())
+                queue.push(distributed.gather_rows(keys), labels)
             else:
-                stale_epochs += 1
-        with run.train_log.open("a", encoding="utf-8") as log:
-            log.write(json.dumps(entry) + "\n")
-        record = {"epoch": epoch + 1, "step": step, "best_map": best_map, "stale_epochs": stale_epochs}
-        save_trainer_state(run.trainer_state, model, optimizer, schedule, record)
+                loss = loss_fn(queries, labels)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            if config.clip_grad:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad)
+            scaler.step(optimizer)
+            scaler.update()
+            schedule.step()
+            if queue is not None:
+                queue.follow(model)
+            record["losses"].append(loss.item())
+            record["step"] += 1
+            record["batch"] += 1
+            seen += len(labels)
+            rate = seen / (time.perf_counter() - started)
+            bar.set_postfix(loss=f"{record['losses'][-1]:.4f}", lr=f"{schedule.get_last_lr()[0]:.2e}", img_s=f"{rate:.0f}")
+            if board is not None:
+                board.add_scalar("train/loss", record["losses"][-1], record["step"])
+                board.add_scalar("train/lr", schedule.get_last_lr()[0], record["step"])
+            if config.checkpoint_every and record["step"] % config.checkpoint_every == 0 and record["batch"] < sampler.num_batches:
+                state.save(record)
+        epoch_loss = float(np.mean(record["losses"]))
+        seconds = time.perf_counter() - started
+        entry = {"epoch": epoch + 1, "step": record["step"], "loss": epoch_loss, "lr": schedule.get_last_lr()[0], "seconds": round(seconds, 2), "images_per_second": round(seen / seconds, 1)}
+        record.update(epoch=epoch + 1, batch=0, losses=[])
+        if ranks.is_main:
+            metadata = {"epoch": str(epoch + 1), "step": str(record["step"])}
+            save_checkpoint(run.last_checkpoint, model, metadata)
+            if validator is not None:
+                scores = validator(model)
+                entry.update({f"val_{name}": value for name, value in scores.items() if name in VALIDATION_KEYS})
+                if scores["map@r"] > record["best_map"]:
+                    record.update(best_map=scores["map@r"], stale_epochs=0)
+                    save_checkpoint(run.best_checkpoint, model, metadata)
+                else:
+                    record["stale_epochs"] += 1
+            with run.train_log.open("a", encoding="utf-8") as log:
+                log.write(json.dumps(entry) + "\n")
+            if board is not None:
+                for name, value in entry.items():
+                    if name.startswith("val_"):
+                        board.add_scalar(f"val/{name.removeprefix('val_')}", value, epoch + 1)
+        record = distributed.broadcast_object(record)  # the validation record is process 0's
+        state.save(record)
         if progress:
             validated = f"  val recall@1 {entry['val_recall@1']:.3f} MAP@R {entry['val_map@r']:.3f}" if validator else ""
-            tqdm.write(f"epoch {epoch + 1}/{config.epochs}  loss {epoch_loss:.4f}{validated}  ({entry['seconds']:.1f}s)")
-        if config.patience and stale_epochs >= config.patience:
+            tqdm.write(f"epoch {epoch + 1}/{config.epochs}  loss {epoch_loss:.4f}{validated}  ({seconds:.1f}s, {entry['images_per_second']:.0f} img/s)")
+        if config.patience and record["stale_epochs"] >= config.patience:
             if progress:
-                tqdm.write(f"stopping early: validation MAP@R has not improved for {stale_epochs} epochs (best {best_map:.3f})")
+                tqdm.write(f"stopping early: validation MAP@R has not improved for {record['stale_epochs']} epochs (best {record['best_map']:.3f})")
             break
-    plot_training_log(run.train_log, run.loss_plot)
+    if board is not None:
+        board.close()
+    if ranks.is_main:
+        plot_training_log(run.train_log, run.loss_plot)
     return TrainResult(run, len(items), len(classes), skipped, epoch_loss)
+
+
+VALIDATION_KEYS = ("recall@1", "map@r", "alignment", "uniformity", "tolerance")
+
+
+def _tensorboard(run: RunDir) -> object:
+    require("tensorboard", "tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(run.root / "tensorboard"))
 
 
 def _weights(model: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -202,55 +307,87 @@ def save_checkpoint(path: Path, model: torch.nn.Module, metadata: dict[str, str]
     write_atomic(path, save_safetensors(_weights(model), metadata=metadata))
 
 
-def save_trainer_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: object, record: dict) -> None:
-    """Writes everything a resumed run needs into one safetensors file, atomically.
+class TrainerState:
+    """Everything a resumed run needs, in one safetensors file written atomically by process 0.
 
-    Tensors: the model's weights, the optimizer's per-parameter state and the torch random state;
-    metadata (JSON): the epoch record, the optimizer's parameter groups and the schedule's state.
+    Tensors: the model's weights, the optimizer's per-parameter state, the memory queue and its key
+    encoder, and every process's torch random state; metadata (JSON): the progress record, the
+    optimizer's parameter groups and the schedule's, loss scaler's and queue's counters.
     """
-    tensors = _weights(model, prefix="model/")
-    optimizer_state = optimizer.state_dict()
-    for index, values in optimizer_state["state"].items():
-        for name, value in values.items():
-            tensors[f"optimizer/{index}/{name}"] = torch.as_tensor(value).detach().cpu().contiguous()
-    tensors["rng/torch"] = torch.get_rng_state()
-    metadata = {
-        "record": json.dumps(record),
-        "param_groups": json.dumps(optimizer_state["param_groups"]),
-        "schedule": json.dumps(schedule.state_dict()),  # type: ignore[attr-defined]
-    }
-    write_atomic(path, save_safetensors(tensors, metadata=metadata))
 
+    def __init__(
+        self,
+        path: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        schedule: torch.optim.lr_scheduler.LRScheduler,
+        scaler: torch.amp.GradScaler,
+        queue: MemoryQueue | None,
+        ranks: distributed.Ranks,
+    ) -> None:
+        self.path, self.model, self.optimizer, self.schedule, self.scaler, self.queue, self.ranks = path, model, optimizer, schedule, scaler, queue, ranks
 
-def load_trainer_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: object) -> dict:
-    """Restores what save_trainer_state wrote and returns the epoch record."""
-    if not path.is_file():
-        raise RetrievalError(f"{path}: nothing to resume (no trainer state); start the run without --resume")
-    try:
-        with safe_open(str(path), "pt") as handle:
-            metadata = handle.metadata()
-            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-        model.load_state_dict({name.removeprefix("model/"): t for name, t in tensors.items() if name.startswith("model/")})
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for name, tensor in tensors.items():
-            if name.startswith("optimizer/"):
-                _, index, key = name.split("/", 2)
-                state.setdefault(int(index), {})[key] = tensor
-        optimizer.load_state_dict({"state": state, "param_groups": json.loads(metadata["param_groups"])})
-        schedule.load_state_dict(json.loads(metadata["schedule"]))  # type: ignore[attr-defined]
-        torch.set_rng_state(tensors["rng/torch"])
-        return json.loads(metadata["record"])
-    except RetrievalError:
-        raise
-    except Exception as error:  # safetensors, torch and json raise several untyped errors for a damaged file
-        raise RetrievalError(f"{path}: cannot resume from it ({str(error).splitlines()[0]}); start the run again without --resume") from None
+    def save(self, record: dict) -> None:
+        """Writes the state after record's step (a collective call: every process must make it)."""
+        random_states = distributed.gather_objects(torch.get_rng_state())
+        if not self.ranks.is_main:
+            return
+        tensors = _weights(self.model, prefix="model/")
+        optimizer_state = self.optimizer.state_dict()
+        for index, values in optimizer_state["state"].items():
+            for name, value in values.items():
+                tensors[f"optimizer/{index}/{name}"] = torch.as_tensor(value).detach().cpu().contiguous()
+        for rank, random_state in enumerate(random_states):
+            tensors[f"rng/torch/{rank}"] = random_state
+        metadata = {
+            "record": json.dumps(record),
+            "param_groups": json.dumps(optimizer_state["param_groups"]),
+            "schedule": json.dumps(self.schedule.state_dict()),
+            "scaler": json.dumps(self.scaler.state_dict()),
+        }
+        if self.queue is not None:
+            queue_tensors, counters = self.queue.state()
+            tensors.update({f"queue/{name}": t for name, t in queue_tensors.items()})
+            metadata["queue"] = json.dumps(counters)
+        write_atomic(self.path, save_safetensors(tensors, metadata=metadata))
+
+    def load(self) -> dict:
+        """Restores the state into the model, optimizer, schedule, scaler and queue; returns the record."""
+        if not self.path.is_file():
+            raise RetrievalError(f"{self.path}: nothing to resume (no trainer state); start the run without --resume")
+        try:
+            with safe_open(str(self.path), "pt") as handle:
+                metadata = handle.metadata()
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+            saved_ranks = sum(name.startswith("rng/torch/") for name in tensors)
+            if saved_ranks != self.ranks.world_size:
+                raise RetrievalError(f"{self.path}: saved by {saved_ranks} training processes; resume it with as many, not {self.ranks.world_size}")
+            self.model.load_state_dict({name.removeprefix("model/"): t for name, t in tensors.items() if name.startswith("model/")})
+            state: dict[int, dict[str, torch.Tensor]] = {}
+            for name, tensor in tensors.items():
+                if name.startswith("optimizer/"):
+                    _, index, key = name.split("/", 2)
+                    state.setdefault(int(index), {})[key] = tensor
+            self.optimizer.load_state_dict({"state": state, "param_groups": json.loads(metadata["param_groups"])})
+            self.schedule.load_state_dict(json.loads(metadata["schedule"]))
+            self.scaler.load_state_dict(json.loads(metadata["scaler"]))
+            if self.queue is not None:
+                if "queue" not in metadata:
+                    raise RetrievalError(f"{self.path}: saved without a memory queue, but the run has --queue-size")
+                self.queue.load_state({name.removeprefix("queue/"): t for name, t in tensors.items() if name.startswith("queue/")}, json.loads(metadata["queue"]))
+            torch.set_rng_state(tensors[f"rng/torch/{self.ranks.rank}"])
+            return json.loads(metadata["record"])
+        except RetrievalError:
+            raise
+        except Exception as error:  # safetensors, torch and json raise several untyped errors for a damaged file
+            raise RetrievalError(f"{self.path}: cannot resume from it ({str(error).splitlines()[0]}); start the run again without --resume") from None
 
 
 def load_encoder(run: RunDir) -> tuple[Encoder, TrainConfig]:
     """Rebuilds the run's encoder from config.json and its best (else last) checkpoint (no unpickling)."""
     checkpoint = run.require_checkpoint()
     config = TrainConfig.from_dict(read_json(run.config))
-    model = Encoder(config.backbone, config.embedding_dim)
+    model = Encoder(config.backbone, config.embedding_dim, image_size=config.image_size)
     try:
         state = load_safetensors(checkpoint.read_bytes())
         model.load_state_dict(state)
