@@ -6,6 +6,7 @@ without torch installed.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -101,6 +102,8 @@ def train(
             seed=seed,
         )
     result = run_training(config, RunDir(run), resume=resume)
+    if os.environ.get("RANK", "0") != "0":
+        return  # under torchrun, process 0 reports
     report_skipped(result.skipped, RunDir(run).root / "skipped.json")
     console.print(f"trained on {result.num_images} images of {result.num_classes} classes; final loss {result.final_loss:.4f}; checkpoint {RunDir(run).last_checkpoint}")
 
