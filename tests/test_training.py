@@ -1,0 +1,106 @@
+"""The trainer's parts: backbones, schedule, memory queue, options, and a run with the non-default options."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from retrieval.cli import main
+from retrieval.errors import RetrievalError
+from retrieval.runs import RunDir
+from training.config import TrainConfig
+from training.memory import MemoryQueue
+from training.model import BACKBONES, PROJECTION_DIM, Encoder
+from training.train import warmup_cosine
+
+
+@pytest.mark.parametrize("backbone", [*BACKBONES, "timm:resnet10t"])
+def test_every_backbone_gives_unit_embeddings_and_projections(backbone: str) -> None:
+    model = Encoder(backbone, embedding_dim=48, image_size=32).eval()
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        embeddings, projections = model(images), model.project(images)
+    assert embeddings.shape == (2, 48) and projections.shape == (2, PROJECTION_DIM)
+    assert torch.allclose(embeddings.norm(dim=1), torch.ones(2), atol=1e-5)
+
+
+def test_backbone_mistakes_are_explained() -> None:
+    with pytest.raises(RetrievalError, match="unknown backbone 'resnet9'"):
+        Encoder("resnet9")
+    with pytest.raises(RetrievalError, match="timm has no model 'no_such_net'"):
+        Encoder("timm:no_such_net")
+    with pytest.raises(RetrievalError, match="multiple of 16"):
+        Encoder("vit_b_16", image_size=40)
+    with pytest.raises(RetrievalError, match="224-pixel images"):
+        Encoder("vit_b_16", pretrained=True, image_size=64)  # refused before any download
+
+
+def test_warmup_then_cosine_to_zero() -> None:
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    schedule = warmup_cosine(optimizer, total_steps=100, warmup=0.1)
+    rates = []
+    for _ in range(100):
+        rates.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    assert rates[0] == pytest.approx(0.1) and rates[9] == pytest.approx(1.0)  # linear over 10 steps
+    assert rates[10] == pytest.approx(1.0) and rates[55] == pytest.approx(0.5, abs=0.01)
+    assert all(a >= b for a, b in zip(rates[9:], rates[10:])) and rates[-1] < 1e-3
+
+
+def test_memory_queue_is_first_in_first_out_and_follows_the_encoder() -> None:
+    model = Encoder("resnet18", image_size=32)
+    queue = MemoryQueue(model, size=5, momentum=0.9)
+    assert len(queue.contents()[0]) == 0
+    queue.push(torch.full((3, PROJECTION_DIM), 1.0), torch.tensor([1, 2, 3]))
+    queue.push(torch.full((4, PROJECTION_DIM), 2.0), torch.tensor([4, 5, 6, 7]))
+    keys, labels = queue.contents()
+    assert sorted(labels.tolist()) == [3, 4, 5, 6, 7] and keys.shape == (5, PROJECTION_DIM)  # 1 and 2 were the oldest
+    query = next(model.parameters())
+    before = next(queue.encoder.parameters()).clone()
+    with torch.no_grad():
+        query.add_(1.0)
+    queue.follow(model)
+    assert torch.allclose(next(queue.encoder.parameters()), 0.9 * before + 0.1 * query)
+    assert not any(p.requires_grad for p in queue.encoder.parameters())
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"loss": "npair", "queue_size": 64}, "works with the supcon and infonce losses"),
+        ({"precision": "fp8"}, "--precision must be one of"),
+        ({"optimizer": "lamb"}, "--optimizer must be one of"),
+        ({"warmup": 1.5}, "--warmup is a fraction"),
+        ({"momentum": 1.0}, "--momentum must be in"),
+    ],
+)
+def test_bad_training_options_are_refused(changes: dict, message: str) -> None:
+    with pytest.raises(RetrievalError, match=message):
+        TrainConfig(data="d", **changes)
+
+
+def test_sgd_clipping_bf16_queue_and_tensorboard(small_folder: Path, tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run")
+    options = ["--epochs", "2", "--batch-size", "8", "--image-size", "32", "--optimizer", "sgd", "--learning-rate", "0.05"]
+    options += ["--clip-grad", "1.0", "--precision", "bf16", "--queue-size", "32", "--warmup", "0.2", "--tensorboard", "--loss", "infonce"]
+    assert main(["train", str(small_folder), "--run", str(run.root), *options]) == 0
+    config = json.loads(run.config.read_text())
+    assert (config["optimizer"], config["precision"], config["queue_size"], config["clip_grad"]) == ("sgd", "bf16", 32, 1.0)
+    log = [json.loads(line) for line in run.train_log.read_text().splitlines()]
+    assert len(log) == 2 and all(entry["images_per_second"] > 0 and entry["loss"] == entry["loss"] for entry in log)
+    assert list((run.root / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_validation_logs_the_embedding_diagnostics(icons_root: Path, tmp_path: Path) -> None:
+    from tests.conftest import copy_classes
+
+    data = copy_classes(icons_root, tmp_path / "data", 6)
+    run = RunDir(tmp_path / "run")
+    assert main(["train", str(data), "--run", str(run.root), "--epochs", "1", "--batch-size", "8", "--image-size", "32", "--val-classes", "0.34"]) == 0
+    entry = json.loads(run.train_log.read_text().splitlines()[0])
+    assert {"val_recall@1", "val_map@r", "val_alignment", "val_uniformity", "val_tolerance"} <= entry.keys()
+    assert -1 <= entry["val_tolerance"] <= 1 and entry["val_uniformity"] <= 0
