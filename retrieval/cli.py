@@ -109,6 +109,46 @@ def train(
 
 
 @app.command()
+def analyze(
+    data: DataArg,
+    out: Annotated[Path, typer.Option("--out", help="Directory for temperature_sweep.json, temperature_sweep.png and the sweep's runs.")] = Path("runs/analyze"),
+    temperatures: Annotated[str, typer.Option(help="Comma-separated temperatures to train at.")] = "0.05,0.1,0.2,0.5,1.0",
+    losses: Annotated[str, typer.Option(help="Comma-separated losses to sweep (any of supcon, infonce, npair, hcl, hard).")] = "supcon,hard",
+    epochs: Annotated[int, typer.Option(help="Epochs of each run (short runs show the trend).")] = 5,
+    batch_size: Annotated[int, typer.Option(help="Images per batch.")] = 128,
+    image_size: Annotated[int, typer.Option(help="Input size in pixels.")] = 64,
+    backbone: Annotated[str, typer.Option(help="Backbone, as for train.")] = "resnet18",
+    val_classes: Annotated[float, typer.Option(help="Fraction of the classes held out, on which uniformity and tolerance are measured.")] = 0.25,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    seed: Annotated[int, typer.Option(help="Random seed (the same for every run).")] = 0,
+) -> None:
+    """Sweep the temperature of SupCon and the hard contrastive loss; plot uniformity and tolerance against it."""
+    require("torch", "train")
+    from training.analyze import temperature_sweep
+    from training.config import TrainConfig
+
+    if not 0 < val_classes < 1:
+        raise RetrievalError(f"--val-classes must be between 0 and 1 (uniformity and tolerance are measured on held-out classes), got {val_classes}")
+    try:
+        values = [float(part) for part in temperatures.split(",") if part.strip()]
+    except ValueError:
+        raise RetrievalError(f"--temperatures {temperatures!r}: give numbers separated by commas, e.g. 0.05,0.1,0.5") from None
+    names = [part.strip() for part in losses.split(",") if part.strip()]
+    base = TrainConfig(data=str(data.expanduser().resolve()), epochs=epochs, batch_size=batch_size, image_size=image_size, backbone=backbone, val_classes=val_classes, device=device, seed=seed)
+    for name in names:  # every loss and temperature is checked before hours of training
+        for value in values:
+            TrainConfig(data=base.data, loss=name, temperature=value)
+    rows = temperature_sweep(base, out, values, names)
+    table = Table(title="temperature sweep (held-out classes)")
+    for column in ("loss", "temperature", "uniformity", "tolerance", "recall@1", "MAP@R"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["loss"], f"{row['temperature']:g}", f"{row['uniformity']:.3f}", f"{row['tolerance']:.3f}", f"{row['recall@1']:.3f}", f"{row['map@r']:.3f}")
+    console.print(table)
+    console.print(f"wrote {out / 'temperature_sweep.png'} and {out / 'temperature_sweep.json'}")
+
+
+@app.command()
 def export(
     run: RunArg,
     fp16: Annotated[bool, typer.Option("--fp16", help="Export in float16 for GPUs (float32 inputs and outputs, normalisations kept in float32).")] = False,

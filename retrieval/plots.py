@@ -35,6 +35,33 @@ def plot_training_log(log: Path, target: Path) -> Path:
         scores.set_xlabel("epoch")
         scores.set_title("validation (held-out classes)")
         scores.legend()
+    return _save(figure, target)
+
+
+def plot_temperature_sweep(rows: list[dict], target: Path) -> Path:
+    """Draws uniformity, tolerance and recall@1 against temperature, one line per loss, into a PNG.
+
+    rows: dicts with loss, temperature, uniformity, tolerance and recall@1 (see training.analyze).
+    """
+    figure, axes = plt.subplots(1, 3, figsize=(14, 3.8), dpi=120)
+    panels = [
+        ("uniformity", "uniformity (lower: more spread out)"),
+        ("tolerance", "tolerance (higher: classes kept together)"),
+        ("recall@1", "recall@1 on held-out classes"),
+    ]
+    for axis, (key, title) in zip(axes, panels):
+        for loss in dict.fromkeys(row["loss"] for row in rows):
+            points = sorted((row["temperature"], row[key]) for row in rows if row["loss"] == loss)
+            axis.plot([t for t, _ in points], [v for _, v in points], marker="o", markersize=4, label=loss)
+        axis.set_xscale("log")
+        axis.set_xlabel("temperature")
+        axis.set_title(title)
+        axis.legend()
+    figure.suptitle("the uniformity-tolerance dilemma (Wang & Liu 2021) on this data")
+    return _save(figure, target)
+
+
+def _save(figure: plt.Figure, target: Path) -> Path:
     figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")

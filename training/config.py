@@ -50,6 +50,8 @@ class TrainConfig:
             raise RetrievalError(f"unknown loss {self.loss!r}; choose one of {', '.join(sorted(DEFAULT_TEMPERATURES))}")
         if self.temperature is None:
             self.temperature = DEFAULT_TEMPERATURES[self.loss]
+        if self.temperature <= 0:
+            raise RetrievalError(f"--temperature must be positive, got {self.temperature}")
         for name in ("epochs", "batch_size", "image_size", "embedding_dim"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise RetrievalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
