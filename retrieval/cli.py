@@ -140,10 +140,11 @@ def analyze(
             TrainConfig(data=base.data, loss=name, temperature=value)
     rows = temperature_sweep(base, out, values, names)
     table = Table(title="temperature sweep (held-out classes)")
-    for column in ("loss", "temperature", "uniformity", "tolerance", "recall@1", "MAP@R"):
+    for column in ("loss", "temperature", "uniformity (loss space)", "tolerance (loss space)", "uniformity (embedding)", "tolerance (embedding)", "recall@1", "MAP@R"):
         table.add_column(column)
     for row in rows:
-        table.add_row(row["loss"], f"{row['temperature']:g}", f"{row['uniformity']:.3f}", f"{row['tolerance']:.3f}", f"{row['recall@1']:.3f}", f"{row['map@r']:.3f}")
+        values = [row[key] for key in ("loss_uniformity", "loss_tolerance", "uniformity", "tolerance", "recall@1", "map@r")]
+        table.add_row(row["loss"], f"{row['temperature']:g}", *(f"{value:.3f}" for value in values))
     console.print(table)
     console.print(f"wrote {out / 'temperature_sweep.png'} and {out / 'temperature_sweep.json'}")
 

@@ -39,25 +39,28 @@ def plot_training_log(log: Path, target: Path) -> Path:
 
 
 def plot_temperature_sweep(rows: list[dict], target: Path) -> Path:
-    """Draws uniformity, tolerance and recall@1 against temperature, one line per loss, into a PNG.
+    """Draws uniformity, tolerance and recall@1 against temperature, one colour per loss, into a PNG.
 
-    rows: dicts with loss, temperature, uniformity, tolerance and recall@1 (see training.analyze).
+    rows: dicts with loss, temperature, recall@1 and the diagnostics of the embeddings (uniformity,
+    tolerance: dashed) and of the projections the loss sees (loss_uniformity, loss_tolerance: solid).
     """
-    figure, axes = plt.subplots(1, 3, figsize=(14, 3.8), dpi=120)
-    panels = [
-        ("uniformity", "uniformity (lower: more spread out)"),
-        ("tolerance", "tolerance (higher: classes kept together)"),
-        ("recall@1", "recall@1 on held-out classes"),
-    ]
-    for axis, (key, title) in zip(axes, panels):
-        for loss in dict.fromkeys(row["loss"] for row in rows):
-            points = sorted((row["temperature"], row[key]) for row in rows if row["loss"] == loss)
-            axis.plot([t for t, _ in points], [v for _, v in points], marker="o", markersize=4, label=loss)
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4), dpi=120)
+    panels = [("uniformity", "uniformity (lower: more spread out)"), ("tolerance", "tolerance (higher: classes kept together)"), ("recall@1", "recall@1")]
+    for colour, loss in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], dict.fromkeys(row["loss"] for row in rows)):
+        mine = sorted((row for row in rows if row["loss"] == loss), key=lambda row: row["temperature"])
+        temperatures = [row["temperature"] for row in mine]
+        for axis, (key, _) in zip(axes, panels):
+            if key == "recall@1":
+                axis.plot(temperatures, [row[key] for row in mine], marker="o", markersize=4, color=colour, label=loss)
+                continue
+            axis.plot(temperatures, [row[f"loss_{key}"] for row in mine], marker="o", markersize=4, color=colour, label=f"{loss}: loss space")
+            axis.plot(temperatures, [row[key] for row in mine], marker="s", markersize=3, linestyle="--", color=colour, alpha=0.7, label=f"{loss}: embedding")
+    for axis, (_, title) in zip(axes, panels):
         axis.set_xscale("log")
         axis.set_xlabel("temperature")
         axis.set_title(title)
-        axis.legend()
-    figure.suptitle("the uniformity-tolerance dilemma (Wang & Liu 2021) on this data")
+        axis.legend(fontsize=8)
+    figure.suptitle("held-out classes: the uniformity-tolerance dilemma (Wang & Liu 2021) on this data")
     return _save(figure, target)
 
 

@@ -18,7 +18,8 @@ def test_temperature_sweep_writes_json_and_plot(icons_root: Path, tmp_path: Path
     assert main(["analyze", str(data), *options]) == 0
     rows = json.loads((out / "temperature_sweep.json").read_text())["rows"]
     assert [(row["loss"], row["temperature"]) for row in rows] == [("supcon", 0.1), ("supcon", 0.5), ("hard", 0.1), ("hard", 0.5)]
-    assert all(-1 <= row["tolerance"] <= 1 and row["uniformity"] <= 0 and 0 <= row["recall@1"] <= 1 for row in rows)
+    assert all(-1 <= row[f"{space}tolerance"] <= 1 and row[f"{space}uniformity"] <= 0 for row in rows for space in ("", "loss_"))
+    assert all(0 <= row["recall@1"] <= 1 for row in rows)
     assert (out / "temperature_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "runs" / "hard-t0.5" / "checkpoints" / "last.safetensors").is_file()
     assert "uniformity" in capsys.readouterr().out

@@ -29,7 +29,9 @@ def temperature_sweep(base: TrainConfig, out: Path, temperatures: Sequence[float
     """Trains base once per loss and temperature, writes out/temperature_sweep.{json,png}; returns the rows.
 
     Each row has the final epoch's validation scores on the held-out classes of base.val_classes:
-    uniformity, tolerance, alignment, recall@1 and MAP@R. The runs stay in out/runs/ for a closer look.
+    recall@1 and MAP@R of the embeddings, and uniformity, tolerance and alignment both of the
+    embeddings and (loss_*) of the unit projections the loss sees, the space Wang & Liu analyse.
+    The runs stay in out/runs/ for a closer look.
     """
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -42,7 +44,7 @@ def temperature_sweep(base: TrainConfig, out: Path, temperatures: Sequence[float
         row.update({name.removeprefix("val_"): value for name, value in last.items() if name.startswith("val_")})
         rows.append(row)
         if progress:
-            tqdm.write(f"{loss:>7} t={temperature:<5g} uniformity {row['uniformity']:.3f}  tolerance {row['tolerance']:.3f}  recall@1 {row['recall@1']:.3f}")
+            tqdm.write(f"{loss:>7} t={temperature:<5g} loss space: uniformity {row['loss_uniformity']:.3f} tolerance {row['loss_tolerance']:.3f}  recall@1 {row['recall@1']:.3f}")
     write_json(out / "temperature_sweep.json", {"config": base.to_dict(), "rows": rows})
     plot_temperature_sweep(rows, out / "temperature_sweep.png")
     return rows

@@ -51,6 +51,11 @@ class Encoder(nn.Module):
         """Returns the projection-head output that the training loss sees."""
         return self.projection(self.embedding(self.backbone(images)))
 
+    def embed_and_project(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the unit embeddings and the unit projections of images, from one pass of the backbone."""
+        features = self.embedding(self.backbone(images))
+        return F.normalize(features, dim=1), F.normalize(self.projection(features), dim=1)
+
 
 def make_backbone(name: str, pretrained: bool, image_size: int = 224) -> tuple[nn.Module, int]:
     """Returns a backbone that maps images to pooled features, and its feature width.

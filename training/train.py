@@ -100,12 +100,15 @@ class Validator:
         self.device = device
 
     def __call__(self, model: Encoder) -> dict:
+        """Scores the embeddings; the diagnostics also of the projections the loss sees (prefixed loss_)."""
         model.eval()
         with torch.no_grad():
-            vectors = torch.cat([model(self.images[i : i + 256].to(self.device)).float().cpu() for i in range(0, len(self.images), 256)])
+            batches = [model.embed_and_project(self.images[i : i + 256].to(self.device)) for i in range(0, len(self.images), 256)]
         model.train()
-        scores = retrieval_metrics(vectors.numpy(), self.labels, ks=(1,))
-        return {**scores, **embedding_diagnostics(vectors.numpy(), self.labels)}
+        vectors, projections = (torch.cat([part[j].float().cpu() for part in batches]).numpy() for j in (0, 1))
+        scores = {**retrieval_metrics(vectors, self.labels, ks=(1,)), **embedding_diagnostics(vectors, self.labels)}
+        scores.update({f"loss_{name}": value for name, value in embedding_diagnostics(projections, self.labels).items()})
+        return scores
 
 
 class _Projected(nn.Module):
@@ -288,7 +291,7 @@ def _train(config: TrainConfig, run: RunDir, progress: bool, resume: bool, ranks
     return TrainResult(run, len(items), len(classes), skipped, epoch_loss)
 
 
-VALIDATION_KEYS = ("recall@1", "map@r", "alignment", "uniformity", "tolerance")
+VALIDATION_KEYS = ("recall@1", "map@r", "alignment", "uniformity", "tolerance", "loss_alignment", "loss_uniformity", "loss_tolerance")
 
 
 def _tensorboard(run: RunDir) -> object:
