@@ -47,10 +47,37 @@ class SupConLoss(nn.Module):
         if not anchors.any():
             raise _no_positive_pair("SupConLoss")
         positive_logits = ((class_sums[codes] - z) * z).sum(dim=1) / self.temperature
-        logits = (z / self.temperature) @ members.T  # scaling the rows, not the N x M product, saves a pass
-        logits[:, : len(z)].fill_diagonal_(float("-inf"))  # self-contrast excluded from the denominator
-        log_denominator = torch.logsumexp(logits, dim=1)
+        log_denominator = _ContrastLogSumExp.apply(z, members, self.temperature)
         return -(positive_logits[anchors] / counts[anchors] - log_denominator[anchors]).mean()
+
+
+class _ContrastLogSumExp(torch.autograd.Function):
+    """lse_i = log sum_{a != i} exp(z_i.m_a / t) over the members m (the batch z, then any queue keys).
+
+    The same value as torch.logsumexp over the masked logits, with a hand-written backward: the
+    exponentials of the forward pass are kept (N x M, as autograd would keep the logits) and reused,
+    so exp runs once instead of twice and no mask or softmax copy is made; the gradient is
+    d lse_i = sum_a p_ia (m_a dz_i + z_i dm_a) / t with p the row softmax. Always float32.
+    """
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, members: torch.Tensor, temperature: float) -> torch.Tensor:  # type: ignore[override]
+        with torch.autocast(z.device.type, enabled=False):
+            exponentials = (z / temperature) @ members.T  # scaling the rows, not the N x M product, saves a pass
+            exponentials[:, : len(z)].fill_diagonal_(float("-inf"))  # self-contrast excluded
+            row_max = exponentials.amax(dim=1, keepdim=True)
+            totals = exponentials.sub_(row_max).exp_().sum(dim=1, keepdim=True)
+        ctx.save_for_backward(z, members, exponentials, totals)
+        ctx.temperature = temperature
+        return (totals.log() + row_max).squeeze(1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        z, members, exponentials, totals = ctx.saved_tensors
+        with torch.autocast(z.device.type, enabled=False):
+            weights = exponentials * (grad[:, None] / (ctx.temperature * totals))  # softmax rows times the incoming gradient
+            return weights @ members, weights.T @ z, None
 
 
 def _queue_keys(queue: torch.Tensor | None, queue_labels: torch.Tensor | None, z: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
