@@ -104,3 +104,32 @@ def test_validation_logs_the_embedding_diagnostics(icons_root: Path, tmp_path: P
     entry = json.loads(run.train_log.read_text().splitlines()[0])
     assert {"val_recall@1", "val_map@r", "val_alignment", "val_uniformity", "val_tolerance"} <= entry.keys()
     assert -1 <= entry["val_tolerance"] <= 1 and entry["val_uniformity"] <= 0
+
+
+def test_trainer_state_from_another_process_count_or_damaged_is_refused(small_folder: Path, tmp_path: Path) -> None:
+    from training.distributed import Ranks
+    from training.train import TrainerState, make_optimizer
+
+    run = RunDir(tmp_path / "run")
+    assert main(["train", str(small_folder), "--run", str(run.root), "--epochs", "1", "--batch-size", "8", "--image-size", "32"]) == 0
+    config = TrainConfig.from_dict(json.loads(run.config.read_text()))
+    model = Encoder(config.backbone, image_size=config.image_size)
+    optimizer = make_optimizer(config, model)
+    schedule = warmup_cosine(optimizer, 10, 0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    with pytest.raises(RetrievalError, match="saved by 1 training processes; resume it with as many, not 2"):
+        TrainerState(run.trainer_state, model, optimizer, schedule, scaler, None, Ranks(0, 2, 0)).load()
+    assert TrainerState(run.trainer_state, model, optimizer, schedule, scaler, None, Ranks()).load()["epoch"] == 1
+    run.trainer_state.write_bytes(run.trainer_state.read_bytes()[:5000])
+    with pytest.raises(RetrievalError, match="cannot resume from it"):
+        TrainerState(run.trainer_state, model, optimizer, schedule, scaler, None, Ranks()).load()
+
+
+def test_compiled_and_fp16_training_write_plain_checkpoints(small_folder: Path, tmp_path: Path) -> None:
+    from training.train import load_encoder
+
+    for name, flags in (("compiled", ["--compile"]), ("fp16", ["--precision", "fp16"])):
+        run = RunDir(tmp_path / name)
+        assert main(["train", str(small_folder), "--run", str(run.root), "--epochs", "1", "--batch-size", "8", "--image-size", "32", *flags]) == 0
+        model, _ = load_encoder(run)  # no torch.compile prefix in the weights' names
+        assert torch.isfinite(model(torch.randn(2, 3, 32, 32))).all()
