@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from retrieval.data import Collection, Skipped
 from retrieval.embedders import Embedder, embed_items
 from retrieval.errors import RetrievalError
-from retrieval.metrics import embedding_diagnostics, retrieval_metrics
+from retrieval.metrics import clustering_metrics, embedding_diagnostics, retrieval_metrics
 
 
 @dataclass
@@ -20,7 +20,7 @@ class Evaluation:
 
 
 def evaluate_collection(embedder: Embedder, collection: Collection, ks: Sequence[int] = (1, 5, 10), progress: bool = True) -> Evaluation:
-    """Embeds a labeled collection and scores leave-one-out retrieval over it, with the embedding diagnostics."""
+    """Embeds a labeled collection and scores leave-one-out retrieval over it, with NMI/AMI and the embedding diagnostics."""
     labeled = [item for item in collection.items if item.label]
     unlabeled = [Skipped(item.path, "no label") for item in collection.items if not item.label]
     if len({item.label for item in labeled}) < 2:
@@ -30,6 +30,7 @@ def evaluate_collection(embedder: Embedder, collection: Collection, ks: Sequence
         raise RetrievalError(f"{collection.source}: fewer than two classes have readable images")
     labels = [item.label for item in embedded.items]
     metrics = retrieval_metrics(embedded.vectors, labels, ks=ks)
+    metrics.update(clustering_metrics(embedded.vectors, labels))
     metrics.update(embedding_diagnostics(embedded.vectors, labels))
     metrics["images"] = str(collection.source)
     metrics["encoder"] = embedder.fingerprint

@@ -3,13 +3,17 @@
 Definitions (Musgrave et al. 2020, "A Metric Learning Reality Check"): for a query with R relevant
 gallery items (same label, itself excluded),
 
-- recall@k = 1 if at least one relevant item is among the k nearest neighbours, else 0;
+- recall@k = 1 if at least one relevant item is among the k nearest neighbours, else 0 (the values
+  for k = 1, 2, ... form the CMC curve);
+- precision@k = (relevant items among the k nearest) / k;
 - R-precision = (relevant items among the R nearest) / R;
-- MAP@R = (1/R) * sum_{i=1..R} P(i) * rel(i), where P(i) is the precision of the top i.
+- MAP@R = (1/R) * sum_{i=1..R} P(i) * rel(i), where P(i) is the precision of the top i;
+- mAP = (1/R) * sum over the R relevant items of the precision at their rank in the full ranking.
 
 Each is averaged over the queries that have at least one relevant item; the others are counted in
-`num_skipped_queries`. Neighbours are ranked by inner product (cosine for unit rows), ties broken by
-the lower gallery index.
+`num_skipped_queries`. Neighbours come from FAISS (exact inner product, cosine for unit rows),
+queries in blocks so that memory stays bounded; in leave-one-out, a query's own item is removed by
+its index, not by its distance; ties are broken by the lower gallery index.
 """
 
 from __future__ import annotations
@@ -19,47 +23,78 @@ from collections.abc import Sequence
 import numpy as np
 
 from retrieval.errors import RetrievalError
+from retrieval.extras import require
+
+QUERY_BLOCK = 2048
 
 
-def nearest_neighbours(queries: np.ndarray, gallery: np.ndarray, k: int, exclude_self: bool = False, block: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+def nearest_neighbours(queries: np.ndarray, gallery: np.ndarray, k: int, exclude_self: bool = False, block: int = QUERY_BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """Returns (indices [Q, k], similarities [Q, k]) of the k most similar gallery rows by inner product.
 
     With exclude_self, query i is gallery item i (leave-one-out) and is never its own neighbour.
     """
-    queries = np.asarray(queries, np.float32)
-    gallery = np.asarray(gallery, np.float32)
-    k = min(k, len(gallery) - (1 if exclude_self else 0))
-    indices = np.zeros((len(queries), k), np.int64)
-    scores = np.zeros((len(queries), k), np.float32)
-    for start in range(0, len(queries), block):
-        sims = queries[start : start + block] @ gallery.T
-        if exclude_self:
-            rows = np.arange(len(sims))
-            sims[rows, start + rows] = -np.inf
-        order = np.argsort(-sims, axis=1, kind="stable")[:, :k]
-        indices[start : start + block] = order
-        scores[start : start + block] = np.take_along_axis(sims, order, axis=1)
-    return indices, scores
+    queries = np.ascontiguousarray(queries, np.float32)
+    index = flat_index(gallery)
+    k = min(k, index.ntotal - (1 if exclude_self else 0))
+    parts = [search(index, queries[start : start + block], k, np.arange(start, min(start + block, len(queries))) if exclude_self else None) for start in range(0, len(queries), block)]
+    if not parts:
+        return np.zeros((0, k), np.int64), np.zeros((0, k), np.float32)
+    return np.concatenate([ids for ids, _ in parts]), np.concatenate([scores for _, scores in parts])
 
 
-def recall_at_k(hits: np.ndarray, k: int) -> float:
-    """Fraction of queries with at least one relevant item in their top k (hits: bool [Q, K])."""
-    return float(hits[:, :k].any(axis=1).mean())
+def flat_index(vectors: np.ndarray) -> object:
+    """An exact inner-product FAISS index holding vectors (row i has id i)."""
+    faiss = require("faiss", "cpu")
+    vectors = np.ascontiguousarray(vectors, np.float32)
+    index = faiss.IndexFlatIP(vectors.shape[1])
+    index.add(vectors)
+    return index
 
 
-def r_precision(hits: np.ndarray, relevant: np.ndarray) -> float:
-    """Mean over queries of the fraction of relevant items among the top R (R = relevant count)."""
+def search(index: object, queries: np.ndarray, k: int, own: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The k nearest ids and scores of each query in index, never a query's own id (own[i]); ties by the lower id."""
+    wanted = min(index.ntotal, k + (1 if own is not None else 0) + _TIE_MARGIN)  # type: ignore[attr-defined]
+    found_scores, found = index.search(np.ascontiguousarray(queries, np.float32), wanted)  # type: ignore[attr-defined]
+    if own is not None:
+        found_scores = np.where(found == own[:, None], -np.inf, found_scores)
+    order = np.lexsort((found, -found_scores), axis=1)[:, :k]  # by score, then by the lower id
+    return np.take_along_axis(found, order, axis=1), np.take_along_axis(found_scores, order, axis=1)
+
+
+_TIE_MARGIN = 8  # extra candidates fetched so that ties at the k-th place are ordered by id
+
+
+def recall_at_k(hits: np.ndarray, k: int) -> np.ndarray:
+    """Per query: 1.0 when a relevant item is in the top k (hits: bool [Q, K])."""
+    return hits[:, :k].any(axis=1).astype(np.float64)
+
+
+def precision_at_k(hits: np.ndarray, k: int) -> np.ndarray:
+    """Per query: the fraction of the top k that is relevant (k larger than the ranking counts as misses)."""
+    return hits[:, :k].sum(axis=1) / k
+
+
+def r_precision(hits: np.ndarray, relevant: np.ndarray) -> np.ndarray:
+    """Per query: the fraction of relevant items among the top R (R = relevant count)."""
     ranks = np.arange(1, hits.shape[1] + 1)
     within_r = ranks[None, :] <= relevant[:, None]
-    return float(((hits & within_r).sum(axis=1) / relevant).mean())
+    return (hits & within_r).sum(axis=1) / relevant
 
 
-def map_at_r(hits: np.ndarray, relevant: np.ndarray) -> float:
-    """Mean over queries of (1/R) * sum_{i<=R} precision@i * rel(i)."""
+def map_at_r(hits: np.ndarray, relevant: np.ndarray) -> np.ndarray:
+    """Per query: (1/R) * sum_{i<=R} precision@i * rel(i)."""
     ranks = np.arange(1, hits.shape[1] + 1)
     within_r = ranks[None, :] <= relevant[:, None]
     precision = np.cumsum(hits, axis=1) / ranks[None, :]
-    return float(((precision * (hits & within_r)).sum(axis=1) / relevant).mean())
+    return (precision * (hits & within_r)).sum(axis=1) / relevant
+
+
+def average_precision(similarities: np.ndarray, relevant_mask: np.ndarray) -> np.ndarray:
+    """Per query: average precision over the full ranking of similarities [Q, N] (excluded items at -inf)."""
+    order = np.argsort(-similarities, axis=1, kind="stable")  # ties: the lower index first
+    hits = np.take_along_axis(relevant_mask, order, axis=1)
+    ranks = np.arange(1, hits.shape[1] + 1)
+    return (np.cumsum(hits, axis=1) / ranks * hits).sum(axis=1) / np.maximum(hits.sum(axis=1), 1)
 
 
 def retrieval_metrics(
@@ -68,10 +103,12 @@ def retrieval_metrics(
     gallery_embeddings: np.ndarray | None = None,
     gallery_labels: Sequence[str] | None = None,
     ks: Sequence[int] = (1, 5, 10),
-) -> dict[str, float | int | str]:
-    """Returns recall@k for each k, R-precision, MAP@R and query counts.
+    full_ranking: bool = True,
+) -> dict:
+    """Returns recall@k and precision@k for each k, R-precision, MAP@R, mAP, the CMC curve and query counts.
 
-    Without a gallery, the protocol is leave-one-out: every item queries all the others.
+    Without a gallery, the protocol is leave-one-out: every item queries all the others. full_ranking
+    (mAP over the whole gallery) costs a sort of every query's similarities; turn it off for speed.
     """
     leave_one_out = gallery_embeddings is None
     if leave_one_out:
@@ -79,29 +116,75 @@ def retrieval_metrics(
     assert gallery_labels is not None
     if any(k < 1 for k in ks):
         raise RetrievalError(f"k must be at least 1, got {sorted(ks)}")
+    queries = np.ascontiguousarray(query_embeddings, np.float32)
+    gallery = np.ascontiguousarray(gallery_embeddings, np.float32)
     query_codes, gallery_codes = _encode_labels(query_labels, gallery_labels)
     counts = np.bincount(gallery_codes, minlength=int(max(query_codes.max(initial=0), gallery_codes.max(initial=0))) + 1)
     relevant = counts[query_codes] - (1 if leave_one_out else 0)
-    answerable = relevant > 0
-    if not answerable.any():
+    chosen = np.flatnonzero(relevant > 0)
+    if not len(chosen):
         raise RetrievalError("no query has a relevant item in the gallery: every label needs at least two images (leave-one-out) or a match in the gallery")
-    depth = int(max(max(ks), relevant.max()))
-    chosen = np.flatnonzero(answerable)
-    if leave_one_out:
-        # leave-one-out needs the query's own row at its index: embed all, keep answerable queries
-        neighbours, _ = nearest_neighbours(query_embeddings, gallery_embeddings, depth, exclude_self=True)
-        neighbours = neighbours[chosen]
-    else:
-        neighbours, _ = nearest_neighbours(np.asarray(query_embeddings)[chosen], gallery_embeddings, depth)
-    hits = gallery_codes[neighbours] == query_codes[chosen, None]
-    relevant = relevant[chosen]
-    result: dict[str, float | int | str] = {f"recall@{k}": recall_at_k(hits, k) for k in sorted(set(ks))}
-    result["r_precision"] = r_precision(hits, relevant)
-    result["map@r"] = map_at_r(hits, relevant)
+    depth = min(int(max(max(ks), relevant.max())), len(gallery) - (1 if leave_one_out else 0))
+    ks = sorted(set(ks))
+    index = flat_index(gallery)
+    sums: dict[str, float] = {}
+    cmc = np.zeros(max(ks))
+    for start in range(0, len(chosen), QUERY_BLOCK):
+        block = chosen[start : start + QUERY_BLOCK]
+        neighbours, _ = search(index, queries[block], depth, block if leave_one_out else None)
+        hits = gallery_codes[neighbours] == query_codes[block, None]
+        block_relevant = relevant[block]
+        parts = {f"recall@{k}": recall_at_k(hits, k) for k in ks}
+        parts.update({f"precision@{k}": precision_at_k(hits, k) for k in ks})
+        parts["r_precision"] = r_precision(hits, block_relevant)
+        parts["map@r"] = map_at_r(hits, block_relevant)
+        if full_ranking:
+            similarities = queries[block] @ gallery.T
+            if leave_one_out:
+                similarities[np.arange(len(block)), block] = -np.inf
+            mask = gallery_codes[None, :] == query_codes[block, None]
+            if leave_one_out:
+                mask[np.arange(len(block)), block] = False
+            parts["map"] = average_precision(similarities, mask)
+        for name, values in parts.items():
+            sums[name] = sums.get(name, 0.0) + float(values.sum())
+        first_hit = np.where(hits.any(axis=1), hits.argmax(axis=1), max(ks))  # rank - 1 of the first relevant item
+        cmc += np.bincount(first_hit, minlength=max(ks) + 1)[: max(ks)].cumsum()
+    result: dict = {name: total / len(chosen) for name, total in sums.items()}
+    result["cmc"] = [float(value) for value in cmc / len(chosen)]
     result["num_queries"] = int(len(chosen))
     result["num_skipped_queries"] = int(len(query_codes) - len(chosen))
     result["protocol"] = "leave-one-out" if leave_one_out else "query-gallery"
     return result
+
+
+def clustering_metrics(embeddings: np.ndarray, labels: Sequence[str], seed: int = 0, kmeans: object = None) -> dict[str, float]:
+    """NMI and AMI between the labels and a k-means clustering of the embeddings into as many clusters.
+
+    k-means is FAISS's (20 iterations, best of 5 seeded starts); NMI is the arithmetic-mean normalisation, as in
+    scikit-learn and pytorch-metric-learning. kmeans(embeddings, k) -> cluster ids may replace it.
+    """
+    from sklearn.metrics import adjusted_mutual_info_score, normalized_mutual_info_score  # imported here: slow to import
+
+    vectors = np.ascontiguousarray(embeddings, np.float32)
+    codes = np.unique(np.asarray(labels), return_inverse=True)[1]
+    clusters = int(codes.max()) + 1
+    if clusters < 2 or len(vectors) < clusters:
+        raise RetrievalError(f"clustering metrics need at least two classes and as many embeddings as classes, got {clusters} and {len(vectors)}")
+    assignment = faiss_kmeans(vectors, clusters, seed) if kmeans is None else kmeans(vectors, clusters)  # type: ignore[operator]
+    return {
+        "nmi": float(normalized_mutual_info_score(codes, assignment)),
+        "ami": float(adjusted_mutual_info_score(codes, assignment)),
+    }
+
+
+def faiss_kmeans(vectors: np.ndarray, clusters: int, seed: int = 0) -> np.ndarray:
+    """Cluster ids of FAISS k-means on the rows of vectors (20 iterations, best of 5 seeded starts)."""
+    faiss = require("faiss", "cpu")
+    vectors = np.ascontiguousarray(vectors, np.float32)
+    kmeans = faiss.Kmeans(vectors.shape[1], clusters, niter=20, nredo=5, seed=seed, verbose=False, min_points_per_centroid=1, max_points_per_centroid=100_000)
+    kmeans.train(vectors)
+    return kmeans.index.search(vectors, 1)[1][:, 0]
 
 
 def _encode_labels(query_labels: Sequence[str], gallery_labels: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -105,3 +105,80 @@ def test_embedding_diagnostics_by_hand() -> None:
     collapsed = embedding_diagnostics(np.tile([[1.0, 0.0]], (4, 1)), ["a", "a", "b", "b"])
     assert collapsed["uniformity"] == pytest.approx(0.0) and collapsed["tolerance"] == pytest.approx(1.0)
     assert "alignment" not in embedding_diagnostics(z, ["a", "b", "c", "d"])  # no same-label pairs
+
+
+def test_precision_map_and_cmc_by_hand() -> None:
+    gallery = ranked_gallery([1, 0, 3, 2, 4])  # ranking: b a b a b; the query's R = 2 relevant at ranks 2 and 4
+    metrics = retrieval_metrics(np.array([[1.0, 0.0]], np.float32), ["a"], gallery, ["a", "b", "a", "b", "b"], ks=(1, 2, 4, 8))
+    assert (metrics["precision@1"], metrics["precision@2"], metrics["precision@4"]) == (0.0, 0.5, 0.5)
+    assert metrics["precision@8"] == pytest.approx(2 / 8)  # k beyond the gallery counts as misses
+    assert metrics["map"] == pytest.approx((1 / 2 + 2 / 4) / 2)
+    assert metrics["cmc"] == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_self_match_is_removed_by_identity_not_by_distance() -> None:
+    twins = np.array([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]], np.float32)  # items 0 and 1 are identical
+    indices, _ = nearest_neighbours(twins, twins, 2, exclude_self=True)
+    assert indices[:, 0].tolist() == [1, 0, 3, 2]
+    metrics = retrieval_metrics(twins, ["a", "b", "a", "b"], ks=(1,))
+    assert metrics["recall@1"] == 0.0  # each item's twin has the other label
+
+
+def test_query_blocks_do_not_change_the_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    import retrieval.metrics as metrics_module
+
+    embeddings, labels = clustered(4)
+    whole = retrieval_metrics(embeddings, [str(x) for x in labels])
+    monkeypatch.setattr(metrics_module, "QUERY_BLOCK", 7)
+    blocked = retrieval_metrics(embeddings, [str(x) for x in labels])
+    assert blocked.keys() == whole.keys() and blocked["cmc"] == pytest.approx(whole["cmc"])
+    assert all(blocked[name] == pytest.approx(whole[name]) for name in whole if name not in ("cmc", "protocol"))
+
+
+def test_full_ranking_map_matches_a_brute_force_sort() -> None:
+    embeddings, labels = clustered(5, n=120)
+    ours = retrieval_metrics(embeddings, [str(x) for x in labels])["map"]
+    precisions = []
+    for i in range(len(embeddings)):
+        others = [j for j in range(len(embeddings)) if j != i]
+        ranked = sorted(others, key=lambda j: (-float(embeddings[i] @ embeddings[j]), j))
+        hits = [labels[j] == labels[i] for j in ranked]
+        if any(hits):
+            found = np.cumsum(hits)
+            precisions.append(np.mean([found[r] / (r + 1) for r, hit in enumerate(hits) if hit]))
+    assert ours == pytest.approx(np.mean(precisions), abs=1e-9)
+
+
+@pytest.mark.parametrize("setting", ["leave-one-out", "query-gallery"])
+def test_nmi_ami_and_precision_agree_with_the_accuracy_calculator(setting: str) -> None:
+    from retrieval.metrics import clustering_metrics, faiss_kmeans
+
+    embeddings, labels = clustered(6, n=400)
+    calculator = AccuracyCalculator(
+        include=("precision_at_1", "r_precision", "mean_average_precision_at_r", "NMI", "AMI"),
+        device=torch.device("cpu"),
+        kmeans_func=lambda x, k: torch.from_numpy(faiss_kmeans(x.numpy(), k)),
+    )
+    if setting == "leave-one-out":
+        ours = retrieval_metrics(embeddings, [str(x) for x in labels])
+        theirs = calculator.get_accuracy(torch.from_numpy(embeddings), torch.from_numpy(labels))
+        clustered_on, clustered_labels = embeddings, labels
+    else:
+        ours = retrieval_metrics(embeddings[:150], [str(x) for x in labels[:150]], embeddings[150:], [str(x) for x in labels[150:]])
+        theirs = calculator.get_accuracy(torch.from_numpy(embeddings[:150]), torch.from_numpy(labels[:150]), torch.from_numpy(embeddings[150:]), torch.from_numpy(labels[150:]))
+        clustered_on, clustered_labels = embeddings[:150], labels[:150]  # PML clusters the queries
+    ours.update(clustering_metrics(clustered_on, [str(x) for x in clustered_labels]))
+    for mine, pml in (("precision@1", "precision_at_1"), ("r_precision", "r_precision"), ("map@r", "mean_average_precision_at_r"), ("nmi", "NMI"), ("ami", "AMI")):
+        assert ours[mine] == pytest.approx(theirs[pml], abs=1e-6), mine
+
+
+def test_clustering_metrics_by_hand() -> None:
+    from retrieval.metrics import clustering_metrics
+
+    separated = np.repeat(np.eye(4, dtype=np.float32), 5, axis=0)  # four tight, far-apart classes
+    labels = [str(i) for i in np.repeat(np.arange(4), 5)]
+    assert clustering_metrics(separated, labels) == pytest.approx({"nmi": 1.0, "ami": 1.0})
+    opposite = clustering_metrics(separated, labels, kmeans=lambda x, k: np.arange(len(x)) % k)  # clusters across the classes
+    assert opposite["ami"] < 0.05
+    with pytest.raises(RetrievalError, match="at least two classes"):
+        clustering_metrics(separated, ["a"] * 20)
