@@ -26,6 +26,7 @@ from retrieval.errors import RetrievalError
 from retrieval.extras import require
 
 QUERY_BLOCK = 2048
+FULL_RANKING_LIMIT = 10_000  # gallery size up to which mAP over the full ranking is computed by default
 
 
 def nearest_neighbours(queries: np.ndarray, gallery: np.ndarray, k: int, exclude_self: bool = False, block: int = QUERY_BLOCK) -> tuple[np.ndarray, np.ndarray]:
@@ -103,12 +104,14 @@ def retrieval_metrics(
     gallery_embeddings: np.ndarray | None = None,
     gallery_labels: Sequence[str] | None = None,
     ks: Sequence[int] = (1, 5, 10),
-    full_ranking: bool = True,
+    full_ranking: bool | None = None,
 ) -> dict:
     """Returns recall@k and precision@k for each k, R-precision, MAP@R, mAP, the CMC curve and query counts.
 
-    Without a gallery, the protocol is leave-one-out: every item queries all the others. full_ranking
-    (mAP over the whole gallery) costs a sort of every query's similarities; turn it off for speed.
+    Without a gallery, the protocol is leave-one-out: every item queries all the others. mAP over the
+    full ranking sorts every query's similarities to the whole gallery (about 1 ms per query for
+    10,000 items here); by default (full_ranking=None) it is computed for galleries up to
+    FULL_RANKING_LIMIT items and left out above, unless full_ranking=True.
     """
     leave_one_out = gallery_embeddings is None
     if leave_one_out:
@@ -127,6 +130,8 @@ def retrieval_metrics(
     depth = min(int(max(max(ks), relevant.max())), len(gallery) - (1 if leave_one_out else 0))
     ks = sorted(set(ks))
     index = flat_index(gallery)
+    if full_ranking is None:
+        full_ranking = len(gallery) <= FULL_RANKING_LIMIT
     sums: dict[str, float] = {}
     cmc = np.zeros(max(ks))
     for start in range(0, len(chosen), QUERY_BLOCK):

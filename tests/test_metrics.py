@@ -182,3 +182,13 @@ def test_clustering_metrics_by_hand() -> None:
     assert opposite["ami"] < 0.05
     with pytest.raises(RetrievalError, match="at least two classes"):
         clustering_metrics(separated, ["a"] * 20)
+
+
+def test_full_ranking_map_is_left_out_above_the_limit_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    import retrieval.metrics as metrics_module
+
+    embeddings, labels = clustered(7, n=60)
+    names = [str(x) for x in labels]
+    monkeypatch.setattr(metrics_module, "FULL_RANKING_LIMIT", 50)
+    assert "map" not in retrieval_metrics(embeddings, names)
+    assert "map" in retrieval_metrics(embeddings, names, full_ranking=True)
