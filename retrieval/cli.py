@@ -209,21 +209,39 @@ def search(
 @app.command()
 def evaluate(
     run: RunArg,
-    images: DataArg,
-    k: Annotated[str, typer.Option("-k", "--k", help="Comma-separated k values for recall@k.")] = "1,5,10",
+    images: Annotated[Optional[Path], typer.Argument(help="A labeled collection to score leave-one-out (omit it with --query/--gallery).", show_default=False)] = None,
+    k: Annotated[str, typer.Option("-k", "--k", help="Comma-separated k values for recall@k and precision@k.")] = "1,5,10",
+    query: Annotated[Optional[Path], typer.Option("--query", help="Query images, scored against --gallery (the In-Shop protocol).")] = None,
+    gallery: Annotated[Optional[Path], typer.Option("--gallery", help="Gallery images for --query.")] = None,
+    split_classes: Annotated[float, typer.Option(help="Score only a seeded, class-disjoint fraction of the classes of IMAGES (0: all).")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Seed of --split-classes.")] = 0,
 ) -> None:
-    """Score leave-one-out retrieval over a labeled collection; writes RUN/metrics.json."""
+    """Score retrieval on labeled images; writes RUN/metrics.json and plots in RUN/plots/."""
     from retrieval.embedders import OnnxEmbedder
-    from retrieval.evaluation import evaluate_collection
+    from retrieval.evaluation import evaluate_collection, evaluate_query_gallery
+    from retrieval.plots import plot_recall_curve, plot_similarity_histograms
 
     ks = parse_ks(k)
+    if (query is None) != (gallery is None):
+        raise RetrievalError("--query and --gallery go together: give both (or neither, with IMAGES)")
+    if (images is None) == (query is None):
+        raise RetrievalError("give either IMAGES (leave-one-out) or --query Q --gallery G, not both or neither")
+    if split_classes and images is None:
+        raise RetrievalError("--split-classes splits IMAGES; it does not apply to --query/--gallery")
     run_dir = RunDir(run)
     embedder = OnnxEmbedder.from_run(run_dir)
-    evaluation = evaluate_collection(embedder, load_collection(images), ks)
+    if images is not None:
+        evaluation = evaluate_collection(embedder, load_collection(images), ks, split_classes=split_classes, seed=seed)
+    else:
+        assert query is not None and gallery is not None
+        evaluation = evaluate_query_gallery(embedder, load_collection(query), load_collection(gallery), ks)
     write_json(run_dir.metrics, evaluation.metrics)
+    plots = run_dir.root / "plots"
+    plot_recall_curve(evaluation.metrics["cmc"], plots / "recall_at_k.png", f"recall@k ({evaluation.metrics['protocol']})")
+    plot_similarity_histograms(evaluation.vectors, evaluation.labels, plots / "similarities.png")
     report_skipped(evaluation.skipped, None)
     console.print(metrics_table({"model": evaluation.metrics}))
-    console.print(f"wrote {run_dir.metrics}")
+    console.print(f"wrote {run_dir.metrics} and the plots in {plots}")
 
 
 @app.command()

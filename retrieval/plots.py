@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")  # files only: works on servers without a display
 from matplotlib import pyplot as plt  # noqa: E402
@@ -61,6 +63,43 @@ def plot_temperature_sweep(rows: list[dict], target: Path) -> Path:
         axis.set_title(title)
         axis.legend(fontsize=8)
     figure.suptitle("held-out classes: the uniformity-tolerance dilemma (Wang & Liu 2021) on this data")
+    return _save(figure, target)
+
+
+def plot_recall_curve(cmc: list[float], target: Path, title: str) -> Path:
+    """Draws recall@k against k (the CMC curve) into a PNG."""
+    figure, axis = plt.subplots(figsize=(6, 4), dpi=120)
+    ks = list(range(1, len(cmc) + 1))
+    axis.plot(ks, cmc, marker="o", markersize=3)
+    axis.set_xlabel("k")
+    axis.set_ylabel("recall@k")
+    axis.set_ylim(0, 1)
+    axis.grid(alpha=0.3)
+    axis.set_title(title)
+    return _save(figure, target)
+
+
+def plot_similarity_histograms(vectors: np.ndarray, labels: Sequence[str], target: Path, max_points: int = 3000, seed: int = 0) -> Path:
+    """Draws the histograms of same-label and different-label cosine similarities into a PNG.
+
+    With more than max_points rows, a seeded random subset is used.
+    """
+    codes = np.unique(np.asarray(labels), return_inverse=True)[1]
+    if len(vectors) > max_points:
+        keep = np.random.default_rng(seed).choice(len(vectors), max_points, replace=False)
+        vectors, codes = vectors[keep], codes[keep]
+    similarity = vectors @ vectors.T
+    upper = np.triu(np.ones_like(similarity, dtype=bool), k=1)
+    same = (codes[:, None] == codes[None, :]) & upper
+    figure, axis = plt.subplots(figsize=(6, 4), dpi=120)
+    bins = np.linspace(-1, 1, 81)
+    for pairs, name in ((upper & ~same, "different label"), (same, "same label")):
+        if pairs.any():  # e.g. a query set with one image per label has no same-label pair
+            axis.hist(similarity[pairs], bins=bins, density=True, alpha=0.6, label=f"{name} ({int(pairs.sum()):,} pairs)")
+    axis.set_xlabel("cosine similarity")
+    axis.set_ylabel("density")
+    axis.legend()
+    axis.set_title("similarities of pairs")
     return _save(figure, target)
 
 
