@@ -133,3 +133,21 @@ def test_compiled_and_fp16_training_write_plain_checkpoints(small_folder: Path, 
         assert main(["train", str(small_folder), "--run", str(run.root), "--epochs", "1", "--batch-size", "8", "--image-size", "32", *flags]) == 0
         model, _ = load_encoder(run)  # no torch.compile prefix in the weights' names
         assert torch.isfinite(model(torch.randn(2, 3, 32, 32))).all()
+
+
+def test_pretrained_weights_offline_fail_with_a_clear_message(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import urllib.error
+
+    import timm.models._builder
+    import torchvision.models._api
+
+    def offline(*args: object, **kwargs: object) -> None:
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # no cached weights
+    monkeypatch.setattr(torchvision.models._api, "load_state_dict_from_url", offline)
+    with pytest.raises(RetrievalError, match="cannot load pretrained weights for resnet18 .*check the network or train without --pretrained"):
+        Encoder("resnet18", pretrained=True)
+    monkeypatch.setattr(timm.models._builder, "load_pretrained", offline)
+    with pytest.raises(RetrievalError, match="cannot build timm model 'resnet10t'.*check the network"):
+        Encoder("timm:resnet10t", pretrained=True)
