@@ -13,7 +13,6 @@ sampler and all) and reads images/s from its log.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import tempfile
 import time
@@ -29,7 +28,7 @@ from retrieval.runs import RunDir
 from training.config import TrainConfig
 from training.losses import SupConLoss
 from training.model import Encoder
-from training.train import autocast_dtype, train
+from training.train import autocast, autocast_dtype, train
 
 
 def synchronize(device: torch.device) -> None:
@@ -63,7 +62,7 @@ def step_rate(args: argparse.Namespace, device: torch.device, precision: str) ->
     labels = torch.arange(args.batch_size // 4, device=device).repeat_interleave(4)
 
     def step() -> None:
-        with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
+        with autocast(device, dtype):
             projected = forward(images)
         loss = loss_fn(projected.float(), labels)
         optimizer.zero_grad(set_to_none=True)

@@ -54,10 +54,15 @@ def test_supcon_matches_pytorch_metric_learning(temperature: float, seed: int) -
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6) and torch.allclose(our_grad, their_grad, atol=1e-5)
 
 
+def random_queue(seed: int, size: int = 40, dim: int = 16, classes: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and labels of a memory queue; its labels overlap those of random_batch."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(size, dim, generator=generator), torch.randint(0, classes, (size,), generator=generator)
+
+
 def test_supcon_with_a_queue_matches_the_reference_loop() -> None:
     embeddings, labels = random_batch(6)
-    generator = torch.Generator().manual_seed(10)
-    queue, queue_labels = torch.randn(40, 16, generator=generator), torch.randint(0, 8, (40,), generator=generator)
+    queue, queue_labels = random_queue(10)
     ours = SupConLoss(0.1)(embeddings, labels, queue, queue_labels)
     assert ours.item() == pytest.approx(reference_supcon(embeddings, labels, 0.1, queue, queue_labels), rel=1e-5)
     with pytest.raises(RetrievalError, match="one label per key"):
@@ -172,8 +177,7 @@ def test_infonce_matches_pml_ntxent_and_the_reference(temperature: float) -> Non
 
 def test_infonce_with_a_queue_of_negatives() -> None:
     embeddings, labels = random_batch(5)
-    generator = torch.Generator().manual_seed(9)
-    queue, queue_labels = torch.randn(40, 16, generator=generator), torch.randint(0, 8, (40,), generator=generator)
+    queue, queue_labels = random_queue(9)
     ours = InfoNCELoss(0.1)(embeddings, labels, queue, queue_labels)
     assert ours.item() == pytest.approx(reference_infonce(embeddings, labels, 0.1, queue, queue_labels), rel=1e-5)
     assert ours.item() > InfoNCELoss(0.1)(embeddings, labels).item()  # more negatives, larger loss

@@ -51,14 +51,11 @@ class MemoryQueue:
         return self.keys[: self.filled], self.labels[: self.filled]
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-        """Returns the tensors and counters a resumed run needs."""
-        tensors = {f"encoder/{name}": t.detach().cpu().contiguous() for name, t in self.encoder.state_dict().items()}
-        tensors.update({"keys": self.keys.cpu(), "labels": self.labels.cpu()})
-        return tensors, {"filled": self.filled, "position": self.position}
+        """Returns the queue's tensors and counters a resumed run needs (the key encoder is a module of its own)."""
+        return {"keys": self.keys.cpu(), "labels": self.labels.cpu()}, {"filled": self.filled, "position": self.position}
 
     def load_state(self, tensors: dict[str, torch.Tensor], counters: dict[str, int]) -> None:
         """Restores what state() returned."""
-        self.encoder.load_state_dict({name.removeprefix("encoder/"): t for name, t in tensors.items() if name.startswith("encoder/")})
         self.keys.copy_(tensors["keys"])
         self.labels.copy_(tensors["labels"])
         self.filled, self.position = counters["filled"], counters["position"]

@@ -129,6 +129,11 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """Mixed precision in dtype on device, or nothing for float32 (dtype None)."""
+    return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+
 def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     """AdamW, or SGD with Nesterov momentum 0.9, at the config's learning rate and weight decay."""
     if config.optimizer == "sgd":
@@ -224,9 +229,9 @@ def _train(config: TrainConfig, run: RunDir, progress: bool, resume: bool, ranks
         for images, labels in bar:
             images = images.to(device, memory_format=memory_format, non_blocking=True)
             labels = distributed.gather_rows(labels.to(device, non_blocking=True))
-            with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
+            with autocast(device, dtype):
                 queries = forward(images)
-                keys = queue.encode(images) if queue else None
+                keys = queue.encode(images) if queue is not None else None
             queries = distributed.gather_rows(queries.float())
             if queue is not None:
                 loss = loss_fn(queries, labels, *queue.contents())
@@ -243,15 +248,15 @@ def _train(config: TrainConfig, run: RunDir, progress: bool, resume: bool, ranks
             schedule.step()
             if queue is not None:
                 queue.follow(model)
-            record["losses"].append(loss.item())
+            value, lr = loss.item(), schedule.get_last_lr()[0]
+            record["losses"].append(value)
             record["step"] += 1
             record["batch"] += 1
             seen += len(labels)
-            rate = seen / (time.perf_counter() - started)
-            bar.set_postfix(loss=f"{record['losses'][-1]:.4f}", lr=f"{schedule.get_last_lr()[0]:.2e}", img_s=f"{rate:.0f}")
+            bar.set_postfix(loss=f"{value:.4f}", lr=f"{lr:.2e}", img_s=f"{seen / (time.perf_counter() - started):.0f}")
             if board is not None:
-                board.add_scalar("train/loss", record["losses"][-1], record["step"])
-                board.add_scalar("train/lr", schedule.get_last_lr()[0], record["step"])
+                board.add_scalar("train/loss", value, record["step"])
+                board.add_scalar("train/lr", lr, record["step"])
             if config.checkpoint_every and record["step"] % config.checkpoint_every == 0 and record["batch"] < sampler.num_batches:
                 state.save(record)
         epoch_loss = float(np.mean(record["losses"]))
@@ -305,6 +310,11 @@ def _weights(model: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor
     return {f"{prefix}{name}": tensor.detach().cpu().contiguous() for name, tensor in model.state_dict().items()}
 
 
+def _prefixed(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors whose names start with prefix, under their names without it (the inverse of _weights' prefix)."""
+    return {name.removeprefix(prefix): tensor for name, tensor in tensors.items() if name.startswith(prefix)}
+
+
 def save_checkpoint(path: Path, model: torch.nn.Module, metadata: dict[str, str]) -> None:
     """Writes the model's weights as safetensors, atomically."""
     write_atomic(path, save_safetensors(_weights(model), metadata=metadata))
@@ -351,6 +361,7 @@ class TrainerState:
         if self.queue is not None:
             queue_tensors, counters = self.queue.state()
             tensors.update({f"queue/{name}": t for name, t in queue_tensors.items()})
+            tensors.update(_weights(self.queue.encoder, prefix="queue/encoder/"))
             metadata["queue"] = json.dumps(counters)
         write_atomic(self.path, save_safetensors(tensors, metadata=metadata))
 
@@ -365,19 +376,19 @@ class TrainerState:
             saved_ranks = sum(name.startswith("rng/torch/") for name in tensors)
             if saved_ranks != self.ranks.world_size:
                 raise RetrievalError(f"{self.path}: saved by {saved_ranks} training processes; resume it with as many, not {self.ranks.world_size}")
-            self.model.load_state_dict({name.removeprefix("model/"): t for name, t in tensors.items() if name.startswith("model/")})
+            self.model.load_state_dict(_prefixed(tensors, "model/"))
             state: dict[int, dict[str, torch.Tensor]] = {}
-            for name, tensor in tensors.items():
-                if name.startswith("optimizer/"):
-                    _, index, key = name.split("/", 2)
-                    state.setdefault(int(index), {})[key] = tensor
+            for name, tensor in _prefixed(tensors, "optimizer/").items():
+                index, key = name.split("/", 1)
+                state.setdefault(int(index), {})[key] = tensor
             self.optimizer.load_state_dict({"state": state, "param_groups": json.loads(metadata["param_groups"])})
             self.schedule.load_state_dict(json.loads(metadata["schedule"]))
             self.scaler.load_state_dict(json.loads(metadata["scaler"]))
             if self.queue is not None:
                 if "queue" not in metadata:
                     raise RetrievalError(f"{self.path}: saved without a memory queue, but the run has --queue-size")
-                self.queue.load_state({name.removeprefix("queue/"): t for name, t in tensors.items() if name.startswith("queue/")}, json.loads(metadata["queue"]))
+                self.queue.encoder.load_state_dict(_prefixed(tensors, "queue/encoder/"))
+                self.queue.load_state(_prefixed(tensors, "queue/"), json.loads(metadata["queue"]))
             torch.set_rng_state(tensors[f"rng/torch/{self.ranks.rank}"])
             return json.loads(metadata["record"])
         except RetrievalError:
