@@ -6,7 +6,6 @@ without torch installed.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -102,7 +101,7 @@ def train(
             seed=seed,
         )
     result = run_training(config, RunDir(run), resume=resume)
-    if os.environ.get("RANK", "0") != "0":
+    if not result.reporting:
         return  # under torchrun, process 0 reports
     report_skipped(result.skipped, RunDir(run).root / "skipped.json")
     console.print(f"trained on {result.num_images} images of {result.num_classes} classes; final loss {result.final_loss:.4f}; checkpoint {RunDir(run).last_checkpoint}")
@@ -143,8 +142,8 @@ def analyze(
     for column in ("loss", "temperature", "uniformity (loss space)", "tolerance (loss space)", "uniformity (embedding)", "tolerance (embedding)", "recall@1", "MAP@R"):
         table.add_column(column)
     for row in rows:
-        values = [row[key] for key in ("loss_uniformity", "loss_tolerance", "uniformity", "tolerance", "recall@1", "map@r")]
-        table.add_row(row["loss"], f"{row['temperature']:g}", *(f"{value:.3f}" for value in values))
+        cells = [f"{row[key]:.3f}" for key in ("loss_uniformity", "loss_tolerance", "uniformity", "tolerance", "recall@1", "map@r")]
+        table.add_row(row["loss"], f"{row['temperature']:g}", *cells)
     console.print(table)
     console.print(f"wrote {out / 'temperature_sweep.png'} and {out / 'temperature_sweep.json'}")
 
@@ -236,12 +235,11 @@ def evaluate(
         assert query is not None and gallery is not None
         evaluation = evaluate_query_gallery(embedder, load_collection(query), load_collection(gallery), ks)
     write_json(run_dir.metrics, evaluation.metrics)
-    plots = run_dir.root / "plots"
-    plot_recall_curve(evaluation.metrics["cmc"], plots / "recall_at_k.png", f"recall@k ({evaluation.metrics['protocol']})")
-    plot_similarity_histograms(evaluation.vectors, evaluation.labels, plots / "similarities.png")
+    plot_recall_curve(evaluation.metrics["cmc"], run_dir.plots / "recall_at_k.png", f"recall@k ({evaluation.metrics['protocol']})")
+    plot_similarity_histograms(evaluation.vectors, evaluation.labels, run_dir.plots / "similarities.png")
     report_skipped(evaluation.skipped, None)
     console.print(metrics_table({"model": evaluation.metrics}))
-    console.print(f"wrote {run_dir.metrics} and the plots in {plots}")
+    console.print(f"wrote {run_dir.metrics} and the plots in {run_dir.plots}")
 
 
 @app.command()

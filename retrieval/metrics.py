@@ -27,6 +27,7 @@ from retrieval.extras import require
 
 QUERY_BLOCK = 2048
 FULL_RANKING_LIMIT = 10_000  # gallery size up to which mAP over the full ranking is computed by default
+_TIE_MARGIN = 8  # extra candidates fetched so that ties at the k-th place are ordered by id
 
 
 def nearest_neighbours(queries: np.ndarray, gallery: np.ndarray, k: int, exclude_self: bool = False, block: int = QUERY_BLOCK) -> tuple[np.ndarray, np.ndarray]:
@@ -37,10 +38,12 @@ def nearest_neighbours(queries: np.ndarray, gallery: np.ndarray, k: int, exclude
     queries = np.ascontiguousarray(queries, np.float32)
     index = flat_index(gallery)
     k = min(k, index.ntotal - (1 if exclude_self else 0))
-    parts = [search(index, queries[start : start + block], k, np.arange(start, min(start + block, len(queries))) if exclude_self else None) for start in range(0, len(queries), block)]
-    if not parts:
-        return np.zeros((0, k), np.int64), np.zeros((0, k), np.float32)
-    return np.concatenate([ids for ids, _ in parts]), np.concatenate([scores for _, scores in parts])
+    indices = np.zeros((len(queries), k), np.int64)
+    scores = np.zeros((len(queries), k), np.float32)
+    for start in range(0, len(queries), block):
+        rows = np.arange(start, min(start + block, len(queries)))
+        indices[rows], scores[rows] = search(index, queries[rows], k, rows if exclude_self else None)
+    return indices, scores
 
 
 def flat_index(vectors: np.ndarray) -> object:
@@ -60,9 +63,6 @@ def search(index: object, queries: np.ndarray, k: int, own: np.ndarray | None = 
         found_scores = np.where(found == own[:, None], -np.inf, found_scores)
     order = np.lexsort((found, -found_scores), axis=1)[:, :k]  # by score, then by the lower id
     return np.take_along_axis(found, order, axis=1), np.take_along_axis(found_scores, order, axis=1)
-
-
-_TIE_MARGIN = 8  # extra candidates fetched so that ties at the k-th place are ordered by id
 
 
 def recall_at_k(hits: np.ndarray, k: int) -> np.ndarray:
@@ -145,10 +145,9 @@ def retrieval_metrics(
         parts["map@r"] = map_at_r(hits, block_relevant)
         if full_ranking:
             similarities = queries[block] @ gallery.T
-            if leave_one_out:
-                similarities[np.arange(len(block)), block] = -np.inf
             mask = gallery_codes[None, :] == query_codes[block, None]
-            if leave_one_out:
+            if leave_one_out:  # the query's own item: last in the ranking, and not relevant
+                similarities[np.arange(len(block)), block] = -np.inf
                 mask[np.arange(len(block)), block] = False
             parts["map"] = average_precision(similarities, mask)
         for name, values in parts.items():

@@ -59,6 +59,10 @@ class RunDir:
         return self.root / "metrics.json"
 
     @property
+    def plots(self) -> Path:
+        return self.root / "plots"
+
+    @property
     def index(self) -> Path:
         return self.root / "index"
 

@@ -46,6 +46,7 @@ class TrainResult:
     num_classes: int
     skipped: list[Skipped]
     final_loss: float
+    reporting: bool = True  # False in the torchrun processes other than process 0, which reports for all
 
 
 class AugmentedImages(Dataset):
@@ -105,7 +106,8 @@ class Validator:
         with torch.no_grad():
             batches = [model.embed_and_project(self.images[i : i + 256].to(self.device)) for i in range(0, len(self.images), 256)]
         model.train()
-        vectors, projections = (torch.cat([part[j].float().cpu() for part in batches]).numpy() for j in (0, 1))
+        vectors = torch.cat([embedded for embedded, _ in batches]).float().cpu().numpy()
+        projections = torch.cat([projected for _, projected in batches]).float().cpu().numpy()
         scores = {**retrieval_metrics(vectors, self.labels, ks=(1,)), **embedding_diagnostics(vectors, self.labels)}
         scores.update({f"loss_{name}": value for name, value in embedding_diagnostics(projections, self.labels).items()})
         return scores
@@ -171,7 +173,9 @@ def train(config: TrainConfig, run: RunDir, progress: bool = True, resume: bool 
 
 def _train(config: TrainConfig, run: RunDir, progress: bool, resume: bool, ranks: distributed.Ranks, device: torch.device) -> TrainResult:
     collection = load_collection(config.data)
-    readable, skipped = readable_items(collection.items, progress)
+    # process 0 decodes every image once; the others take its verdict rather than decoding them again
+    checked = readable_items(collection.items, progress) if ranks.is_main else None
+    readable, skipped = distributed.broadcast_object(checked)  # type: ignore[misc]
     skipped = collection.skipped + skipped
     items, validation = split_by_class(readable, config.val_classes, config.seed)
     classes = sorted({item.label for item in items})
@@ -293,7 +297,7 @@ def _train(config: TrainConfig, run: RunDir, progress: bool, resume: bool, ranks
         board.close()
     if ranks.is_main:
         plot_training_log(run.train_log, run.loss_plot)
-    return TrainResult(run, len(items), len(classes), skipped, epoch_loss)
+    return TrainResult(run, len(items), len(classes), skipped, epoch_loss, ranks.is_main)
 
 
 VALIDATION_KEYS = ("recall@1", "map@r", "alignment", "uniformity", "tolerance", "loss_alignment", "loss_uniformity", "loss_tolerance")
