@@ -33,9 +33,8 @@ def model() -> torch.nn.Linear:
     return torch.nn.Linear(16, 8)
 
 
-def losses_and_gradients(rank: int, world: int, out: Path) -> None:
-    """Runs on each rank: every loss on the gathered rows, then writes the loss and the weight gradient."""
-    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world)
+def gathered_losses_and_gradients(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Every loss on the rows gathered from all ranks, with the weight gradient DDP leaves on this rank."""
     images, labels = batch()
     rows = slice(rank * len(images) // world, (rank + 1) * len(images) // world)
     results = {}
@@ -44,9 +43,15 @@ def losses_and_gradients(rank: int, world: int, out: Path) -> None:
         loss = loss_class(temperature=0.2)(distributed.gather_rows(net(images[rows])), distributed.gather_rows(labels[rows]))
         loss.backward()
         results[f"{name}/loss"], results[f"{name}/grad"] = loss.detach().reshape(1), net.module.weight.grad
-    save_file(results, str(out / f"rank{rank}.safetensors"))
+    return results
+
+
+def losses_and_gradients(rank: int, world: int, out: Path) -> None:
+    """Runs on each rank: writes the losses and gradients, then leaves the group as the trainer does."""
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world)
+    save_file(gathered_losses_and_gradients(rank, world), str(out / f"rank{rank}.safetensors"))
     dist.barrier()  # no rank leaves while another is still talking to it
-    dist.destroy_process_group()
+    distributed.stop()
 
 
 def test_two_gloo_processes_match_one_process_on_the_whole_batch(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ the batches of all ranks together, so that every anchor sees every rank's negati
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -59,8 +60,14 @@ def start(device_name: str) -> tuple[Ranks, torch.device]:
 
 
 def stop() -> None:
-    """Leaves the process group, if this process joined one."""
+    """Leaves the process group, if this process joined one.
+
+    DistributedDataParallel wrappers that are no longer referenced may still sit in reference
+    cycles; their reducers must be freed before the group they hold, or gloo aborts the process at
+    exit ("terminate called without an active exception"), so a collection runs first.
+    """
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
