@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from retrieval.cli import main
@@ -32,10 +31,15 @@ def logged_epochs(run: RunDir) -> int:
 
 
 def saved_record(run: RunDir) -> dict:
-    """The progress record of the run's trainer state ({} before the first save)."""
+    """The progress record of the run's trainer state ({} before the first save).
+
+    The safetensors header is read through one file handle: the trainer replaces the file while this
+    polls, and a reader that opens the path twice may pair one version's header with another's size.
+    """
     try:
-        with safe_open(str(run.trainer_state), "pt") as handle:
-            return json.loads(handle.metadata()["record"])
+        with run.trainer_state.open("rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            return json.loads(json.loads(handle.read(size))["__metadata__"]["record"])
     except (OSError, KeyError, ValueError):  # not written yet
         return {}
 
