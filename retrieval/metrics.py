@@ -18,7 +18,9 @@ its index, not by its distance; ties are broken by the lower gallery index.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -27,7 +29,29 @@ from retrieval.extras import require
 
 QUERY_BLOCK = 2048
 FULL_RANKING_LIMIT = 10_000  # gallery size up to which mAP over the full ranking is computed by default
+# FAISS k-means: 20 iterations (as pytorch-metric-learning runs it), the best of 5 seeded starts (one
+# start splits even four far-apart classes wrongly now and then), every point used
+KMEANS_SETTINGS = {"niter": 20, "nredo": 5, "verbose": False, "min_points_per_centroid": 1, "max_points_per_centroid": 1 << 30}
 _TIE_MARGIN = 8  # extra candidates fetched so that ties at the k-th place are ordered by id
+
+# FAISS's exact search multiplies query blocks by gallery blocks with BLAS; its default gallery block
+# (1,024 rows) and its threshold for BLAS are tuned for few queries. Scoring many queries runs about
+# twice as fast with larger gallery blocks (bench/metrics.py); the defaults come back afterwards.
+_BULK_BLAS = {"distance_compute_blas_threshold": 20, "distance_compute_blas_database_bs": 16384}
+
+
+@contextmanager
+def bulk_search() -> Iterator[None]:
+    """Runs the enclosed FAISS searches (and k-means assignments) with BLAS blocks sized for many queries."""
+    faiss = require("faiss", "cpu")
+    saved = {name: getattr(faiss.cvar, name) for name in _BULK_BLAS}
+    for name, value in _BULK_BLAS.items():
+        setattr(faiss.cvar, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(faiss.cvar, name, value)
 
 
 def nearest_neighbours(queries: np.ndarray, gallery: np.ndarray, k: int, exclude_self: bool = False, block: int = QUERY_BLOCK) -> tuple[np.ndarray, np.ndarray]:
@@ -98,6 +122,34 @@ def average_precision(similarities: np.ndarray, relevant_mask: np.ndarray) -> np
     return (np.cumsum(hits, axis=1) / ranks * hits).sum(axis=1) / np.maximum(hits.sum(axis=1), 1)
 
 
+@dataclass
+class QueryScores:
+    """Per-query results of a retrieval evaluation, from which every averaged metric is computed.
+
+    Only queries with at least one relevant gallery item are scored; `queries` holds their row
+    numbers and every per-query array follows that order.
+    """
+
+    queries: np.ndarray  # row numbers of the scored queries
+    values: dict[str, np.ndarray]  # metric name -> one value per scored query
+    first_hit: np.ndarray  # 0-based rank of the first relevant item; at least max_k when none was found
+    neighbours: np.ndarray  # [scored, max k] gallery rows, nearest first
+    similarities: np.ndarray  # [scored, max k] their similarities
+    skipped: int  # queries without any relevant item
+    max_k: int
+    leave_one_out: bool
+
+    def summary(self) -> dict:
+        """The averaged metrics, the CMC curve (recall@k for k = 1..max k) and the query counts."""
+        result: dict = {name: float(values.mean()) for name, values in self.values.items()}
+        first = np.bincount(np.minimum(self.first_hit, self.max_k), minlength=self.max_k + 1)[: self.max_k]
+        result["cmc"] = [float(value) for value in first.cumsum() / len(self.queries)]
+        result["num_queries"] = int(len(self.queries))
+        result["num_skipped_queries"] = self.skipped
+        result["protocol"] = "leave-one-out" if self.leave_one_out else "query-gallery"
+        return result
+
+
 def retrieval_metrics(
     query_embeddings: np.ndarray,
     query_labels: Sequence[str],
@@ -107,6 +159,21 @@ def retrieval_metrics(
     full_ranking: bool | None = None,
 ) -> dict:
     """Returns recall@k and precision@k for each k, R-precision, MAP@R, mAP, the CMC curve and query counts.
+
+    The arguments are those of score_queries; this is its summary.
+    """
+    return score_queries(query_embeddings, query_labels, gallery_embeddings, gallery_labels, ks, full_ranking).summary()
+
+
+def score_queries(
+    query_embeddings: np.ndarray,
+    query_labels: Sequence[str],
+    gallery_embeddings: np.ndarray | None = None,
+    gallery_labels: Sequence[str] | None = None,
+    ks: Sequence[int] = (1, 5, 10),
+    full_ranking: bool | None = None,
+) -> QueryScores:
+    """Scores every query: recall@k and precision@k for each k, R-precision, MAP@R, mAP and its nearest items.
 
     Without a gallery, the protocol is leave-one-out: every item queries all the others. mAP over the
     full ranking sorts every query's similarities to the whole gallery (about 1 ms per query for
@@ -127,46 +194,54 @@ def retrieval_metrics(
     chosen = np.flatnonzero(relevant > 0)
     if not len(chosen):
         raise RetrievalError("no query has a relevant item in the gallery: every label needs at least two images (leave-one-out) or a match in the gallery")
-    depth = min(int(max(max(ks), relevant.max())), len(gallery) - (1 if leave_one_out else 0))
     ks = sorted(set(ks))
+    depth = min(int(max(ks[-1], relevant.max())), len(gallery) - (1 if leave_one_out else 0))
+    shown = min(ks[-1], depth)
     index = flat_index(gallery)
     if full_ranking is None:
         full_ranking = len(gallery) <= FULL_RANKING_LIMIT
-    sums: dict[str, float] = {}
-    cmc = np.zeros(max(ks))
-    for start in range(0, len(chosen), QUERY_BLOCK):
-        block = chosen[start : start + QUERY_BLOCK]
-        neighbours, _ = search(index, queries[block], depth, block if leave_one_out else None)
-        hits = gallery_codes[neighbours] == query_codes[block, None]
-        block_relevant = relevant[block]
-        parts = {f"recall@{k}": recall_at_k(hits, k) for k in ks}
-        parts.update({f"precision@{k}": precision_at_k(hits, k) for k in ks})
-        parts["r_precision"] = r_precision(hits, block_relevant)
-        parts["map@r"] = map_at_r(hits, block_relevant)
-        if full_ranking:
-            similarities = queries[block] @ gallery.T
-            mask = gallery_codes[None, :] == query_codes[block, None]
-            if leave_one_out:  # the query's own item: last in the ranking, and not relevant
-                similarities[np.arange(len(block)), block] = -np.inf
-                mask[np.arange(len(block)), block] = False
-            parts["map"] = average_precision(similarities, mask)
-        for name, values in parts.items():
-            sums[name] = sums.get(name, 0.0) + float(values.sum())
-        first_hit = np.where(hits.any(axis=1), hits.argmax(axis=1), max(ks))  # rank - 1 of the first relevant item
-        cmc += np.bincount(first_hit, minlength=max(ks) + 1)[: max(ks)].cumsum()
-    result: dict = {name: total / len(chosen) for name, total in sums.items()}
-    result["cmc"] = [float(value) for value in cmc / len(chosen)]
-    result["num_queries"] = int(len(chosen))
-    result["num_skipped_queries"] = int(len(query_codes) - len(chosen))
-    result["protocol"] = "leave-one-out" if leave_one_out else "query-gallery"
-    return result
+    parts: dict[str, list[np.ndarray]] = {}
+    first_hits, neighbour_blocks, similarity_blocks = [], [], []
+    with bulk_search():
+        for start in range(0, len(chosen), QUERY_BLOCK):
+            block = chosen[start : start + QUERY_BLOCK]
+            neighbours, scores = search(index, queries[block], depth, block if leave_one_out else None)
+            hits = gallery_codes[neighbours] == query_codes[block, None]
+            block_relevant = relevant[block]
+            values = {f"recall@{k}": recall_at_k(hits, k) for k in ks}
+            values.update({f"precision@{k}": precision_at_k(hits, k) for k in ks})
+            values["r_precision"] = r_precision(hits, block_relevant)
+            values["map@r"] = map_at_r(hits, block_relevant)
+            if full_ranking:
+                similarities = queries[block] @ gallery.T
+                mask = gallery_codes[None, :] == query_codes[block, None]
+                if leave_one_out:  # the query's own item: last in the ranking, and not relevant
+                    similarities[np.arange(len(block)), block] = -np.inf
+                    mask[np.arange(len(block)), block] = False
+                values["map"] = average_precision(similarities, mask)
+            for name, value in values.items():
+                parts.setdefault(name, []).append(value)
+            first_hits.append(np.where(hits.any(axis=1), hits.argmax(axis=1), max(depth, ks[-1])))
+            neighbour_blocks.append(neighbours[:, :shown])
+            similarity_blocks.append(scores[:, :shown])
+    return QueryScores(
+        queries=chosen,
+        values={name: np.concatenate(blocks) for name, blocks in parts.items()},
+        first_hit=np.concatenate(first_hits),
+        neighbours=np.concatenate(neighbour_blocks),
+        similarities=np.concatenate(similarity_blocks),
+        skipped=int(len(query_codes) - len(chosen)),
+        max_k=ks[-1],
+        leave_one_out=leave_one_out,
+    )
 
 
 def clustering_metrics(embeddings: np.ndarray, labels: Sequence[str], seed: int = 0, kmeans: object = None) -> dict[str, float]:
     """NMI and AMI between the labels and a k-means clustering of the embeddings into as many clusters.
 
-    k-means is FAISS's (20 iterations, best of 5 seeded starts); NMI is the arithmetic-mean normalisation, as in
-    scikit-learn and pytorch-metric-learning. kmeans(embeddings, k) -> cluster ids may replace it.
+    k-means is FAISS's (KMEANS_SETTINGS: 20 iterations, best of 5 seeded starts); NMI is the
+    arithmetic-mean normalisation, as in scikit-learn and pytorch-metric-learning.
+    kmeans(embeddings, k) -> cluster ids may replace it.
     """
     from sklearn.metrics import adjusted_mutual_info_score, normalized_mutual_info_score  # imported here: slow to import
 
@@ -183,12 +258,13 @@ def clustering_metrics(embeddings: np.ndarray, labels: Sequence[str], seed: int 
 
 
 def faiss_kmeans(vectors: np.ndarray, clusters: int, seed: int = 0) -> np.ndarray:
-    """Cluster ids of FAISS k-means on the rows of vectors (20 iterations, best of 5 seeded starts)."""
+    """Cluster ids of FAISS k-means on the rows of vectors (KMEANS_SETTINGS, seeded)."""
     faiss = require("faiss", "cpu")
     vectors = np.ascontiguousarray(vectors, np.float32)
-    kmeans = faiss.Kmeans(vectors.shape[1], clusters, niter=20, nredo=5, seed=seed, verbose=False, min_points_per_centroid=1, max_points_per_centroid=100_000)
-    kmeans.train(vectors)
-    return kmeans.index.search(vectors, 1)[1][:, 0]
+    kmeans = faiss.Kmeans(vectors.shape[1], clusters, **KMEANS_SETTINGS, seed=seed)
+    with bulk_search():
+        kmeans.train(vectors)
+        return kmeans.index.search(vectors, 1)[1][:, 0]
 
 
 def _encode_labels(query_labels: Sequence[str], gallery_labels: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -196,29 +272,39 @@ def _encode_labels(query_labels: Sequence[str], gallery_labels: Sequence[str]) -
     return (np.array([vocabulary[label] for label in query_labels], np.int64), np.array([vocabulary[label] for label in gallery_labels], np.int64))
 
 
-def embedding_diagnostics(embeddings: np.ndarray, labels: Sequence[str], max_points: int = 10_000, seed: int = 0) -> dict[str, float]:
+def embedding_diagnostics(embeddings: np.ndarray, labels: Sequence[str], max_points: int = 10_000, seed: int = 0, block: int = 1024) -> dict[str, float]:
     """Returns alignment, uniformity (Wang & Isola 2020) and tolerance (Wang & Liu 2021) of unit embeddings.
 
-    - alignment = mean over same-label pairs of ||x - y||^2 (lower: positives closer);
+    - alignment = mean over same-label pairs of ||x - y||^2 = 2 - 2 * tolerance (lower: positives closer);
     - uniformity = log mean over all distinct pairs of exp(-2 ||x - y||^2) (lower: more spread out);
     - tolerance = mean over same-label pairs of x.y (higher: classes kept together).
 
-    With more than max_points rows, a seeded random subset of max_points rows is used.
+    Tolerance and alignment use every row: the sum of x.y over the same-label pairs of a class is
+    ||sum of its rows||^2 minus the sum of the rows' squared norms. Uniformity needs every pair, so
+    with more than max_points rows it uses a seeded random subset of max_points rows, in row blocks.
     """
     z = np.asarray(embeddings, np.float64)
     codes = np.unique(np.asarray(labels), return_inverse=True)[1]
-    if len(z) > max_points:
-        keep = np.sort(np.random.default_rng(seed).choice(len(z), max_points, replace=False))
-        z, codes = z[keep], codes[keep]
-    n = len(z)
-    if n < 2:
+    if len(z) < 2:
         raise RetrievalError("embedding diagnostics need at least two embeddings")
-    similarity = np.clip(z @ z.T, -1.0, 1.0)
-    distinct = ~np.eye(n, dtype=bool)
-    same = (codes[:, None] == codes[None, :]) & distinct
-    squared = 2.0 - 2.0 * similarity[distinct]
-    result = {"uniformity": float(np.log(np.mean(np.exp(-2.0 * squared))))}
-    if same.any():
-        result["alignment"] = float(np.mean(2.0 - 2.0 * similarity[same]))
-        result["tolerance"] = float(np.mean(similarity[same]))
+    result = {"uniformity": _uniformity(z if len(z) <= max_points else z[np.sort(np.random.default_rng(seed).choice(len(z), max_points, replace=False))], block)}
+    class_sizes = np.bincount(codes)
+    pairs = float((class_sizes * (class_sizes - 1)).sum())  # ordered same-label pairs
+    if pairs:
+        class_sums = np.zeros((len(class_sizes), z.shape[1]))
+        np.add.at(class_sums, codes, z)
+        tolerance = (float((class_sums**2).sum()) - float((z**2).sum())) / pairs
+        result["alignment"] = 2.0 - 2.0 * tolerance
+        result["tolerance"] = tolerance
     return result
+
+
+def _uniformity(z: np.ndarray, block: int) -> float:
+    """log of the mean of exp(-2 ||x - y||^2) = exp(4 x.y - 4) over the distinct pairs of unit rows."""
+    total = 0.0
+    for start in range(0, len(z), block):
+        rows = np.arange(start, min(start + block, len(z)))
+        terms = np.exp(4.0 * np.minimum(z[rows] @ z.T, 1.0) - 4.0)
+        terms[np.arange(len(rows)), rows] = 0.0  # a row and itself is not a pair
+        total += float(terms.sum())
+    return float(np.log(total / (len(z) * (len(z) - 1))))

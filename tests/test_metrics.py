@@ -151,13 +151,15 @@ def test_full_ranking_map_matches_a_brute_force_sort() -> None:
 
 @pytest.mark.parametrize("setting", ["leave-one-out", "query-gallery"])
 def test_nmi_ami_and_precision_agree_with_the_accuracy_calculator(setting: str) -> None:
-    from retrieval.metrics import clustering_metrics, faiss_kmeans
+    from pytorch_metric_learning.utils.inference import FaissKMeans
+
+    from retrieval.metrics import KMEANS_SETTINGS, clustering_metrics
 
     embeddings, labels = clustered(6, n=400)
     calculator = AccuracyCalculator(
         include=("precision_at_1", "r_precision", "mean_average_precision_at_r", "NMI", "AMI"),
         device=torch.device("cpu"),
-        kmeans_func=lambda x, k: torch.from_numpy(faiss_kmeans(x.numpy(), k)),
+        kmeans_func=FaissKMeans(**KMEANS_SETTINGS, seed=0),  # their k-means, given our settings
     )
     if setting == "leave-one-out":
         ours = retrieval_metrics(embeddings, [str(x) for x in labels])
@@ -192,3 +194,41 @@ def test_full_ranking_map_is_left_out_above_the_limit_unless_asked(monkeypatch: 
     monkeypatch.setattr(metrics_module, "FULL_RANKING_LIMIT", 50)
     assert "map" not in retrieval_metrics(embeddings, names)
     assert "map" in retrieval_metrics(embeddings, names, full_ranking=True)
+
+
+def test_diagnostics_match_every_pair_by_brute_force() -> None:
+    from retrieval.metrics import embedding_diagnostics
+
+    rng = np.random.default_rng(4)
+    z = rng.standard_normal((300, 16))
+    z /= np.linalg.norm(z, axis=1, keepdims=True)
+    labels = [str(x) for x in rng.integers(0, 12, 300)]
+    similarity = z @ z.T
+    distinct = ~np.eye(300, dtype=bool)
+    same = (np.array(labels)[:, None] == np.array(labels)[None, :]) & distinct
+    expected = {
+        "uniformity": np.log(np.mean(np.exp(-2 * (2 - 2 * similarity[distinct])))),
+        "alignment": np.mean(np.sum((z[:, None, :] - z[None, :, :]) ** 2, axis=-1)[same]),
+        "tolerance": np.mean(similarity[same]),
+    }
+    assert embedding_diagnostics(z, labels, block=64) == pytest.approx(expected, rel=1e-9)
+    subset = embedding_diagnostics(z, labels, max_points=100)  # uniformity on 100 rows, the rest on all
+    assert subset["tolerance"] == pytest.approx(expected["tolerance"], rel=1e-9)
+    assert subset["uniformity"] != pytest.approx(expected["uniformity"], rel=1e-9)
+
+
+def test_per_query_scores_and_bulk_search_settings() -> None:
+    import faiss
+
+    from retrieval.metrics import score_queries
+
+    before = faiss.cvar.distance_compute_blas_database_bs
+    gallery = ranked_gallery([3, 0, 2, 1, 4])  # nearest first: 3, 0, 2, 1, 4
+    scores = score_queries(np.array([[1.0, 0.0], [1.0, 0.0]], np.float32), ["a", "z"], gallery, ["b", "a", "b", "b", "a"], ks=(1, 2, 10))
+    assert faiss.cvar.distance_compute_blas_database_bs == before  # the bulk settings are put back
+    assert scores.queries.tolist() == [0] and scores.skipped == 1  # "z" has nothing to find
+    assert scores.neighbours.tolist() == [[3, 0, 2, 1, 4]]  # k = 10 is cut to the gallery
+    assert scores.similarities[0].tolist() == sorted(scores.similarities[0].tolist(), reverse=True)
+    assert scores.first_hit.tolist() == [3]  # "a" first appears at the fourth place
+    assert scores.values["recall@2"].tolist() == [0.0] and scores.values["recall@10"].tolist() == [1.0]
+    assert scores.summary()["cmc"] == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
