@@ -18,8 +18,7 @@ its index, not by its distance; ties are broken by the lower gallery index.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,25 +32,6 @@ FULL_RANKING_LIMIT = 10_000  # gallery size up to which mAP over the full rankin
 # start splits even four far-apart classes wrongly now and then), every point used
 KMEANS_SETTINGS = {"niter": 20, "nredo": 5, "verbose": False, "min_points_per_centroid": 1, "max_points_per_centroid": 1 << 30}
 _TIE_MARGIN = 8  # extra candidates fetched so that ties at the k-th place are ordered by id
-
-# FAISS's exact search multiplies query blocks by gallery blocks with BLAS; its default gallery block
-# (1,024 rows) and its threshold for BLAS are tuned for few queries. Scoring many queries runs about
-# twice as fast with larger gallery blocks (bench/metrics.py); the defaults come back afterwards.
-_BULK_BLAS = {"distance_compute_blas_threshold": 20, "distance_compute_blas_database_bs": 16384}
-
-
-@contextmanager
-def bulk_search() -> Iterator[None]:
-    """Runs the enclosed FAISS searches (and k-means assignments) with BLAS blocks sized for many queries."""
-    faiss = require("faiss", "cpu")
-    saved = {name: getattr(faiss.cvar, name) for name in _BULK_BLAS}
-    for name, value in _BULK_BLAS.items():
-        setattr(faiss.cvar, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(faiss.cvar, name, value)
 
 
 def nearest_neighbours(queries: np.ndarray, gallery: np.ndarray, k: int, exclude_self: bool = False, block: int = QUERY_BLOCK) -> tuple[np.ndarray, np.ndarray]:
@@ -202,28 +182,27 @@ def score_queries(
         full_ranking = len(gallery) <= FULL_RANKING_LIMIT
     parts: dict[str, list[np.ndarray]] = {}
     first_hits, neighbour_blocks, similarity_blocks = [], [], []
-    with bulk_search():
-        for start in range(0, len(chosen), QUERY_BLOCK):
-            block = chosen[start : start + QUERY_BLOCK]
-            neighbours, scores = search(index, queries[block], depth, block if leave_one_out else None)
-            hits = gallery_codes[neighbours] == query_codes[block, None]
-            block_relevant = relevant[block]
-            values = {f"recall@{k}": recall_at_k(hits, k) for k in ks}
-            values.update({f"precision@{k}": precision_at_k(hits, k) for k in ks})
-            values["r_precision"] = r_precision(hits, block_relevant)
-            values["map@r"] = map_at_r(hits, block_relevant)
-            if full_ranking:
-                similarities = queries[block] @ gallery.T
-                mask = gallery_codes[None, :] == query_codes[block, None]
-                if leave_one_out:  # the query's own item: last in the ranking, and not relevant
-                    similarities[np.arange(len(block)), block] = -np.inf
-                    mask[np.arange(len(block)), block] = False
-                values["map"] = average_precision(similarities, mask)
-            for name, value in values.items():
-                parts.setdefault(name, []).append(value)
-            first_hits.append(np.where(hits.any(axis=1), hits.argmax(axis=1), max(depth, ks[-1])))
-            neighbour_blocks.append(neighbours[:, :shown])
-            similarity_blocks.append(scores[:, :shown])
+    for start in range(0, len(chosen), QUERY_BLOCK):
+        block = chosen[start : start + QUERY_BLOCK]
+        neighbours, scores = search(index, queries[block], depth, block if leave_one_out else None)
+        hits = gallery_codes[neighbours] == query_codes[block, None]
+        block_relevant = relevant[block]
+        values = {f"recall@{k}": recall_at_k(hits, k) for k in ks}
+        values.update({f"precision@{k}": precision_at_k(hits, k) for k in ks})
+        values["r_precision"] = r_precision(hits, block_relevant)
+        values["map@r"] = map_at_r(hits, block_relevant)
+        if full_ranking:
+            similarities = queries[block] @ gallery.T
+            mask = gallery_codes[None, :] == query_codes[block, None]
+            if leave_one_out:  # the query's own item: last in the ranking, and not relevant
+                similarities[np.arange(len(block)), block] = -np.inf
+                mask[np.arange(len(block)), block] = False
+            values["map"] = average_precision(similarities, mask)
+        for name, value in values.items():
+            parts.setdefault(name, []).append(value)
+        first_hits.append(np.where(hits.any(axis=1), hits.argmax(axis=1), max(depth, ks[-1])))
+        neighbour_blocks.append(neighbours[:, :shown])
+        similarity_blocks.append(scores[:, :shown])
     return QueryScores(
         queries=chosen,
         values={name: np.concatenate(blocks) for name, blocks in parts.items()},
@@ -262,9 +241,8 @@ def faiss_kmeans(vectors: np.ndarray, clusters: int, seed: int = 0) -> np.ndarra
     faiss = require("faiss", "cpu")
     vectors = np.ascontiguousarray(vectors, np.float32)
     kmeans = faiss.Kmeans(vectors.shape[1], clusters, **KMEANS_SETTINGS, seed=seed)
-    with bulk_search():
-        kmeans.train(vectors)
-        return kmeans.index.search(vectors, 1)[1][:, 0]
+    kmeans.train(vectors)
+    return kmeans.index.search(vectors, 1)[1][:, 0]
 
 
 def _encode_labels(query_labels: Sequence[str], gallery_labels: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
