@@ -8,33 +8,53 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
-from retrieval.data import Collection, Skipped, split_by_class
+from retrieval.data import Collection, Item, Skipped, split_by_class
 from retrieval.embedders import Embedder, embed_items
 from retrieval.errors import RetrievalError
-from retrieval.metrics import clustering_metrics, embedding_diagnostics, retrieval_metrics
+from retrieval.metrics import QueryScores, clustering_metrics, embedding_diagnostics, score_queries
+
+WORST_CLASSES = 10  # classes listed in metrics.json, lowest recall@1 first
 
 
 @dataclass
 class Evaluation:
-    """Metrics of one embedder on one protocol, the embeddings they came from, and the files left out."""
+    """Metrics of one embedder on one protocol, the per-query scores and embeddings they came from, and the files left out."""
 
     metrics: dict
     skipped: list[Skipped]
     vectors: np.ndarray  # the query embeddings (leave-one-out: all of them)
     labels: list[str]
+    queries: list[Item]  # the embedded query items, in the order of vectors
+    gallery: list[Item]  # the embedded gallery items (leave-one-out: the queries)
+    scores: QueryScores
+
+    def class_recall(self) -> dict[str, tuple[float, int]]:
+        """recall@1 of each query label, averaged over its scored queries, with their number."""
+        labels = np.asarray(self.labels)[self.scores.queries]
+        hits = self.scores.values["recall@1"]
+        classes, codes = np.unique(labels, return_inverse=True)
+        counts = np.bincount(codes)
+        means = np.bincount(codes, weights=hits) / counts
+        return {str(label): (float(mean), int(count)) for label, mean, count in zip(classes, means, counts)}
+
+    def worst_queries(self, count: int) -> list[int]:
+        """Positions (in scores) of the worst scored queries: lowest MAP@R, then the most confident top result."""
+        order = np.lexsort((-self.scores.similarities[:, 0], self.scores.values["map@r"]))
+        return order[:count].tolist()
 
 
-def _embed_labeled(embedder: Embedder, collection: Collection, progress: bool) -> tuple[np.ndarray, list[str], list[Skipped]]:
+def _embed_labeled(embedder: Embedder, collection: Collection, progress: bool) -> tuple[np.ndarray, list[Item], list[Skipped]]:
     """Embeds the labeled items of a collection; unlabeled and unreadable ones are returned as skipped."""
     labeled = [item for item in collection.items if item.label]
     skipped = collection.skipped + [Skipped(item.path, "no label") for item in collection.items if not item.label]
     if not labeled:
         raise RetrievalError(f"{collection.source}: no labeled image (ROOT/<label>/<image> or a CSV with labels)")
     embedded = embed_items(embedder, labeled, progress=progress)
-    return embedded.vectors, [item.label for item in embedded.items], skipped + embedded.skipped
+    return embedded.vectors, embedded.items, skipped + embedded.skipped
 
 
 def evaluate_collection(
@@ -50,23 +70,57 @@ def evaluate_collection(
         collection = replace(collection, items=held_out)
     if len({item.label for item in collection.items if item.label}) < 2:
         raise RetrievalError(f"{collection.source}: evaluation needs at least two labeled classes (ROOT/<label>/<image> or a CSV with labels)")
-    vectors, labels, skipped = _embed_labeled(embedder, collection, progress)
+    vectors, items, skipped = _embed_labeled(embedder, collection, progress)
+    labels = [item.label for item in items]
     if len(set(labels)) < 2:
         raise RetrievalError(f"{collection.source}: fewer than two classes have readable images")
-    metrics = retrieval_metrics(vectors, labels, ks=ks)
-    metrics.update(clustering_metrics(vectors, labels))
-    metrics.update(embedding_diagnostics(vectors, labels))
-    metrics.update({"protocol": protocol, "images": str(collection.source), "encoder": embedder.fingerprint})
-    return Evaluation(metrics, skipped, vectors, labels)
+    scores = score_queries(vectors, labels, ks=ks)
+    evaluation = Evaluation({}, skipped, vectors, labels, items, items, scores)
+    evaluation.metrics = {
+        **scores.summary(),
+        **clustering_metrics(vectors, labels),
+        **embedding_diagnostics(vectors, labels),
+        **_described(evaluation),
+        "protocol": protocol,
+        "images": str(collection.source),
+        "encoder": embedder.fingerprint,
+    }
+    return evaluation
 
 
 def evaluate_query_gallery(embedder: Embedder, queries: Collection, gallery: Collection, ks: Sequence[int] = (1, 5, 10), progress: bool = True) -> Evaluation:
     """Scores each query against a separate gallery (neither contains the other's items)."""
-    query_vectors, query_labels, skipped = _embed_labeled(embedder, queries, progress)
-    gallery_vectors, gallery_labels, gallery_skipped = _embed_labeled(embedder, gallery, progress)
-    metrics = retrieval_metrics(query_vectors, query_labels, gallery_vectors, gallery_labels, ks=ks)
+    query_vectors, query_items, skipped = _embed_labeled(embedder, queries, progress)
+    gallery_vectors, gallery_items, gallery_skipped = _embed_labeled(embedder, gallery, progress)
+    query_labels = [item.label for item in query_items]
+    scores = score_queries(query_vectors, query_labels, gallery_vectors, [item.label for item in gallery_items], ks=ks)
+    evaluation = Evaluation({}, skipped + gallery_skipped, query_vectors, query_labels, query_items, gallery_items, scores)
+    evaluation.metrics = scores.summary()
     if len(set(query_labels)) >= 2:
-        metrics.update(clustering_metrics(query_vectors, query_labels))
-        metrics.update(embedding_diagnostics(query_vectors, query_labels))
-    metrics.update({"queries": str(queries.source), "gallery": str(gallery.source), "encoder": embedder.fingerprint})
-    return Evaluation(metrics, skipped + gallery_skipped, query_vectors, query_labels)
+        evaluation.metrics.update(clustering_metrics(query_vectors, query_labels))
+        evaluation.metrics.update(embedding_diagnostics(query_vectors, query_labels))
+    evaluation.metrics.update({**_described(evaluation), "queries": str(queries.source), "gallery": str(gallery.source), "encoder": embedder.fingerprint})
+    return evaluation
+
+
+def _described(evaluation: Evaluation) -> dict:
+    """The classes with the lowest recall@1, for metrics.json."""
+    worst = sorted(evaluation.class_recall().items(), key=lambda entry: (entry[1][0], entry[0]))[:WORST_CLASSES]
+    return {"worst_classes": [{"label": label, "recall@1": value, "queries": count} for label, (value, count) in worst]}
+
+
+def write_plots(evaluation: Evaluation, folder: Path, worst: int = 8, shown: int = 5) -> list[Path]:
+    """Writes the recall@k curve, the similarity histograms, the per-class recall@1 distribution and the
+    grid of the worst queries with their top results into folder; returns the files."""
+    from retrieval.plots import plot_class_recall, plot_recall_curves, plot_similarity_histograms, plot_worst_queries
+
+    rows = []
+    for position in evaluation.worst_queries(worst):
+        results = [(evaluation.gallery[index], float(score)) for index, score in zip(evaluation.scores.neighbours[position, :shown], evaluation.scores.similarities[position, :shown])]
+        rows.append((evaluation.queries[evaluation.scores.queries[position]], results))
+    return [
+        plot_recall_curves({"": evaluation.metrics["cmc"]}, folder / "recall_at_k.png", f"recall@k ({evaluation.metrics['protocol']})"),
+        plot_similarity_histograms(evaluation.vectors, evaluation.labels, folder / "similarities.png"),
+        plot_class_recall(evaluation.class_recall(), folder / "class_recall.png"),
+        plot_worst_queries(rows, folder / "worst_queries.png"),
+    ]

@@ -13,6 +13,8 @@ import numpy as np
 matplotlib.use("Agg")  # files only: works on servers without a display
 from matplotlib import pyplot as plt  # noqa: E402
 
+from retrieval.data import Item, load_image  # noqa: E402
+from retrieval.errors import ImageError  # noqa: E402
 from retrieval.runs import write_atomic  # noqa: E402
 
 
@@ -66,17 +68,78 @@ def plot_temperature_sweep(rows: list[dict], target: Path) -> Path:
     return _save(figure, target)
 
 
-def plot_recall_curve(cmc: list[float], target: Path, title: str) -> Path:
-    """Draws recall@k against k (the CMC curve) into a PNG."""
+def plot_recall_curves(curves: dict[str, list[float]], target: Path, title: str) -> Path:
+    """Draws recall@k against k (CMC curves), one line per named run (a single unnamed one needs no legend), into a PNG."""
     figure, axis = plt.subplots(figsize=(6, 4), dpi=120)
-    ks = list(range(1, len(cmc) + 1))
-    axis.plot(ks, cmc, marker="o", markersize=3)
+    for name, cmc in curves.items():
+        axis.plot(range(1, len(cmc) + 1), cmc, marker="o", markersize=3, label=name or None)
     axis.set_xlabel("k")
     axis.set_ylabel("recall@k")
     axis.set_ylim(0, 1)
     axis.grid(alpha=0.3)
+    if any(curves):
+        axis.legend()
     axis.set_title(title)
     return _save(figure, target)
+
+
+def plot_class_recall(class_recall: dict[str, tuple[float, int]], target: Path, listed: int = 15) -> Path:
+    """Draws the distribution of per-class recall@1 and the classes with the lowest, into a PNG.
+
+    class_recall: label -> (recall@1 of its queries, number of its queries).
+    """
+    values = np.array([value for value, _ in class_recall.values()])
+    figure, (spread, worst) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
+    spread.hist(values, bins=np.linspace(0, 1, 21), color="tab:blue", alpha=0.8)
+    spread.axvline(values.mean(), color="tab:red", linestyle="--", label=f"mean over classes {values.mean():.3f}")
+    spread.set_xlabel("recall@1 of the class")
+    spread.set_ylabel("classes")
+    spread.set_title(f"per-class recall@1 ({len(values):,} classes)")
+    spread.legend()
+    lowest = sorted(class_recall.items(), key=lambda entry: (entry[1][0], entry[0]))[:listed][::-1]
+    bars = worst.barh([_shorten(label) for label, _ in lowest], [value for _, (value, _) in lowest], color="tab:orange")
+    worst.bar_label(bars, labels=[f"{value:.2f} of {count} queries" for _, (value, count) in lowest], padding=3, fontsize=7)
+    worst.set_xlim(0, 1.2)
+    worst.set_xlabel("recall@1")
+    worst.set_title(f"the {len(lowest)} lowest classes")
+    worst.tick_params(axis="y", labelsize=7)
+    return _save(figure, target)
+
+
+def plot_worst_queries(rows: Sequence[tuple[Item, Sequence[tuple[Item, float]]]], target: Path, thumbnail: int = 96) -> Path:
+    """Draws one row per query: its image, then its top results framed green (same label) or red, into a PNG."""
+    columns = 1 + max((len(results) for _, results in rows), default=0)
+    figure, axes = plt.subplots(max(len(rows), 1), columns, figsize=(1.6 * columns, 1.8 * max(len(rows), 1)), dpi=100, squeeze=False)
+    for axis in axes.flat:
+        axis.axis("off")
+    for row, (query, results) in zip(axes, rows):
+        _show(row[0], query, thumbnail, f"query\n{_shorten(query.label)}", "black")
+        for axis, (item, similarity) in zip(row[1:], results):
+            _show(axis, item, thumbnail, f"{similarity:.3f} {_shorten(item.label)}", "tab:green" if item.label == query.label else "tab:red")
+    figure.suptitle("worst queries (lowest MAP@R) and their top results: green = same label, red = other label")
+    return _save(figure, target)
+
+
+def _show(axis: plt.Axes, item: Item, size: int, caption: str, colour: str) -> None:
+    """Draws a thumbnail of item framed in colour; an image that can no longer be read is drawn grey."""
+    try:
+        image = load_image(item.path)
+        image.thumbnail((size, size))
+        axis.imshow(np.asarray(image))
+    except ImageError:
+        axis.imshow(np.full((size, size, 3), 200, np.uint8))
+        caption = f"unreadable\n{caption}"
+    axis.axis("on")
+    axis.set_xticks([])
+    axis.set_yticks([])
+    for spine in axis.spines.values():
+        spine.set_edgecolor(colour)
+        spine.set_linewidth(3)
+    axis.set_title(caption, fontsize=7)
+
+
+def _shorten(label: str, width: int = 18) -> str:
+    return label if len(label) <= width else label[: width - 1] + "…"
 
 
 def plot_similarity_histograms(vectors: np.ndarray, labels: Sequence[str], target: Path, max_points: int = 3000, seed: int = 0) -> Path:

@@ -23,7 +23,10 @@ def test_leave_one_out_writes_the_metric_set_and_plots(demo_run: RunDir, icons_r
         assert 0 <= abs(metrics[key]) <= 1, key
     assert len(metrics["cmc"]) == 5 and metrics["cmc"][0] == metrics["recall@1"] and metrics["cmc"][4] == metrics["recall@5"]
     assert metrics["protocol"] == "leave-one-out" and metrics["encoder"]
-    for name in ("recall_at_k.png", "similarities.png"):
+    worst = metrics["worst_classes"]
+    assert len(worst) == 6 and [entry["recall@1"] for entry in worst] == sorted(entry["recall@1"] for entry in worst)
+    assert sum(entry["recall@1"] * entry["queries"] for entry in worst) == pytest.approx(metrics["recall@1"] * metrics["num_queries"])
+    for name in ("recall_at_k.png", "similarities.png", "class_recall.png", "worst_queries.png"):
         assert (demo_run.root / "plots" / name).read_bytes()[:8] == PNG
 
 
@@ -50,6 +53,40 @@ def test_query_and_gallery_sets(demo_run: RunDir, icons_root: Path, tmp_path: Pa
     assert metrics["queries"] == str(queries) and metrics["gallery"] == str(gallery)
 
 
+def test_compare_scores_two_runs_on_the_same_protocol(demo_run: RunDir, icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = copy_classes(icons_root, tmp_path / "data", 5, split="test")
+    other = tmp_path / "other"
+    shutil.copytree(demo_run.root, other)
+    assert main(["evaluate", str(other), str(data), "--split-classes", "0.5"]) == 0
+    alone = json.loads((other / "metrics.json").read_text())
+    assert main(["evaluate", str(demo_run.root), str(data), "--split-classes", "0.5", "--compare", str(other)]) == 0
+    comparison = json.loads((demo_run.root / "comparison.json").read_text())
+    runs = comparison["runs"]
+    assert list(runs) == [str(demo_run.root), str(other)] and comparison["protocol"] == alone["protocol"]
+    assert runs[str(other)]["recall@1"] == alone["recall@1"] and runs[str(other)]["num_queries"] == alone["num_queries"]
+    assert (demo_run.root / "plots" / "compare_recall_at_k.png").read_bytes()[:8] == PNG
+    table = capsys.readouterr().out
+    assert "other - run" in table and "0.000" in table  # the same model: no difference
+
+
+def test_class_recall_and_worst_queries_by_hand() -> None:
+    import numpy as np
+
+    from retrieval.data import Item
+    from retrieval.evaluation import Evaluation
+    from retrieval.metrics import score_queries
+
+    angles = np.array([0.0, 0.1, 1.0, 1.05, 3.0, 3.02])  # a a | b b | c c, but b's first image sits nearest to a
+    vectors = np.stack([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+    labels = ["a", "b", "a", "b", "c", "c"]
+    items = [Item(Path(f"{n}.png"), label) for n, label in enumerate(labels)]
+    evaluation = Evaluation({}, [], vectors, labels, items, items, score_queries(vectors, labels, ks=(1,)))
+    # neighbours: 0->1 (miss), 1->0 (miss), 2->3 (miss), 3->2 (miss), 4->5 (hit), 5->4 (hit)
+    assert evaluation.class_recall() == {"a": (0.0, 2), "b": (0.0, 2), "c": (1.0, 2)}
+    worst = evaluation.worst_queries(4)
+    assert sorted(worst) == [0, 1, 2, 3] and worst[0] in (2, 3)  # 2 and 3 are the most confident misses
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
@@ -57,6 +94,8 @@ def test_query_and_gallery_sets(demo_run: RunDir, icons_root: Path, tmp_path: Pa
         (["IMAGES", "--query", "q", "--gallery", "g"], "either IMAGES"),
         ([], "either IMAGES"),
         (["--query", "q", "--gallery", "g", "--split-classes", "0.5"], "does not apply to --query"),
+        (["--query", "q", "--gallery", "g", "--benchmark", "cub"], "--benchmark reads IMAGES"),
+        (["IMAGES", "--benchmark", "mnist"], "choose one of cub"),
     ],
 )
 def test_protocol_mistakes_are_explained(demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str], arguments: list[str], message: str) -> None:
