@@ -30,7 +30,11 @@ console = Console()
 errors = Console(stderr=True)
 
 RunArg = Annotated[Path, typer.Argument(help="Run directory (holds config, checkpoints, model.onnx, index/).", show_default=False)]
-DataArg = Annotated[Path, typer.Argument(help="An image folder ROOT/<label>/<image> or a CSV with columns path,label.", show_default=False)]
+DataArg = Annotated[Path, typer.Argument(help="An image folder ROOT/<label>/<image>, a CSV with columns path,label, or with --benchmark the extracted archive.", show_default=False)]
+BenchmarkOption = Annotated[
+    Optional[str],
+    typer.Option(help="Read DATA as a standard benchmark's extracted archive: cub, cars196, sop or inshop (train: its training split; evaluate: its test protocol).", show_default=False),
+]
 
 
 @app.command()
@@ -62,8 +66,9 @@ def train(
     patience: Annotated[int, typer.Option(help="Stop after this many epochs without a better validation MAP@R (0: never).")] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    benchmark: BenchmarkOption = None,
 ) -> None:
-    """Train an embedding model on a labeled image collection."""
+    """Train an embedding model on a labeled image collection (or a benchmark's training split)."""
     require("torch", "train")
     from training.config import TrainConfig
     from training.train import train as run_training
@@ -75,6 +80,7 @@ def train(
     else:
         config = TrainConfig(
             data=str(data.expanduser().resolve()),
+            benchmark=benchmark,
             loss=loss,
             temperature=temperature,
             epochs=epochs,
@@ -208,17 +214,19 @@ def search(
 @app.command()
 def evaluate(
     run: RunArg,
-    images: Annotated[Optional[Path], typer.Argument(help="A labeled collection to score leave-one-out (omit it with --query/--gallery).", show_default=False)] = None,
+    images: Annotated[Optional[Path], typer.Argument(help="A labeled collection to score leave-one-out, or with --benchmark the extracted archive (omit it with --query/--gallery).", show_default=False)] = None,
     k: Annotated[str, typer.Option("-k", "--k", help="Comma-separated k values for recall@k and precision@k.")] = "1,5,10",
     query: Annotated[Optional[Path], typer.Option("--query", help="Query images, scored against --gallery (the In-Shop protocol).")] = None,
     gallery: Annotated[Optional[Path], typer.Option("--gallery", help="Gallery images for --query.")] = None,
     split_classes: Annotated[float, typer.Option(help="Score only a seeded, class-disjoint fraction of the classes of IMAGES (0: all).")] = 0.0,
     seed: Annotated[int, typer.Option(help="Seed of --split-classes.")] = 0,
+    benchmark: BenchmarkOption = None,
+    compare: Annotated[Optional[Path], typer.Option("--compare", help="A second run directory, scored on the same protocol and shown side by side.", show_default=False)] = None,
 ) -> None:
-    """Score retrieval on labeled images; writes RUN/metrics.json and plots in RUN/plots/."""
+    """Score retrieval on labeled images; writes RUN/metrics.json and plots in RUN/plots/ (with --compare, also RUN/comparison.json)."""
     from retrieval.embedders import OnnxEmbedder
-    from retrieval.evaluation import evaluate_collection, evaluate_query_gallery
-    from retrieval.plots import plot_recall_curve, plot_similarity_histograms
+    from retrieval.evaluation import Evaluation, evaluate_collection, evaluate_query_gallery, write_plots
+    from retrieval.plots import plot_recall_curves
 
     ks = parse_ks(k)
     if (query is None) != (gallery is None):
@@ -227,19 +235,43 @@ def evaluate(
         raise RetrievalError("give either IMAGES (leave-one-out) or --query Q --gallery G, not both or neither")
     if split_classes and images is None:
         raise RetrievalError("--split-classes splits IMAGES; it does not apply to --query/--gallery")
-    run_dir = RunDir(run)
-    embedder = OnnxEmbedder.from_run(run_dir)
-    if images is not None:
-        evaluation = evaluate_collection(embedder, load_collection(images), ks, split_classes=split_classes, seed=seed)
+    if benchmark and (images is None or split_classes):
+        raise RetrievalError("--benchmark reads IMAGES as the extracted archive and scores its own test protocol; give IMAGES, without --query/--gallery or --split-classes")
+    if benchmark:
+        from retrieval.benchmarks import load_benchmark
+
+        chosen = load_benchmark(benchmark, images)  # type: ignore[arg-type]
+        test, queries, pool = chosen.test, chosen.query, chosen.gallery
+    elif images is not None:
+        test, queries, pool = load_collection(images), None, None
     else:
-        assert query is not None and gallery is not None
-        evaluation = evaluate_query_gallery(embedder, load_collection(query), load_collection(gallery), ks)
+        test, queries, pool = None, load_collection(query), load_collection(gallery)  # type: ignore[arg-type]
+
+    def score(run_path: Path) -> Evaluation:
+        embedder = OnnxEmbedder.from_run(RunDir(run_path))
+        if test is not None:
+            return evaluate_collection(embedder, test, ks, split_classes=split_classes, seed=seed)
+        assert queries is not None and pool is not None
+        return evaluate_query_gallery(embedder, queries, pool, ks)
+
+    run_dir = RunDir(run)
+    evaluation = score(run)
+    if benchmark:
+        evaluation.metrics["benchmark"] = benchmark
     write_json(run_dir.metrics, evaluation.metrics)
-    plot_recall_curve(evaluation.metrics["cmc"], run_dir.plots / "recall_at_k.png", f"recall@k ({evaluation.metrics['protocol']})")
-    plot_similarity_histograms(evaluation.vectors, evaluation.labels, run_dir.plots / "similarities.png")
+    write_plots(evaluation, run_dir.plots)
     report_skipped(evaluation.skipped, None)
-    console.print(metrics_table({"model": evaluation.metrics}))
-    console.print(f"wrote {run_dir.metrics} and the plots in {run_dir.plots}")
+    columns = {run_dir.root.name: evaluation.metrics}
+    if compare is not None:
+        other = score(compare)
+        names = (run_dir.root.name, compare.name) if compare.name != run_dir.root.name else (str(run), str(compare))
+        columns = {names[0]: evaluation.metrics, names[1]: other.metrics}
+        write_json(run_dir.root / "comparison.json", {"protocol": evaluation.metrics["protocol"], "runs": {str(run): evaluation.metrics, str(compare): other.metrics}})
+        plot_recall_curves({label: metrics["cmc"] for label, metrics in columns.items()}, run_dir.plots / "compare_recall_at_k.png", f"recall@k ({evaluation.metrics['protocol']})")
+        numbers = [key for key, value in evaluation.metrics.items() if isinstance(value, float) and isinstance(other.metrics.get(key), float)]
+        columns[f"{names[1]} - {names[0]}"] = {key: other.metrics[key] - evaluation.metrics[key] for key in numbers}
+    console.print(metrics_table(columns))
+    console.print(f"wrote {run_dir.metrics}{' and comparison.json' if compare else ''} and the plots in {run_dir.plots}")
 
 
 @app.command()
@@ -301,7 +333,7 @@ def metrics_table(columns: dict[str, dict]) -> Table:
 
 
 def _format(value: object) -> str:
-    return f"{value:.3f}" if isinstance(value, float) else str(value)
+    return f"{value:.3f}" if isinstance(value, float) else "" if value is None else str(value)
 
 
 def report_skipped(skipped: list[Skipped], report: Path | None) -> None:

@@ -19,6 +19,7 @@ class TrainConfig:
     """Everything that decides a training run (written to RUN/config.json)."""
 
     data: str
+    benchmark: str | None = None  # cub, cars196, sop or inshop: data is that archive, trained on its training split
     loss: str = "supcon"
     temperature: float | None = None  # None: the loss's default (training.losses.DEFAULT_TEMPERATURES)
     epochs: int = 50

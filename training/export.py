@@ -15,7 +15,8 @@ import numpy as np
 import onnx
 import torch
 
-from retrieval.data import load_collection, load_image
+from retrieval.benchmarks import load_training_data
+from retrieval.data import load_image
 from retrieval.embedders import OnnxEmbedder
 from retrieval.errors import ImageError, RetrievalError
 from retrieval.metrics import nearest_neighbours
@@ -94,7 +95,7 @@ def export(run: RunDir, parity_images: Sequence[Path] = (), float16: bool = Fals
         }
         embedder = OnnxEmbedder(candidate, card)
         inputs = [np.random.default_rng(n).standard_normal((n, 3, size, size)).astype(np.float32) for n in PARITY_BATCH_SIZES]
-        real = _real_images(parity_images or _training_images(config.data), limit=max(PARITY_BATCH_SIZES))
+        real = _real_images(parity_images or _training_images(config.data, config.benchmark), limit=max(PARITY_BATCH_SIZES))
         if real:
             inputs.append(preprocessing(real))
         parity = measure_parity(model, embedder, inputs, card["precision"])
@@ -160,9 +161,9 @@ def _export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path) -> N
         )
 
 
-def _training_images(data: str) -> list[Path]:
+def _training_images(data: str, benchmark: str | None) -> list[Path]:
     try:
-        return [item.path for item in load_collection(data).items]
+        return [item.path for item in load_training_data(data, benchmark).items]
     except RetrievalError:
         return []  # the training data may have moved since; random inputs still check the graph
 

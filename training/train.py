@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 from tqdm import tqdm
 
-from retrieval.data import Item, Skipped, load_collection, load_image, split_by_class, write_skip_report
+from retrieval.benchmarks import load_training_data
+from retrieval.data import Item, Skipped, load_image, split_by_class, write_skip_report
 from retrieval.errors import ImageError, RetrievalError
 from retrieval.extras import require
 from retrieval.metrics import embedding_diagnostics, retrieval_metrics
@@ -172,7 +173,7 @@ def train(config: TrainConfig, run: RunDir, progress: bool = True, resume: bool 
 
 
 def _train(config: TrainConfig, run: RunDir, progress: bool, resume: bool, ranks: distributed.Ranks, device: torch.device) -> TrainResult:
-    collection = load_collection(config.data)
+    collection = load_training_data(config.data, config.benchmark)
     # process 0 decodes every image once; the others take its verdict rather than decoding them again
     checked = readable_items(collection.items, progress) if ranks.is_main else None
     readable, skipped = distributed.broadcast_object(checked)  # type: ignore[misc]
