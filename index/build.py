@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +10,7 @@ from index.journal import Journal
 from index.store import MANIFEST, Additions, GalleryIndex
 from retrieval.data import Collection, Item, Skipped, write_skip_report
 from retrieval.embedders import Embedder, iter_embedded
+from retrieval.errors import RetrievalError
 
 
 @dataclass
@@ -29,6 +30,16 @@ def journal_path(directory: Path) -> Path:
     return directory.with_name(f".{directory.name}.journal.sqlite")
 
 
+class _Replay:
+    """A re-iterable of additions: each iteration reads them again (a new index reads them twice)."""
+
+    def __init__(self, read: Callable[[], Iterator[Additions]]) -> None:
+        self.read = read
+
+    def __iter__(self) -> Iterator[Additions]:
+        return self.read()
+
+
 def _current_only(chunks: Iterator[Additions], current: dict[str, str]) -> Iterator[Additions]:
     """Drops journal rows whose file is no longer listed or no longer has the content that was embedded."""
     for chunk in chunks:
@@ -45,16 +56,21 @@ def build_index(
     rebuild: bool = False,
     batch_size: int | None = None,
     progress: bool = True,
+    factory: str | None = None,
+    memory: int | None = None,
 ) -> IndexReport:
     """Adds the collection's new and changed images to the index at directory (creating it if needed).
 
     Files already indexed with the same content (sha256) are not embedded again; with sync, entries
-    whose file is no longer in the collection are removed; rebuild ignores any existing index.
+    whose file is no longer in the collection are removed; rebuild ignores any existing index. A new
+    index gets the FAISS type index.choice picks within memory bytes, or the factory string given.
     Embedded batches go to a journal first, so a killed job resumes where it stopped. The skipped
     files and their reasons are written to directory/skipped.json.
     """
     directory = Path(directory)
     base = None if rebuild or not (directory / MANIFEST).is_file() else GalleryIndex.load(directory, embedder.fingerprint, embedder.dim)
+    if base is not None and factory and factory != base.manifest.get("index_type"):
+        raise RetrievalError(f"{directory} is a {base.manifest.get('index_type', 'Flat')} index; add --rebuild to build it anew as --faiss {factory!r}")
     indexed = {path: (item_id, digest) for item_id, (path, _, digest) in (base.rows() if base else {}).items()}
     journal = Journal(journal_path(directory), embedder.fingerprint, embedder.dim)
     skipped = list(collection.skipped)
@@ -82,11 +98,11 @@ def build_index(
     listed = {str(item.path) for item in collection.items}
     replaced = {path for path, digest in journal.hashes().items() if current.get(path) == digest}
     remove = [item_id for path, (item_id, _) in indexed.items() if path in replaced or (sync and path not in listed)]
-    additions = _current_only(journal.chunks(), current)
+    additions = _Replay(lambda: _current_only(journal.chunks(), current))
     if base is not None and not replaced and not remove:
         index = base  # nothing changed: the index on disk stays as it is
     elif base is None:
-        index = GalleryIndex.create(directory, additions, embedder.fingerprint, embedder.dim)
+        index = GalleryIndex.create(directory, additions, embedder.fingerprint, embedder.dim, factory, memory)
     else:
         index = base.update(additions, remove)
     journal.discard()

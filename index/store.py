@@ -3,6 +3,13 @@
 Layout (ARCHITECTURE.md): `manifest.json`, `vectors.faiss` (ids are the SQLite row ids) and
 `items.sqlite` (id, path, label, sha256, added_at). A save writes a complete temporary sibling
 directory, fsyncs it and renames it into place, so a crash leaves the old index or the new one.
+
+The FAISS type is chosen by index.choice (or forced with a factory string) when an index is
+created, and kept by later updates. Removal: Flat and IVF types remove natively; HNSW cannot, so
+removing from it rebuilds the graph from the vectors it stores. Readers never see a half-written
+index: each save is a new directory swapped into place, and an open GalleryIndex keeps reading the
+version it loaded (reload to see a newer one). Writers must be one at a time (one `retrieval index`
+job per index); readers need no lock.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import os
 import shutil
 import sqlite3
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from contextlib import closing
 from dataclasses import dataclass
@@ -20,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from index.choice import TARGET_RECALL, IndexChoice, choose_index
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
@@ -28,6 +37,11 @@ from retrieval.runs import fsync_dir, read_json
 faiss = require("faiss", "cpu")  # or the gpu extra: faiss-gpu provides the same module
 
 FORMAT_VERSION = 1
+RECALL_SAMPLE = 1000  # own vectors used as queries to tune and measure recall@10 against exact search
+TRAIN_PER_LIST = 40  # IVF training vectors per inverted list (FAISS warns below 39)
+PQ_TRAIN = 16_384  # at least 64 vectors for each of PQ's 256 centroids
+PLATEAU = 0.002  # recall@10 gained by doubling the search depth below which tuning stops
+SAMPLE_LIMIT = TRAIN_PER_LIST * 16_384  # enough to train the lists of up to about 17 million vectors
 MANIFEST = "manifest.json"
 VECTORS = "vectors.faiss"
 ITEMS = "items.sqlite"
@@ -50,7 +64,15 @@ class GalleryIndex:
     def __init__(self, directory: Path, manifest: dict, vectors: faiss.Index) -> None:
         self.directory = directory
         self.manifest = manifest
-        self.vectors = vectors
+        self.vectors = vectors  # the CPU index, as saved
+        self._searcher: faiss.Index | None = None
+
+    @property
+    def searcher(self) -> faiss.Index:
+        """The index searches run on: a copy sharded over every GPU FAISS sees, else the CPU index."""
+        if self._searcher is None:
+            self._searcher = on_gpus(self.vectors, self.kind)
+        return self._searcher
 
     @property
     def dim(self) -> int:
@@ -72,17 +94,26 @@ class GalleryIndex:
         return cls.create(Path(directory), [Additions(vectors, list(items), list(hashes))], encoder_sha256, vectors.shape[1])
 
     @classmethod
-    def create(cls, directory: Path, additions: Iterable[Additions], encoder_sha256: str, dim: int) -> "GalleryIndex":
-        """Builds a new exact index from chunks of items and saves it atomically to directory (replacing any there)."""
-        return commit(Path(directory), None, additions, [], encoder_sha256, dim)
+    def create(
+        cls, directory: Path, additions: Iterable[Additions], encoder_sha256: str, dim: int, factory: str | None = None, memory: int | None = None
+    ) -> "GalleryIndex":
+        """Builds a new index from re-iterable chunks of items and saves it atomically to directory (replacing any there).
+
+        The type is index.choice's pick for the count and the memory budget in bytes, or the FAISS factory string given.
+        """
+        return commit(Path(directory), None, additions, [], encoder_sha256, dim, factory, memory)
 
     def update(self, additions: Iterable[Additions], remove_ids: Sequence[int]) -> "GalleryIndex":
         """Saves a new version of this index with items added and removed; this object stays as it was."""
         return commit(self.directory, self, additions, remove_ids, self.encoder_sha256, self.dim)
 
     @classmethod
-    def load(cls, directory: Path, encoder_sha256: str | None = None, dim: int | None = None) -> "GalleryIndex":
-        """Opens a saved index, refusing one that is incomplete or was built by another encoder."""
+    def load(cls, directory: Path, encoder_sha256: str | None = None, dim: int | None = None, mmap: bool = False) -> "GalleryIndex":
+        """Opens a saved index, refusing one that is incomplete or was built by another encoder.
+
+        With mmap, the vectors stay on disk and pages are read as searches touch them (IVF lists
+        and flat storage), for galleries larger than memory.
+        """
         directory = Path(directory)
         if not (directory / MANIFEST).is_file():
             raise RetrievalError(f"{directory}: not an index (no {MANIFEST}); build one with `retrieval index RUN IMAGES`")
@@ -103,7 +134,7 @@ class GalleryIndex:
             if not (directory / name).is_file():
                 raise RetrievalError(f"{directory}: {name} is missing; rebuild the index with `retrieval index`")
         try:
-            vectors = faiss.read_index(str(directory / VECTORS))
+            vectors = faiss.read_index(str(directory / VECTORS), faiss.IO_FLAG_MMAP if mmap else 0)
         except RuntimeError as error:
             raise RetrievalError(f"{directory / VECTORS}: FAISS cannot read it ({str(error).splitlines()[0]}); rebuild the index") from None
         if vectors.ntotal != manifest.get("count") or vectors.d != manifest.get("dim"):
@@ -117,18 +148,40 @@ class GalleryIndex:
             raise RetrievalError(f"{directory}: {ITEMS} has {rows} items for {vectors.ntotal} vectors; rebuild the index")
         return cls(directory, manifest, vectors)
 
-    def search(self, queries: np.ndarray, k: int = 10) -> list[list[Hit]]:
-        """Returns the k best hits for each query row, best first."""
+    @property
+    def kind(self) -> str:
+        """flat, ivf or hnsw (indexes saved before the choice of types were flat)."""
+        return str(self.manifest.get("kind", "flat"))
+
+    def search(self, queries: np.ndarray, k: int = 10, depth: int | None = None) -> list[list[Hit]]:
+        """Returns the k best hits for each query row, best first.
+
+        depth is nprobe for IVF indexes and efSearch for HNSW (default: the value tuned at build time);
+        exact indexes have none.
+        """
         queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
         if queries.shape[1] != self.dim:
             raise RetrievalError(f"queries have dimension {queries.shape[1]}, the index {self.dim}")
+        if depth is not None and self.kind == "flat":
+            raise RetrievalError(f"a search depth (nprobe/efSearch) does not apply to this {self.manifest.get('index_type', 'Flat')} index: it searches exactly")
+        if depth is not None and depth < 1:
+            raise RetrievalError(f"the search depth must be at least 1, got {depth}")
+        tuned = next(iter(self.manifest.get("search", {}).values()), None)
         k = max(1, min(k, len(self)))
-        scores, ids = self.vectors.search(queries, k)
+        scores, ids = faiss_search(self.searcher, queries, k, search_parameters(self.kind, depth or tuned))
         found = self.rows(ids[ids >= 0].tolist())
         return [
             [Hit(int(i), found[int(i)][0], found[int(i)][1], float(s), found[int(i)][2]) for i, s in zip(row_ids, row_scores) if i >= 0]
             for row_ids, row_scores in zip(ids, scores)
         ]
+
+    def vectors_of(self, ids: Sequence[int]) -> np.ndarray:
+        """The stored vectors of indexed items, to search with items already in the gallery (compressed
+        indexes give their approximation)."""
+        try:
+            return np.stack([numpy_call(self.vectors, "reconstruct", int(i)) for i in ids]) if len(ids) else np.zeros((0, self.dim), np.float32)
+        except RuntimeError:
+            raise RetrievalError(f"{self.directory}: no item with id(s) {', '.join(str(i) for i in ids)[:200]} in this index") from None
 
     def items(self) -> dict[int, Item]:
         """Returns every indexed item by id."""
@@ -158,32 +211,57 @@ class Additions:
     hashes: list[str]
 
 
-def commit(directory: Path, base: GalleryIndex | None, additions: Iterable[Additions], remove_ids: Sequence[int], encoder_sha256: str, dim: int) -> GalleryIndex:
-    """Writes base (or an empty index) with removals and additions to directory, atomically.
+def commit(
+    directory: Path,
+    base: GalleryIndex | None,
+    additions: Iterable[Additions],
+    remove_ids: Sequence[int],
+    encoder_sha256: str,
+    dim: int,
+    factory: str | None = None,
+    memory: int | None = None,
+) -> GalleryIndex:
+    """Writes base (or a new index) with removals and additions to directory, atomically.
 
-    Everything is written into a temporary sibling directory, fsynced and renamed into place, so a
-    crash leaves the previous index whole. New items get ids after the highest ever given (ids of
-    removed items are never reused).
+    A new index gets the type index.choice picks for its size and the memory budget (or the FAISS
+    factory string given); it reads additions twice (a seeded sample to train on and to measure
+    recall with, then everything), so they must be re-iterable. Everything is written into a
+    temporary sibling directory, fsynced and renamed into place, so a crash leaves the previous index
+    whole. New items get ids after the highest ever given (ids of removed items are never reused).
     """
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    for leftover in [*directory.parent.glob(f".{directory.name}.tmp-*"), *directory.parent.glob(f".{directory.name}.old-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)  # of a writer killed part-way (writers go one at a time)
     staging = directory.with_name(f".{directory.name}.tmp-{time.time_ns()}")
     staging.mkdir(parents=True)
     try:
+        probe: RecallProbe | None = None
         if base is None:
-            vectors = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+            count, sample = _sample(additions, dim)
+            if count == 0:
+                raise RetrievalError(f"{directory}: nothing to index (no readable images)")
+            choice = IndexChoice(factory, "given with --faiss") if factory else choose_index(count, dim, memory)
+            vectors = new_index(choice.factory, dim, sample)
+            probe = None if choice.factory == "Flat" else RecallProbe(sample[:RECALL_SAMPLE])
             _create_items(staging / ITEMS)
             created, next_id = now, 1
+            described = {"index_type": choice.factory, "kind": index_kind(choice.factory), "choice": choice.reason}
         else:
             vectors = faiss.clone_index(base.vectors)
             shutil.copyfile(base.directory / ITEMS, staging / ITEMS)
             created, next_id = base.manifest["created"], int(base.manifest["next_id"])
+            described = {key: base.manifest[key] for key in ("index_type", "kind", "choice", "search", "recall@10") if key in base.manifest}
+            described.setdefault("kind", index_kind(str(described.get("index_type", "Flat"))))  # indexes saved before types were chosen
         with closing(sqlite3.connect(staging / ITEMS)) as connection:
             if remove_ids:
-                vectors.remove_ids(np.asarray(remove_ids, dtype=np.int64))
+                vectors = _remove(vectors, np.asarray(remove_ids, dtype=np.int64), described["kind"])
                 connection.executemany("DELETE FROM items WHERE id = ?", [(int(i),) for i in remove_ids])
             for chunk in additions:
                 ids = np.arange(next_id, next_id + len(chunk.items), dtype=np.int64)
-                vectors.add_with_ids(np.ascontiguousarray(chunk.vectors, dtype=np.float32), ids)
+                rows = np.ascontiguousarray(chunk.vectors, dtype=np.float32)
+                vectors.add_with_ids(rows, ids)
+                if probe is not None:
+                    probe.see(rows, ids)
                 connection.executemany(
                     "INSERT INTO items VALUES (?, ?, ?, ?, ?)",
                     [(int(i), str(item.path), item.label, digest, now) for i, item, digest in zip(ids, chunk.items, chunk.hashes)],
@@ -192,9 +270,11 @@ def commit(directory: Path, base: GalleryIndex | None, additions: Iterable[Addit
             connection.commit()
         if vectors.ntotal == 0:
             raise RetrievalError(f"{directory}: nothing to index (no readable images)")
+        if base is None:
+            described.update(tune_depth(vectors, described["kind"], probe))
         manifest = {
             "format_version": FORMAT_VERSION,
-            "index_type": "IDMap2,Flat",
+            **described,
             "metric": "inner_product",
             "dim": dim,
             "count": int(vectors.ntotal),
@@ -214,6 +294,185 @@ def commit(directory: Path, base: GalleryIndex | None, additions: Iterable[Addit
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return GalleryIndex(directory, manifest, vectors)
+
+
+def index_kind(factory: str) -> str:
+    """hnsw, ivf or flat: which search depth (efSearch, nprobe or none) the type has."""
+    return "hnsw" if "HNSW" in factory else "ivf" if "IVF" in factory else "flat"
+
+
+def _sample(additions: Iterable[Additions], dim: int, size: int | None = None, seed: int = 0) -> tuple[int, np.ndarray]:
+    """Counts the rows of additions and draws a seeded uniform sample of them.
+
+    Every row gets a random key and the rows with the smallest keys form the sample; rows are kept
+    until twice the sample size, then cut back, so the work stays linear in the number of rows.
+    """
+    rng = np.random.default_rng(seed)
+    limit = size or SAMPLE_LIMIT
+    count, held = 0, 0
+    rows: list[np.ndarray] = [np.zeros((0, dim), np.float32)]
+    keys: list[np.ndarray] = [np.zeros(0)]
+
+    def cut() -> tuple[list[np.ndarray], list[np.ndarray]]:
+        all_rows, all_keys = np.concatenate(rows), np.concatenate(keys)
+        best = np.argsort(all_keys)[:limit]
+        return [all_rows[best]], [all_keys[best]]
+
+    for chunk in additions:
+        rows.append(np.ascontiguousarray(chunk.vectors, dtype=np.float32))
+        keys.append(rng.random(len(chunk.vectors)))
+        count, held = count + len(chunk.vectors), held + len(chunk.vectors)
+        if held > 2 * limit:
+            rows, keys = cut()
+            held = limit
+    return count, cut()[0][0]
+
+
+def new_index(factory: str, dim: int, sample: np.ndarray) -> faiss.Index:
+    """An empty FAISS index of the factory type, trained on sample when the type needs training.
+
+    IVF types keep the ids they are given (with a hash table from id to vector, so items can be
+    found by id); the others are wrapped in IDMap2.
+    """
+    try:
+        index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as error:
+        raise RetrievalError(f"--faiss {factory!r}: FAISS cannot build it ({str(error).splitlines()[0][:200]}); see the FAISS index factory documentation") from None
+    if index_kind(factory) == "ivf":
+        ivf = faiss.extract_index_ivf(index)
+        ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
+        wanted = min(len(sample), max(TRAIN_PER_LIST * ivf.nlist, PQ_TRAIN if "PQ" in factory else 0))
+    else:
+        index = faiss.IndexIDMap2(index)
+        wanted = min(len(sample), PQ_TRAIN)
+    if not index.is_trained:
+        needed = faiss.extract_index_ivf(index).nlist if index_kind(factory) == "ivf" else 256
+        if len(sample) < needed:
+            raise RetrievalError(f"--faiss {factory!r} needs at least {needed:,} vectors to train on, the gallery has {len(sample):,}; use a smaller type (e.g. Flat)")
+        if index_kind(factory) == "ivf" and gpu_count():  # k-means of the inverted lists on the GPUs; the index stays a CPU one
+            faiss.extract_index_ivf(index).clustering_index = on_gpus(faiss.IndexFlatIP(dim), "flat")
+        index.train(sample[:wanted])
+    return index
+
+
+def _remove(vectors: faiss.Index, ids: np.ndarray, kind: str) -> faiss.Index:
+    """vectors without ids: natively, or for HNSW (which cannot remove) by rebuilding from its stored vectors."""
+    if kind != "hnsw":
+        vectors.remove_ids(ids)
+        return vectors
+    stored_ids, stored = stored_vectors(vectors)
+    keep = ~np.isin(stored_ids, ids)
+    graph = faiss.clone_index(faiss.downcast_index(vectors.index))
+    graph.reset()
+    rebuilt = faiss.IndexIDMap2(graph)
+    rebuilt.add_with_ids(stored[keep], stored_ids[keep])
+    return rebuilt
+
+
+def stored_vectors(vectors: faiss.Index) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, vectors) held by an index whose codes are the vectors themselves (Flat, HNSW over Flat, IVF-Flat).
+
+    Raises RetrievalError for compressed codes (SQ, PQ), which only approximate the vectors.
+    """
+    if isinstance(vectors, faiss.IndexIDMap2):
+        inner = faiss.downcast_index(vectors.index)
+        storage = faiss.downcast_index(inner.storage) if isinstance(inner, faiss.IndexHNSW) else inner
+        if isinstance(storage, faiss.IndexFlat):
+            return faiss.vector_to_array(vectors.id_map).astype(np.int64), numpy_call(inner, "reconstruct_n", 0, inner.ntotal)
+    elif isinstance(vectors, faiss.IndexIVFFlat):  # the codes of each inverted list are its float vectors
+        lists = vectors.invlists
+        ids, rows = [np.zeros(0, np.int64)], [np.zeros((0, vectors.d), np.float32)]
+        for number in range(vectors.nlist):
+            size = lists.list_size(number)
+            if size:
+                ids.append(faiss.rev_swig_ptr(lists.get_ids(number), size).copy())
+                rows.append(faiss.rev_swig_ptr(lists.get_codes(number), size * lists.code_size).view(np.float32).reshape(size, vectors.d).copy())
+        return np.concatenate(ids), np.concatenate(rows)
+    raise RetrievalError("this index stores compressed codes, not the vectors themselves")
+
+
+class RecallProbe:
+    """Exact top-10 of a few sample queries over everything added, kept up to date chunk by chunk."""
+
+    def __init__(self, queries: np.ndarray, k: int = 10) -> None:
+        self.queries, self.k = np.ascontiguousarray(queries, np.float32), k
+        self.scores = np.full((len(queries), 0), -np.inf, np.float32)
+        self.ids = np.zeros((len(queries), 0), np.int64)
+
+    def see(self, rows: np.ndarray, ids: np.ndarray) -> None:
+        scores, found = faiss.knn(self.queries, rows, min(self.k, len(rows)), metric=faiss.METRIC_INNER_PRODUCT)
+        scores, candidates = np.concatenate([self.scores, scores], axis=1), np.concatenate([self.ids, ids[found]], axis=1)
+        best = np.argsort(-scores, axis=1, kind="stable")[:, : self.k]
+        self.scores, self.ids = np.take_along_axis(scores, best, axis=1), np.take_along_axis(candidates, best, axis=1)
+
+    def recall(self, vectors: faiss.Index, params: object | None) -> float:
+        """Mean share of the exact top-10 that the index returns in its top-10."""
+        found = faiss_search(vectors, self.queries, self.k, params)[1]
+        return float(np.mean([len(set(a.tolist()) & set(b.tolist())) / len(b) for a, b in zip(found, self.ids)]))
+
+
+def tune_depth(vectors: faiss.Index, kind: str, probe: RecallProbe | None) -> dict:
+    """The smallest search depth reaching TARGET_RECALL on the probe, and its recall@10.
+
+    Depths double from 1 (nprobe) or 16 (efSearch); when doubling stops paying (recall up by less than
+    PLATEAU), as when compressed codes rather than the search cap the recall, the last depth that
+    still helped is kept.
+    """
+    if probe is None:
+        return {"search": {}, "recall@10": 1.0}
+    if kind == "flat":
+        return {"search": {}, "recall@10": probe.recall(vectors, None)}
+    name, depths = ("nprobe", [2**i for i in range(int(np.log2(faiss.extract_index_ivf(vectors).nlist)) + 1)]) if kind == "ivf" else ("efSearch", [16, 32, 64, 128, 256, 512, 1024])
+    chosen, recall = depths[0], probe.recall(vectors, search_parameters(kind, depths[0]))
+    for depth in depths[1:]:
+        if recall >= TARGET_RECALL:
+            break
+        deeper = probe.recall(vectors, search_parameters(kind, depth))
+        if deeper < recall + PLATEAU:
+            break
+        chosen, recall = depth, deeper
+    return {"search": {name: chosen}, "recall@10": recall}
+
+
+def numpy_call(index: faiss.Index, method: str, *args: object, **options: object) -> object:
+    """Calls FAISS's numpy method, also when faiss.contrib.torch_utils (imported by
+    pytorch-metric-learning, for one) has replaced it by one that returns torch tensors or takes no
+    search parameters; the numpy originals are then kept as <method>_numpy."""
+    return getattr(index, f"{method}_numpy", getattr(index, method))(*args, **options)
+
+
+def faiss_search(index: faiss.Index, queries: np.ndarray, k: int, params: object | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """index.search with per-call search parameters (see numpy_call)."""
+    return numpy_call(index, "search", queries, k, params=params)  # type: ignore[return-value]
+
+
+def gpu_count() -> int:
+    """GPUs FAISS can use here (0 with faiss-cpu, or with faiss-gpu on a machine without one)."""
+    return int(faiss.get_num_gpus()) if hasattr(faiss, "get_num_gpus") and hasattr(faiss, "GpuMultipleClonerOptions") else 0
+
+
+def on_gpus(vectors: faiss.Index, kind: str) -> faiss.Index:
+    """vectors copied to all GPUs, sharded (each holds a part), or vectors itself without GPUs.
+
+    HNSW has no GPU version and stays on the CPU; a type the GPU cloner refuses stays there too,
+    with a warning that says why.
+    """
+    if kind == "hnsw" or gpu_count() == 0:
+        return vectors
+    options = faiss.GpuMultipleClonerOptions()
+    options.shard = True
+    try:
+        return faiss.index_cpu_to_all_gpus(vectors, co=options)
+    except RuntimeError as error:
+        warnings.warn(f"searching on the CPU: FAISS cannot move this index to the GPU ({str(error).splitlines()[0][:200]})", stacklevel=2)
+        return vectors
+
+
+def search_parameters(kind: str, depth: int | None) -> object | None:
+    """FAISS per-call search parameters: nprobe for IVF, efSearch for HNSW (None: the index's own)."""
+    if depth is None or kind == "flat":
+        return None
+    return faiss.SearchParametersIVF(nprobe=int(depth)) if kind == "ivf" else faiss.SearchParametersHNSW(efSearch=int(depth))
 
 
 def _read_only(path: Path) -> closing[sqlite3.Connection]:

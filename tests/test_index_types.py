@@ -1,0 +1,202 @@
+"""Index types: the automatic choice, every type built, searched, removed from and reopened, and a killed writer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from index import choice
+from index.stats import index_stats
+from index.store import Additions, GalleryIndex, stored_vectors
+from retrieval.cli import main
+from retrieval.data import Item
+from retrieval.errors import RetrievalError
+from retrieval.runs import RunDir
+
+ROOT = Path(__file__).parents[1]
+
+
+def clustered(n: int = 6000, dim: int = 32, classes: int = 60, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((classes, dim)).astype(np.float32)
+    vectors = centres[rng.integers(0, classes, n)] + 0.5 * rng.standard_normal((n, dim)).astype(np.float32)
+    return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+
+
+def chunks(vectors: np.ndarray, size: int = 1000) -> list[Additions]:
+    return [
+        Additions(vectors[start : start + size], [Item(Path(f"/gallery/{i}.png"), f"c{i % 7}") for i in range(start, min(start + size, len(vectors)))], [f"h{i}" for i in range(start, min(start + size, len(vectors)))])
+        for start in range(0, len(vectors), size)
+    ]
+
+
+def sqlite_ids(index: GalleryIndex) -> set[int]:
+    return set(index.rows())
+
+
+def test_the_choice_follows_size_and_memory() -> None:
+    assert choice.choose_index(50_000, 128, 10**12).factory == "Flat"
+    assert choice.choose_index(1_000_000, 128, 10**12).factory == "IVF4096,Flat"
+    assert choice.choose_index(1_000_000, 128, 400 * 10**6).factory == "IVF4096,SQ8"  # full vectors need 624 MB
+    assert choice.choose_index(1_000_000, 128, 100 * 10**6).factory == "OPQ64,IVF4096,PQ64"
+    assert choice.choose_index(1_000_000, 128, 30 * 10**6).factory == "OPQ16,IVF4096,PQ16"
+    with pytest.raises(RetrievalError, match="too small for 1,000,000 128-d vectors: the smallest index here needs 0.02 GB"):
+        choice.choose_index(1_000_000, 128, 10 * 10**6)
+    assert [choice.nlist_for(n) for n in (150_000, 1_000_000, 10**8)] == [2048, 4096, 32768]
+    assert choice.parse_memory("4GB") == 4 * 10**9 and choice.parse_memory("512MiB") == 512 * 2**20 and choice.parse_memory("2e9") == 2 * 10**9
+    with pytest.raises(RetrievalError, match="give a size such as 4GB"):
+        choice.parse_memory("lots")
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF32,Flat", "IVF32,SQ8", "HNSW16", "OPQ8,IVF32,PQ8"])
+def test_every_type_builds_searches_removes_and_reopens(tmp_path: Path, factory: str) -> None:
+    vectors = clustered()
+    index = GalleryIndex.create(tmp_path / "index", chunks(vectors), "enc", 32, factory=factory)
+    manifest = json.loads((tmp_path / "index" / "manifest.json").read_text())
+    assert manifest["index_type"] == factory and manifest["count"] == 6000
+    if "PQ" in factory:  # 8 bytes for 32 floats: the codes, not the search depth, cap the recall
+        assert 0.3 < manifest["recall@10"] < choice.TARGET_RECALL and manifest["search"]["nprobe"] < 32  # tuning stopped where it stopped paying
+    else:
+        assert manifest["recall@10"] >= choice.TARGET_RECALL, manifest  # the depth was tuned to the target
+    own = [hits[0].id for hits in index.search(vectors[100:140], 1)]  # ids are 1..N in the order added
+    assert np.mean(np.array(own) == np.arange(101, 141)) >= (0.7 if "PQ" in factory else 0.95)  # a vector finds itself
+
+    removed = list(range(1, 3001, 2))
+    updated = index.update(chunks(clustered(500, seed=1), 500), removed)
+    reopened = GalleryIndex.load(tmp_path / "index", "enc", 32, mmap=True)
+    assert len(updated) == len(reopened) == 6000 - 1500 + 500
+    assert sqlite_ids(reopened) == set(range(1, 6501)) - set(removed)
+    hits = reopened.search(vectors[:200], 10)
+    assert not {hit.id for row in hits for hit in row} & set(removed)
+    assert reopened.manifest["index_type"] == factory and reopened.manifest["search"] == manifest["search"]
+    if factory in ("Flat", "IVF32,Flat", "HNSW16"):  # these keep the vectors themselves
+        ids, stored = stored_vectors(reopened.vectors)
+        assert set(ids.tolist()) == sqlite_ids(reopened)
+        np.testing.assert_allclose(stored[ids == 2][0], vectors[1], atol=1e-6)
+
+
+def test_the_automatic_choice_above_the_exact_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(choice, "EXACT_LIMIT", 1000)
+    index = GalleryIndex.create(tmp_path / "index", chunks(clustered()), "enc", 32, memory=10**9)
+    assert index.manifest["index_type"] == "IVF256,Flat" and index.kind == "ivf"
+    assert "fit in 1.00 GB" in index.manifest["choice"]
+    assert index.manifest["recall@10"] >= choice.TARGET_RECALL and index.manifest["search"]["nprobe"] < 256
+    stats = index_stats(tmp_path / "index", sample=300)
+    measured = next(value for key, value in stats.items() if key.startswith("recall@10 (now"))
+    assert measured >= 0.9 and stats["count"] == 6000 and stats["type"] == "IVF256,Flat"
+
+
+def test_search_depth_vectors_by_id_and_mistakes(tmp_path: Path) -> None:
+    vectors = clustered()
+    ivf = GalleryIndex.create(tmp_path / "ivf", chunks(vectors), "enc", 32, factory="IVF64,Flat")
+    exact = GalleryIndex.create(tmp_path / "flat", chunks(vectors), "enc", 32, factory="Flat")
+    truth = [{hit.id for hit in row} for row in exact.search(vectors[:300], 10)]
+
+    def recall(depth: int) -> float:
+        return float(np.mean([len({hit.id for hit in row} & best) / 10 for row, best in zip(ivf.search(vectors[:300], 10, depth=depth), truth)]))
+
+    assert recall(1) < recall(64) == 1.0  # probing every list is exact
+    np.testing.assert_allclose(ivf.vectors_of([5, 9]), vectors[[4, 8]], atol=1e-6)
+    with pytest.raises(RetrievalError, match="does not apply to this Flat index"):
+        exact.search(vectors[:1], 5, depth=4)
+    with pytest.raises(RetrievalError, match="no item with id"):
+        ivf.vectors_of([999_999])
+    with pytest.raises(RetrievalError, match="FAISS cannot build it"):
+        GalleryIndex.create(tmp_path / "bad", chunks(vectors), "enc", 32, factory="IVF,Nonsense")
+    with pytest.raises(RetrievalError, match="needs at least 4,096 vectors to train on"):
+        GalleryIndex.create(tmp_path / "small", chunks(vectors[:500]), "enc", 32, factory="IVF4096,Flat")
+
+
+def test_cli_index_choice_stats_and_depth(demo_run: RunDir, icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    images = icons_root / "test"
+    directory = tmp_path / "index"
+    assert main(["index", str(demo_run.root), str(images), "--index", str(directory), "--faiss", "HNSW16"]) == 0
+    assert main(["index-stats", str(directory), "--sample", "200"]) == 0
+    shown = capsys.readouterr().out
+    assert "HNSW16" in shown and "efSearch=" in shown and "recall@10 (now" in shown
+    query = next(images.rglob("*.png"))
+    assert main(["search", str(demo_run.root), str(query), "--index", str(directory), "--depth", "64", "-k", "3"]) == 0
+    assert main(["index", str(demo_run.root), str(images), "--index", str(directory), "--faiss", "IVF8,Flat"]) == 2
+    assert "add --rebuild" in capsys.readouterr().err
+    assert main(["index", str(demo_run.root), str(images), "--index", str(tmp_path / "other"), "--memory", "lots"]) == 2
+    assert "--memory 'lots'" in capsys.readouterr().err
+
+
+WRITER = """
+import sys, numpy as np
+sys.path.insert(0, sys.argv[2])
+from tests.test_index_types import chunks, clustered
+from index.store import GalleryIndex
+directory = sys.argv[1]
+for round in range(1000):  # remove and add until killed
+    index = GalleryIndex.load(directory)
+    ids = sorted(index.rows())
+    index.update(chunks(clustered(300, seed=round + 10), 300), ids[:300])
+    print(round, flush=True)
+"""
+
+
+@pytest.mark.parametrize("factory", ["IVF32,Flat", "HNSW16"])
+def test_a_killed_writer_leaves_ids_and_metadata_agreeing(tmp_path: Path, factory: str) -> None:
+    directory = tmp_path / "index"
+    GalleryIndex.create(directory, chunks(clustered()), "enc", 32, factory=factory)
+    rng = np.random.default_rng(0)
+    for attempt in range(3):
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(directory), str(ROOT)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert writer.stdout is not None
+        writer.stdout.readline()  # one update done: the next is under way
+        time.sleep(float(rng.uniform(0, 0.3)))
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait()
+        index = GalleryIndex.load(directory)  # the previous or the next version, whole
+        ids, _ = stored_vectors(index.vectors)
+        assert set(ids.tolist()) == sqlite_ids(index) and len(ids) == len(index) == 6000, attempt
+    GalleryIndex.load(directory).update([], [min(sqlite_ids(GalleryIndex.load(directory)))])
+    assert [path.name for path in tmp_path.iterdir()] == ["index"]  # what killed writers left is cleared
+
+
+def test_with_gpus_the_lists_train_and_searches_run_on_a_sharded_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU wiring, with FAISS's cloner replaced by a CPU copy (no GPU here): what moves, sharded, and the fallback."""
+    import faiss
+
+    from index import store
+
+    moved: list[tuple[str, bool]] = []
+
+    class Options:
+        shard = False
+
+    def to_all_gpus(index: faiss.Index, co: Options) -> faiss.Index:
+        moved.append((type(index).__name__, co.shard))
+        return faiss.clone_index(index)
+
+    monkeypatch.setattr(store, "gpu_count", lambda: 2)
+    monkeypatch.setattr(faiss, "GpuMultipleClonerOptions", Options, raising=False)
+    monkeypatch.setattr(faiss, "index_cpu_to_all_gpus", to_all_gpus, raising=False)
+    vectors = clustered()
+    index = GalleryIndex.create(tmp_path / "ivf", chunks(vectors), "enc", 32, factory="IVF32,Flat")
+    assert moved == [("IndexFlatIP", True)]  # the k-means of the lists
+    reopened = GalleryIndex.load(tmp_path / "ivf")
+    found = [[hit.id for hit in row] for row in reopened.search(vectors[:50], 5)]
+    assert moved[1:] == [("IndexIVFFlat", True)]  # the saved CPU index, copied once for searching
+    reopened.search(vectors[:1], 5)
+    assert len(moved) == 2
+    assert found == [[hit.id for hit in row] for row in GalleryIndex.load(tmp_path / "ivf").search(vectors[:50], 5)]
+    moved.clear()
+    GalleryIndex.create(tmp_path / "hnsw", chunks(vectors), "enc", 32, factory="HNSW16").search(vectors[:1], 5)
+    assert moved == []  # HNSW has no GPU version: it stays on the CPU
+
+    def refuse(index: faiss.Index, co: Options) -> faiss.Index:
+        raise RuntimeError("not implemented for this type")
+
+    monkeypatch.setattr(faiss, "index_cpu_to_all_gpus", refuse)
+    with pytest.warns(UserWarning, match="searching on the CPU: FAISS cannot move this index to the GPU"):
+        assert GalleryIndex.load(tmp_path / "ivf").search(vectors[:1], 3)[0][0].id == 1
