@@ -27,22 +27,22 @@ class SearchResult:
 class SearchService:
     """An ONNX encoder and the gallery index it built, ready to answer image queries."""
 
-    def __init__(self, run: RunDir, index_dir: Path | None = None) -> None:
+    def __init__(self, run: RunDir, index_dir: Path | None = None, mmap: bool = False) -> None:
         self.run = run
         self.embedder = OnnxEmbedder.from_run(run)
-        self.index = GalleryIndex.load(index_dir or run.index, self.embedder.fingerprint, self.embedder.dim)
+        self.index = GalleryIndex.load(index_dir or run.index, self.embedder.fingerprint, self.embedder.dim, mmap=mmap)
         self.items = self.index.items()
         self.metrics = read_json(run.metrics) if run.metrics.is_file() else None
 
-    def search(self, image_path: str | Path, k: int = 10, query_label: str = "") -> SearchResult:
-        """Embeds the image at image_path and returns its k nearest gallery items.
+    def search(self, image_path: str | Path, k: int = 10, query_label: str = "", depth: int | None = None) -> SearchResult:
+        """Embeds the image at image_path and returns its k nearest gallery items (depth: nprobe/efSearch).
 
         Gallery items with the query's exact bytes (the query itself, when picked from the gallery)
         are left out, as in leave-one-out evaluation.
         """
         data, digest = read_image_bytes(Path(image_path))
         image = decode_image(data, image_path)
-        hits = [hit for hit in self.index.search(self.embedder.embed([image]), k + 1)[0] if hit.sha256 != digest][:k]
+        hits = [hit for hit in self.index.search(self.embedder.embed([image]), k + 1, depth)[0] if hit.sha256 != digest][:k]
         summary = f"{len(hits)} results"
         if query_label:
             correct = sum(hit.label == query_label for hit in hits)

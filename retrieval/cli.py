@@ -176,15 +176,23 @@ def index(
     rebuild: Annotated[bool, typer.Option("--rebuild", help="Ignore the existing index and build it anew.")] = False,
     batch_size: Annotated[Optional[int], typer.Option(help="Images per encoder call (default: 64 on CPU, 256 on CUDA).")] = None,
     threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads (default: all cores).")] = None,
+    faiss_type: Annotated[Optional[str], typer.Option("--faiss", help='FAISS factory string for a new index, e.g. "HNSW32", "IVF4096,Flat", "OPQ32,IVF4096,PQ32" (default: chosen from the size and --memory).', show_default=False)] = None,
+    memory: Annotated[Optional[str], typer.Option("--memory", help="Memory budget of a new index, e.g. 4GB or 512MiB (default: half of this machine's memory).", show_default=False)] = None,
 ) -> None:
-    """Embed a gallery with the run's ONNX model and add it to its FAISS index (incremental and resumable)."""
+    """Embed a gallery with the run's ONNX model and add it to its FAISS index (incremental and resumable).
+
+    A new index is exact (Flat) up to 100,000 images, then IVF-Flat, IVF-SQ8 or OPQ+IVF-PQ as the
+    memory budget allows, with its search depth tuned to recall@10 >= 0.95 (see `retrieval index-stats`).
+    """
     from index.build import build_index
+    from index.choice import parse_memory
     from retrieval.embedders import OnnxEmbedder
 
     run_dir = RunDir(run)
+    budget = parse_memory(memory) if memory else None
     embedder = OnnxEmbedder.from_run(run_dir, threads)
     target = index_dir or run_dir.index
-    report = build_index(embedder, load_collection(images), target, sync=sync, rebuild=rebuild, batch_size=batch_size)
+    report = build_index(embedder, load_collection(images), target, sync=sync, rebuild=rebuild, batch_size=batch_size, factory=faiss_type, memory=budget)
     report_skipped(report.skipped, target / "skipped.json")
     console.print(
         f"index {target}: {len(report.index)} images · embedded {report.embedded} · resumed {report.resumed} · "
@@ -198,16 +206,36 @@ def search(
     image: Annotated[Path, typer.Argument(help="Query image file.", show_default=False)],
     k: Annotated[int, typer.Option("-k", "--k", help="Number of neighbours.")] = 10,
     index_dir: Annotated[Optional[Path], typer.Option("--index", help="Index directory (default: RUN/index).")] = None,
+    depth: Annotated[Optional[int], typer.Option("--depth", help="nprobe (IVF) or efSearch (HNSW) for this search (default: the value tuned at build time).", show_default=False)] = None,
+    mmap: Annotated[bool, typer.Option("--mmap", help="Leave the index's vectors on disk, memory-mapped (galleries larger than memory).")] = False,
 ) -> None:
     """Print the k nearest gallery images to a query image."""
     from app.server import SearchService
 
-    result = SearchService(RunDir(run), index_dir).search(image, k)
+    result = SearchService(RunDir(run), index_dir, mmap=mmap).search(image, k, depth=depth)
     table = Table(title=f"nearest to {image}")
     for column in ("rank", "similarity", "label", "path"):
         table.add_column(column)
     for rank, hit in enumerate(result.hits, 1):
         table.add_row(str(rank), f"{hit.score:.4f}", hit.label, hit.path)
+    console.print(table)
+
+
+@app.command("index-stats")
+def index_stats(
+    index_dir: Annotated[Path, typer.Argument(help="An index directory, or a run directory holding index/.", show_default=False)],
+    sample: Annotated[int, typer.Option(help="Own vectors used as queries to measure recall@10 against exact search.")] = 1000,
+    mmap: Annotated[bool, typer.Option("--mmap", help="Open the index memory-mapped.")] = False,
+) -> None:
+    """Show an index's size, type, parameters and memory, and measure its recall@10 against exact search."""
+    from index.stats import index_stats as measure
+
+    directory = index_dir / "index" if (index_dir / "index" / "manifest.json").is_file() else index_dir
+    table = Table(title=f"index {directory}")
+    table.add_column("")
+    table.add_column("", overflow="fold")
+    for key, value in measure(directory, sample, mmap).items():
+        table.add_row(key, _format(value) if not isinstance(value, dict) else ", ".join(f"{name}={setting}" for name, setting in value.items()) or "none")
     console.print(table)
 
 

@@ -18,7 +18,7 @@ def reference_rows() -> list[tuple[str, list[str]]]:
     """(command, options) for each row of the README's command reference table."""
     rows = []
     for line in README.splitlines():
-        match = re.match(r"\| `retrieval (\w+)[^`]*` \|", line)
+        match = re.match(r"\| `retrieval ([\w-]+)[^`]*` \|", line)
         if match:
             cells = re.split(r"(?<!\\)\|", line)  # table cells; "\|" inside a cell is an escaped pipe
             rows.append((match.group(1), re.findall(r"`(-{1,2}[\w-]+)", cells[3])))
@@ -27,7 +27,7 @@ def reference_rows() -> list[tuple[str, list[str]]]:
 
 def test_the_reference_covers_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
-    listed = set(re.findall(r"│ (\w+)\s{2,}", capsys.readouterr().out))
+    listed = set(re.findall(r"│ (\w[\w-]*)\s{2,}", capsys.readouterr().out))
     assert len(listed) >= 7 and {command for command, _ in reference_rows()} == listed
 
 
