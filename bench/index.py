@@ -5,7 +5,8 @@ vectors each) and 10,000
 held-out queries from the same distribution. Every type is built the way `retrieval index` builds it
 (index.store.new_index: trained on a seeded sample, ids kept) and its search depth tuned the same
 way (index.store.tune_depth: the smallest nprobe/efSearch whose recall@10 on 1,000 of its own vectors
-reaches 0.95). Then, for the held-out queries: recall@10 against exact search, batch QPS (all 10,000
+reaches 0.95); compressed types (SQ, PQ) re-score 8 candidates per result with the exact vectors, as
+searches do (the gallery array plays the memory-mapped raw.f32). Then, for the held-out queries: recall@10 against exact search, batch QPS (all 10,000
 queries in one call) and single-query latency (median of 300 calls with one query). "auto" is the
 type index.choice picks for this size within --memory.
 
@@ -28,7 +29,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from index.choice import choose_index, nlist_for, parse_memory  # noqa: E402
-from index.store import RECALL_SAMPLE, RecallProbe, faiss_search, index_kind, new_index, search_parameters, tune_depth  # noqa: E402
+from index.store import RECALL_SAMPLE, RERANK, RecallProbe, compressed, index_kind, new_index, search_ids, search_parameters, tune_depth  # noqa: E402
 
 
 def clustered(size: int, dim: int, centres: int, seed: int) -> np.ndarray:
@@ -71,10 +72,11 @@ def main() -> None:
         kind = index_kind(factory)
         probe = RecallProbe(sample[:RECALL_SAMPLE])
         probe.see(gallery, ids)
-        tuned = tune_depth(index, kind, probe if factory != "Flat" else None)
+        rerank = RERANK if compressed(factory) else 0  # re-scored with the exact vectors, as searches do
+        tuned = tune_depth(index, kind, probe if factory != "Flat" else None, gallery, rerank)
         params = search_parameters(kind, next(iter(tuned["search"].values()), None))
         started = time.perf_counter()
-        found = faiss_search(index, queries, 10, params)[1]
+        found = search_ids(index, queries, 10, params, gallery, rerank)[1]
         batch = time.perf_counter() - started
         if truth is None:
             if factory != "Flat":
@@ -83,7 +85,7 @@ def main() -> None:
         single = []
         for row in range(300):
             started = time.perf_counter()
-            faiss_search(index, queries[row : row + 1], 10, params)
+            search_ids(index, queries[row : row + 1], 10, params, gallery, rerank)
             single.append(time.perf_counter() - started)
         recall = float(np.mean([len(set(a.tolist()) & set(b.tolist())) / 10 for a, b in zip(found, truth)]))
         size = len(faiss.serialize_index(index)) / 2**20

@@ -45,6 +45,8 @@ SAMPLE_LIMIT = TRAIN_PER_LIST * 16_384  # enough to train the lists of up to abo
 MANIFEST = "manifest.json"
 VECTORS = "vectors.faiss"
 ITEMS = "items.sqlite"
+RAW = "raw.f32"  # compressed types only: the exact float32 vectors, row id - 1, read memory-mapped to re-rank
+RERANK = 8  # compressed types re-score this many candidates per result exactly
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,14 @@ class GalleryIndex:
         self.manifest = manifest
         self.vectors = vectors  # the CPU index, as saved
         self._searcher: faiss.Index | None = None
+        self._raw: np.ndarray | None = None
+
+    @property
+    def raw(self) -> np.ndarray | None:
+        """The exact vectors of a compressed index (row id - 1), memory-mapped; None for other types."""
+        if self._raw is None and self.manifest.get("rerank"):
+            self._raw = open_raw(self.directory, int(self.manifest["next_id"]) - 1, self.dim)
+        return self._raw
 
     @property
     def searcher(self) -> faiss.Index:
@@ -146,18 +156,21 @@ class GalleryIndex:
             raise RetrievalError(f"{directory / ITEMS}: SQLite cannot read it ({error}); rebuild the index") from None
         if rows != vectors.ntotal:
             raise RetrievalError(f"{directory}: {ITEMS} has {rows} items for {vectors.ntotal} vectors; rebuild the index")
-        return cls(directory, manifest, vectors)
+        index = cls(directory, manifest, vectors)
+        _ = index.raw  # checks the exact vectors of a compressed index now, not at the first search
+        return index
 
     @property
     def kind(self) -> str:
         """flat, ivf or hnsw (indexes saved before the choice of types were flat)."""
         return str(self.manifest.get("kind", "flat"))
 
-    def search(self, queries: np.ndarray, k: int = 10, depth: int | None = None) -> list[list[Hit]]:
+    def search(self, queries: np.ndarray, k: int = 10, depth: int | None = None, rerank: int | None = None) -> list[list[Hit]]:
         """Returns the k best hits for each query row, best first.
 
         depth is nprobe for IVF indexes and efSearch for HNSW (default: the value tuned at build time);
-        exact indexes have none.
+        exact indexes have none. Compressed indexes (SQ, PQ) fetch rerank × k candidates and re-score
+        them with the exact vectors (default RERANK; 0 or 1: the compressed scores as they are).
         """
         queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
         if queries.shape[1] != self.dim:
@@ -168,7 +181,8 @@ class GalleryIndex:
             raise RetrievalError(f"the search depth must be at least 1, got {depth}")
         tuned = next(iter(self.manifest.get("search", {}).values()), None)
         k = max(1, min(k, len(self)))
-        scores, ids = faiss_search(self.searcher, queries, k, search_parameters(self.kind, depth or tuned))
+        factor = int(self.manifest.get("rerank", 0)) if rerank is None else rerank
+        scores, ids = search_ids(self.searcher, queries, k, search_parameters(self.kind, depth or tuned), self.raw, factor)
         found = self.rows(ids[ids >= 0].tolist())
         return [
             [Hit(int(i), found[int(i)][0], found[int(i)][1], float(s), found[int(i)][2]) for i, s in zip(row_ids, row_scores) if i >= 0]
@@ -176,8 +190,12 @@ class GalleryIndex:
         ]
 
     def vectors_of(self, ids: Sequence[int]) -> np.ndarray:
-        """The stored vectors of indexed items, to search with items already in the gallery (compressed
-        indexes give their approximation)."""
+        """The stored vectors of indexed items, to search with items already in the gallery."""
+        known = self.rows(list(ids))
+        if len(known) != len(set(ids)):
+            raise RetrievalError(f"{self.directory}: no item with id(s) {', '.join(str(i) for i in ids if i not in known)[:200]} in this index")
+        if self.raw is not None:
+            return np.asarray(self.raw[np.asarray(ids, np.int64) - 1], np.float32)
         try:
             return np.stack([numpy_call(self.vectors, "reconstruct", int(i)) for i in ids]) if len(ids) else np.zeros((0, self.dim), np.float32)
         except RuntimeError:
@@ -245,14 +263,16 @@ def commit(
             probe = None if choice.factory == "Flat" else RecallProbe(sample[:RECALL_SAMPLE])
             _create_items(staging / ITEMS)
             created, next_id = now, 1
-            described = {"index_type": choice.factory, "kind": index_kind(choice.factory), "choice": choice.reason}
+            described = {"index_type": choice.factory, "kind": index_kind(choice.factory), "choice": choice.reason, "rerank": RERANK if compressed(choice.factory) else 0}
         else:
             vectors = faiss.clone_index(base.vectors)
             shutil.copyfile(base.directory / ITEMS, staging / ITEMS)
             created, next_id = base.manifest["created"], int(base.manifest["next_id"])
-            described = {key: base.manifest[key] for key in ("index_type", "kind", "choice", "search", "recall@10") if key in base.manifest}
+            described = {key: base.manifest[key] for key in ("index_type", "kind", "choice", "rerank", "search", "recall@10") if key in base.manifest}
             described.setdefault("kind", index_kind(str(described.get("index_type", "Flat"))))  # indexes saved before types were chosen
-        with closing(sqlite3.connect(staging / ITEMS)) as connection:
+        if described.get("rerank") and base is not None:
+            shutil.copyfile(base.directory / RAW, staging / RAW)
+        with closing(sqlite3.connect(staging / ITEMS)) as connection, open(staging / RAW, "ab") if described.get("rerank") else _nowhere() as raw:
             if remove_ids:
                 vectors = _remove(vectors, np.asarray(remove_ids, dtype=np.int64), described["kind"])
                 connection.executemany("DELETE FROM items WHERE id = ?", [(int(i),) for i in remove_ids])
@@ -260,6 +280,7 @@ def commit(
                 ids = np.arange(next_id, next_id + len(chunk.items), dtype=np.int64)
                 rows = np.ascontiguousarray(chunk.vectors, dtype=np.float32)
                 vectors.add_with_ids(rows, ids)
+                raw.write(rows.tobytes())  # row id - 1: ids are given in order
                 if probe is not None:
                     probe.see(rows, ids)
                 connection.executemany(
@@ -271,7 +292,8 @@ def commit(
         if vectors.ntotal == 0:
             raise RetrievalError(f"{directory}: nothing to index (no readable images)")
         if base is None:
-            described.update(tune_depth(vectors, described["kind"], probe))
+            exact = open_raw(staging, next_id - 1, dim) if described["rerank"] else None
+            described.update(tune_depth(vectors, described["kind"], probe, exact, described["rerank"]))
         manifest = {
             "format_version": FORMAT_VERSION,
             **described,
@@ -285,7 +307,7 @@ def commit(
         }
         faiss.write_index(vectors, str(staging / VECTORS))
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        for name in (VECTORS, ITEMS, MANIFEST):
+        for name in (VECTORS, ITEMS, MANIFEST, *([RAW] if described.get("rerank") else [])):
             with open(staging / name, "rb") as handle:
                 os.fsync(handle.fileno())
         fsync_dir(staging)
@@ -405,13 +427,13 @@ class RecallProbe:
         best = np.argsort(-scores, axis=1, kind="stable")[:, : self.k]
         self.scores, self.ids = np.take_along_axis(scores, best, axis=1), np.take_along_axis(candidates, best, axis=1)
 
-    def recall(self, vectors: faiss.Index, params: object | None) -> float:
-        """Mean share of the exact top-10 that the index returns in its top-10."""
-        found = faiss_search(vectors, self.queries, self.k, params)[1]
+    def recall(self, vectors: faiss.Index, params: object | None, raw: np.ndarray | None = None, rerank: int = 0) -> float:
+        """Mean share of the exact top-10 that the index returns in its top-10 (re-ranked as search_ids does)."""
+        found = search_ids(vectors, self.queries, self.k, params, raw, rerank)[1]
         return float(np.mean([len(set(a.tolist()) & set(b.tolist())) / len(b) for a, b in zip(found, self.ids)]))
 
 
-def tune_depth(vectors: faiss.Index, kind: str, probe: RecallProbe | None) -> dict:
+def tune_depth(vectors: faiss.Index, kind: str, probe: RecallProbe | None, raw: np.ndarray | None = None, rerank: int = 0) -> dict:
     """The smallest search depth reaching TARGET_RECALL on the probe, and its recall@10.
 
     Depths double from 1 (nprobe) or 16 (efSearch); when doubling stops paying (recall up by less than
@@ -421,17 +443,49 @@ def tune_depth(vectors: faiss.Index, kind: str, probe: RecallProbe | None) -> di
     if probe is None:
         return {"search": {}, "recall@10": 1.0}
     if kind == "flat":
-        return {"search": {}, "recall@10": probe.recall(vectors, None)}
+        return {"search": {}, "recall@10": probe.recall(vectors, None, raw, rerank)}
     name, depths = ("nprobe", [2**i for i in range(int(np.log2(faiss.extract_index_ivf(vectors).nlist)) + 1)]) if kind == "ivf" else ("efSearch", [16, 32, 64, 128, 256, 512, 1024])
-    chosen, recall = depths[0], probe.recall(vectors, search_parameters(kind, depths[0]))
+    chosen, recall = depths[0], probe.recall(vectors, search_parameters(kind, depths[0]), raw, rerank)
     for depth in depths[1:]:
         if recall >= TARGET_RECALL:
             break
-        deeper = probe.recall(vectors, search_parameters(kind, depth))
+        deeper = probe.recall(vectors, search_parameters(kind, depth), raw, rerank)
         if deeper < recall + PLATEAU:
             break
         chosen, recall = depth, deeper
     return {"search": {name: chosen}, "recall@10": recall}
+
+
+def compressed(factory: str) -> bool:
+    """Whether the type stores lossy codes (SQ, PQ) rather than the vectors."""
+    return "PQ" in factory or "SQ" in factory
+
+
+def open_raw(directory: Path, rows: int, dim: int) -> np.ndarray:
+    """The exact vectors file of a compressed index, memory-mapped read-only, checked for its size."""
+    path = directory / RAW
+    expected = rows * dim * 4
+    if not path.is_file() or path.stat().st_size != expected:
+        found = f"{path.stat().st_size:,} bytes" if path.is_file() else "missing"
+        raise RetrievalError(f"{path}: {found}, expected {expected:,} bytes ({rows:,} vectors of {dim} floats); rebuild the index")
+    return np.memmap(path, np.float32, "r", shape=(rows, dim)) if rows else np.zeros((0, dim), np.float32)
+
+
+def search_ids(index: faiss.Index, queries: np.ndarray, k: int, params: object | None, raw: np.ndarray | None, rerank: int, block: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, ids) of the k best items for each query; with exact vectors (raw, row id - 1) and
+    rerank > 1, the rerank × k best by the index's codes are re-scored exactly and the k best kept."""
+    if raw is None or rerank <= 1:
+        return faiss_search(index, queries, k, params)
+    scores = np.full((len(queries), k), -np.inf, np.float32)
+    ids = np.full((len(queries), k), -1, np.int64)
+    for start in range(0, len(queries), block):
+        rows = slice(start, start + block)
+        candidates = faiss_search(index, queries[rows], k * rerank, params)[1]
+        exact = np.einsum("qcd,qd->qc", np.asarray(raw[np.maximum(candidates, 1) - 1], np.float32), queries[rows])
+        exact[candidates < 0] = -np.inf
+        best = np.argsort(-exact, axis=1, kind="stable")[:, :k]
+        scores[rows], ids[rows] = np.take_along_axis(exact, best, axis=1), np.where(np.take_along_axis(exact, best, axis=1) > -np.inf, np.take_along_axis(candidates, best, axis=1), -1)
+    return scores, ids
 
 
 def numpy_call(index: faiss.Index, method: str, *args: object, **options: object) -> object:
@@ -473,6 +527,19 @@ def search_parameters(kind: str, depth: int | None) -> object | None:
     if depth is None or kind == "flat":
         return None
     return faiss.SearchParametersIVF(nprobe=int(depth)) if kind == "ivf" else faiss.SearchParametersHNSW(efSearch=int(depth))
+
+
+class _nowhere:
+    """A file-like sink for the exact vectors of types that do not keep them."""
+
+    def __enter__(self) -> "_nowhere":
+        return self
+
+    def __exit__(self, *error: object) -> None:
+        return None
+
+    def write(self, data: bytes) -> int:
+        return len(data)
 
 
 def _read_only(path: Path) -> closing[sqlite3.Connection]:
