@@ -49,6 +49,11 @@ class SearchService:
             summary += f" for label **{query_label}**: {correct}/{len(hits)} hits, first hit at rank {_first_hit(hits, query_label)}"
         return SearchResult(hits, summary)
 
+    def search_item(self, item_id: int, k: int = 10, depth: int | None = None) -> SearchResult:
+        """Returns the k nearest gallery items to an indexed item (itself left out), by its id."""
+        hits = self.index.search_items([item_id], k, depth)[0]
+        return SearchResult(hits, f"{len(hits)} results for item {item_id}")
+
     def samples(self) -> list[tuple[str, str]]:
         """Returns one gallery image per label (up to SAMPLES_PER_PAGE) as (path, label), to pick queries from."""
         first: dict[str, str] = {}

@@ -189,6 +189,11 @@ class GalleryIndex:
             for row_ids, row_scores in zip(ids, scores)
         ]
 
+    def search_items(self, ids: Sequence[int], k: int = 10, depth: int | None = None) -> list[list[Hit]]:
+        """The k nearest items to items already indexed, each one itself left out (queries by id)."""
+        found = self.search(self.vectors_of(ids), k + 1, depth)
+        return [[hit for hit in row if hit.id != item][:k] for row, item in zip(found, ids)]
+
     def vectors_of(self, ids: Sequence[int]) -> np.ndarray:
         """The stored vectors of indexed items, to search with items already in the gallery."""
         known = self.rows(list(ids))

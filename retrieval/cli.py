@@ -203,17 +203,21 @@ def index(
 @app.command()
 def search(
     run: RunArg,
-    image: Annotated[Path, typer.Argument(help="Query image file.", show_default=False)],
+    image: Annotated[Optional[Path], typer.Argument(help="Query image file (or give --id).", show_default=False)] = None,
+    item_id: Annotated[Optional[int], typer.Option("--id", help="Query with an item already in the index, by its id (itself left out).", show_default=False)] = None,
     k: Annotated[int, typer.Option("-k", "--k", help="Number of neighbours.")] = 10,
     index_dir: Annotated[Optional[Path], typer.Option("--index", help="Index directory (default: RUN/index).")] = None,
     depth: Annotated[Optional[int], typer.Option("--depth", help="nprobe (IVF) or efSearch (HNSW) for this search (default: the value tuned at build time).", show_default=False)] = None,
     mmap: Annotated[bool, typer.Option("--mmap", help="Leave the index's vectors on disk, memory-mapped (galleries larger than memory).")] = False,
 ) -> None:
-    """Print the k nearest gallery images to a query image."""
+    """Print the k nearest gallery images to a query image, or to an indexed item (--id)."""
     from app.server import SearchService
 
-    result = SearchService(RunDir(run), index_dir, mmap=mmap).search(image, k, depth=depth)
-    table = Table(title=f"nearest to {image}")
+    if (image is None) == (item_id is None):
+        raise RetrievalError("give a query IMAGE or --id of an indexed item (one of the two)")
+    service = SearchService(RunDir(run), index_dir, mmap=mmap)
+    result = service.search(image, k, depth=depth) if image is not None else service.search_item(int(item_id), k, depth)  # type: ignore[arg-type]
+    table = Table(title=f"nearest to {image if image is not None else f'item {item_id}'}")
     for column in ("rank", "similarity", "label", "path"):
         table.add_column(column)
     for rank, hit in enumerate(result.hits, 1):

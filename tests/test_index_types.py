@@ -123,6 +123,8 @@ def test_search_depth_vectors_by_id_and_mistakes(tmp_path: Path) -> None:
 
     assert recall(1) < recall(64) == 1.0  # probing every list is exact
     np.testing.assert_allclose(ivf.vectors_of([5, 9]), vectors[[4, 8]], atol=1e-6)
+    by_id = ivf.search_items([5, 9], 4, depth=64)
+    assert [[hit.id for hit in row] for row in by_id] == [[hit.id for hit in row if hit.id != own][:4] for row, own in zip(exact.search(vectors[[4, 8]], 5), (5, 9))]
     with pytest.raises(RetrievalError, match="does not apply to this Flat index"):
         exact.search(vectors[:1], 5, depth=4)
     with pytest.raises(RetrievalError, match="no item with id"):
@@ -142,6 +144,14 @@ def test_cli_index_choice_stats_and_depth(demo_run: RunDir, icons_root: Path, tm
     assert "HNSW16" in shown and "efSearch=" in shown and "recall@10 (now" in shown
     query = next(images.rglob("*.png"))
     assert main(["search", str(demo_run.root), str(query), "--index", str(directory), "--depth", "64", "-k", "3"]) == 0
+    capsys.readouterr()
+    assert main(["search", str(demo_run.root), "--id", "5", "--index", str(directory), "-k", "3"]) == 0
+    table = capsys.readouterr().out
+    assert "nearest to item 5" in table and table.count(str(images)) <= 3
+    assert main(["search", str(demo_run.root), "--index", str(directory)]) == 2
+    assert "give a query IMAGE or --id" in capsys.readouterr().err
+    assert main(["search", str(demo_run.root), "--id", "99999", "--index", str(directory)]) == 2
+    assert "no item with id(s) 99999" in capsys.readouterr().err
     assert main(["index", str(demo_run.root), str(images), "--index", str(directory), "--faiss", "IVF8,Flat"]) == 2
     assert "add --rebuild" in capsys.readouterr().err
     assert main(["index", str(demo_run.root), str(images), "--index", str(tmp_path / "other"), "--memory", "lots"]) == 2
