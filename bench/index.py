@@ -29,7 +29,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from index.choice import choose_index, nlist_for, parse_memory  # noqa: E402
-from index.store import RECALL_SAMPLE, RERANK, RecallProbe, compressed, index_kind, new_index, search_ids, search_parameters, tune_depth  # noqa: E402
+from index.store import RECALL_SAMPLE, RERANK, RecallProbe, compressed, index_kind, new_index, recall_at_10, search_ids, search_parameters, tune_depth  # noqa: E402
 
 
 def clustered(size: int, dim: int, centres: int, seed: int) -> np.ndarray:
@@ -87,7 +87,7 @@ def main() -> None:
             started = time.perf_counter()
             search_ids(index, queries[row : row + 1], 10, params, gallery, rerank)
             single.append(time.perf_counter() - started)
-        recall = float(np.mean([len(set(a.tolist()) & set(b.tolist())) / 10 for a, b in zip(found, truth)]))
+        recall = recall_at_10(found, truth)
         size = len(faiss.serialize_index(index)) / 2**20
         rows.append((factory + (" (auto)" if factory == auto.factory else ""), build, size, tuned["search"], float(np.median(single)) * 1e3, args.queries / batch, recall))
         print(rows[-1], flush=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from index.store import ITEMS, VECTORS, GalleryIndex, faiss, stored_vectors
+from index.store import ITEMS, VECTORS, GalleryIndex, faiss, recall_at_10, stored_vectors
 from retrieval.errors import RetrievalError
 
 
@@ -44,5 +44,5 @@ def index_stats(directory: Path, sample: int = 1000, mmap: bool = False, seed: i
     k = min(10, len(ids))
     exact = ids[faiss.knn(vectors[chosen], vectors, k, metric=faiss.METRIC_INNER_PRODUCT)[1]]
     found = [[hit.id for hit in hits] for hits in index.search(vectors[chosen], k)]
-    stats[f"recall@10 (now, {len(chosen):,} own vectors)"] = float(np.mean([len(set(a) & set(b.tolist())) / k for a, b in zip(found, exact)]))
+    stats[f"recall@10 (now, {len(chosen):,} own vectors)"] = recall_at_10(found, exact)
     return stats

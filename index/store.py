@@ -162,8 +162,8 @@ class GalleryIndex:
 
     @property
     def kind(self) -> str:
-        """flat, ivf or hnsw (indexes saved before the choice of types were flat)."""
-        return str(self.manifest.get("kind", "flat"))
+        """flat, ivf or hnsw, from the index type (indexes saved before types were chosen say IDMap2,Flat)."""
+        return index_kind(str(self.manifest.get("index_type", "Flat")))
 
     def search(self, queries: np.ndarray, k: int = 10, depth: int | None = None, rerank: int | None = None) -> list[list[Hit]]:
         """Returns the k best hits for each query row, best first.
@@ -203,8 +203,8 @@ class GalleryIndex:
             return np.asarray(self.raw[np.asarray(ids, np.int64) - 1], np.float32)
         try:
             return np.stack([numpy_call(self.vectors, "reconstruct", int(i)) for i in ids]) if len(ids) else np.zeros((0, self.dim), np.float32)
-        except RuntimeError:
-            raise RetrievalError(f"{self.directory}: no item with id(s) {', '.join(str(i) for i in ids)[:200]} in this index") from None
+        except RuntimeError as error:
+            raise RetrievalError(f"{self.directory}: a {self.manifest.get('index_type')} index cannot give its vectors back ({str(error).splitlines()[0][:120]})") from None
 
     def items(self) -> dict[int, Item]:
         """Returns every indexed item by id."""
@@ -268,18 +268,18 @@ def commit(
             probe = None if choice.factory == "Flat" else RecallProbe(sample[:RECALL_SAMPLE])
             _create_items(staging / ITEMS)
             created, next_id = now, 1
-            described = {"index_type": choice.factory, "kind": index_kind(choice.factory), "choice": choice.reason, "rerank": RERANK if compressed(choice.factory) else 0}
+            described = {"index_type": choice.factory, "choice": choice.reason, "rerank": RERANK if compressed(choice.factory) else 0}
         else:
             vectors = faiss.clone_index(base.vectors)
             shutil.copyfile(base.directory / ITEMS, staging / ITEMS)
             created, next_id = base.manifest["created"], int(base.manifest["next_id"])
-            described = {key: base.manifest[key] for key in ("index_type", "kind", "choice", "rerank", "search", "recall@10") if key in base.manifest}
-            described.setdefault("kind", index_kind(str(described.get("index_type", "Flat"))))  # indexes saved before types were chosen
+            described = {key: base.manifest[key] for key in ("index_type", "choice", "rerank", "search", "recall@10") if key in base.manifest}
         if described.get("rerank") and base is not None:
             shutil.copyfile(base.directory / RAW, staging / RAW)
-        with closing(sqlite3.connect(staging / ITEMS)) as connection, open(staging / RAW, "ab") if described.get("rerank") else _nowhere() as raw:
+        kind = index_kind(str(described.get("index_type", "Flat")))
+        with closing(sqlite3.connect(staging / ITEMS)) as connection, open(staging / RAW if described.get("rerank") else os.devnull, "ab") as raw:
             if remove_ids:
-                vectors = _remove(vectors, np.asarray(remove_ids, dtype=np.int64), described["kind"])
+                vectors = _remove(vectors, np.asarray(remove_ids, dtype=np.int64), kind)
                 connection.executemany("DELETE FROM items WHERE id = ?", [(int(i),) for i in remove_ids])
             for chunk in additions:
                 ids = np.arange(next_id, next_id + len(chunk.items), dtype=np.int64)
@@ -298,7 +298,7 @@ def commit(
             raise RetrievalError(f"{directory}: nothing to index (no readable images)")
         if base is None:
             exact = open_raw(staging, next_id - 1, dim) if described["rerank"] else None
-            described.update(tune_depth(vectors, described["kind"], probe, exact, described["rerank"]))
+            described.update(tune_depth(vectors, kind, probe, exact, described["rerank"]))
         manifest = {
             "format_version": FORMAT_VERSION,
             **described,
@@ -365,19 +365,18 @@ def new_index(factory: str, dim: int, sample: np.ndarray) -> faiss.Index:
         index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
     except RuntimeError as error:
         raise RetrievalError(f"--faiss {factory!r}: FAISS cannot build it ({str(error).splitlines()[0][:200]}); see the FAISS index factory documentation") from None
-    if index_kind(factory) == "ivf":
-        ivf = faiss.extract_index_ivf(index)
+    ivf = faiss.extract_index_ivf(index) if index_kind(factory) == "ivf" else None
+    if ivf is not None:
         ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
-        wanted = min(len(sample), max(TRAIN_PER_LIST * ivf.nlist, PQ_TRAIN if "PQ" in factory else 0))
+        needed, wanted = ivf.nlist, max(TRAIN_PER_LIST * ivf.nlist, PQ_TRAIN if "PQ" in factory else 0)
     else:
         index = faiss.IndexIDMap2(index)
-        wanted = min(len(sample), PQ_TRAIN)
+        needed, wanted = 256, PQ_TRAIN
     if not index.is_trained:
-        needed = faiss.extract_index_ivf(index).nlist if index_kind(factory) == "ivf" else 256
         if len(sample) < needed:
             raise RetrievalError(f"--faiss {factory!r} needs at least {needed:,} vectors to train on, the gallery has {len(sample):,}; use a smaller type (e.g. Flat)")
-        if index_kind(factory) == "ivf" and gpu_count():  # k-means of the inverted lists on the GPUs; the index stays a CPU one
-            faiss.extract_index_ivf(index).clustering_index = on_gpus(faiss.IndexFlatIP(dim), "flat")
+        if ivf is not None and gpu_count():  # k-means of the inverted lists on the GPUs; the index stays a CPU one
+            ivf.clustering_index = on_gpus(faiss.IndexFlatIP(dim), "flat")
         index.train(sample[:wanted])
     return index
 
@@ -434,8 +433,12 @@ class RecallProbe:
 
     def recall(self, vectors: faiss.Index, params: object | None, raw: np.ndarray | None = None, rerank: int = 0) -> float:
         """Mean share of the exact top-10 that the index returns in its top-10 (re-ranked as search_ids does)."""
-        found = search_ids(vectors, self.queries, self.k, params, raw, rerank)[1]
-        return float(np.mean([len(set(a.tolist()) & set(b.tolist())) / len(b) for a, b in zip(found, self.ids)]))
+        return recall_at_10(search_ids(vectors, self.queries, self.k, params, raw, rerank)[1], self.ids)
+
+
+def recall_at_10(found: Sequence[Sequence[int]] | np.ndarray, exact: np.ndarray) -> float:
+    """Mean share of each row of exact ids (the true top-k) that the same row of found holds."""
+    return float(np.mean([len(set(map(int, a)) & set(map(int, b))) / len(b) for a, b in zip(found, exact)]))
 
 
 def tune_depth(vectors: faiss.Index, kind: str, probe: RecallProbe | None, raw: np.ndarray | None = None, rerank: int = 0) -> dict:
@@ -489,7 +492,8 @@ def search_ids(index: faiss.Index, queries: np.ndarray, k: int, params: object |
         exact = np.einsum("qcd,qd->qc", np.asarray(raw[np.maximum(candidates, 1) - 1], np.float32), queries[rows])
         exact[candidates < 0] = -np.inf
         best = np.argsort(-exact, axis=1, kind="stable")[:, :k]
-        scores[rows], ids[rows] = np.take_along_axis(exact, best, axis=1), np.where(np.take_along_axis(exact, best, axis=1) > -np.inf, np.take_along_axis(candidates, best, axis=1), -1)
+        scores[rows] = np.take_along_axis(exact, best, axis=1)
+        ids[rows] = np.where(scores[rows] > -np.inf, np.take_along_axis(candidates, best, axis=1), -1)
     return scores, ids
 
 
@@ -532,19 +536,6 @@ def search_parameters(kind: str, depth: int | None) -> object | None:
     if depth is None or kind == "flat":
         return None
     return faiss.SearchParametersIVF(nprobe=int(depth)) if kind == "ivf" else faiss.SearchParametersHNSW(efSearch=int(depth))
-
-
-class _nowhere:
-    """A file-like sink for the exact vectors of types that do not keep them."""
-
-    def __enter__(self) -> "_nowhere":
-        return self
-
-    def __exit__(self, *error: object) -> None:
-        return None
-
-    def write(self, data: bytes) -> int:
-        return len(data)
 
 
 def _read_only(path: Path) -> closing[sqlite3.Connection]:

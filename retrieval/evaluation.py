@@ -27,24 +27,31 @@ class Evaluation:
     metrics: dict
     skipped: list[Skipped]
     vectors: np.ndarray  # the query embeddings (leave-one-out: all of them)
-    labels: list[str]
     queries: list[Item]  # the embedded query items, in the order of vectors
     gallery: list[Item]  # the embedded gallery items (leave-one-out: the queries)
     scores: QueryScores
 
+    @property
+    def labels(self) -> list[str]:
+        """The query labels, in the order of vectors."""
+        return [item.label for item in self.queries]
+
     def class_recall(self) -> dict[str, tuple[float, int]]:
         """recall@1 of each query label, averaged over its scored queries, with their number."""
-        labels = np.asarray(self.labels)[self.scores.queries]
-        hits = self.scores.values["recall@1"]
-        classes, codes = np.unique(labels, return_inverse=True)
-        counts = np.bincount(codes)
-        means = np.bincount(codes, weights=hits) / counts
-        return {str(label): (float(mean), int(count)) for label, mean, count in zip(classes, means, counts)}
+        return class_recall(self.scores, self.labels)
 
     def worst_queries(self, count: int) -> list[int]:
         """Positions (in scores) of the worst scored queries: lowest MAP@R, then the most confident top result."""
         order = np.lexsort((-self.scores.similarities[:, 0], self.scores.values["map@r"]))
         return order[:count].tolist()
+
+
+def class_recall(scores: QueryScores, labels: Sequence[str]) -> dict[str, tuple[float, int]]:
+    """recall@1 of each query label, averaged over its scored queries, with their number."""
+    classes, codes = np.unique(np.asarray(labels)[scores.queries], return_inverse=True)
+    counts = np.bincount(codes)
+    means = np.bincount(codes, weights=scores.values["recall@1"]) / counts
+    return {str(label): (float(mean), int(count)) for label, mean, count in zip(classes, means, counts)}
 
 
 def _embed_labeled(embedder: Embedder, collection: Collection, progress: bool) -> tuple[np.ndarray, list[Item], list[Skipped]]:
@@ -75,38 +82,28 @@ def evaluate_collection(
     if len(set(labels)) < 2:
         raise RetrievalError(f"{collection.source}: fewer than two classes have readable images")
     scores = score_queries(vectors, labels, ks=ks)
-    evaluation = Evaluation({}, skipped, vectors, labels, items, items, scores)
-    evaluation.metrics = {
-        **scores.summary(),
-        **clustering_metrics(vectors, labels),
-        **embedding_diagnostics(vectors, labels),
-        **_described(evaluation),
-        "protocol": protocol,
-        "images": str(collection.source),
-        "encoder": embedder.fingerprint,
-    }
-    return evaluation
+    return _evaluation(scores, vectors, items, items, skipped, {"protocol": protocol, "images": str(collection.source), "encoder": embedder.fingerprint})
 
 
 def evaluate_query_gallery(embedder: Embedder, queries: Collection, gallery: Collection, ks: Sequence[int] = (1, 5, 10), progress: bool = True) -> Evaluation:
     """Scores each query against a separate gallery (neither contains the other's items)."""
     query_vectors, query_items, skipped = _embed_labeled(embedder, queries, progress)
     gallery_vectors, gallery_items, gallery_skipped = _embed_labeled(embedder, gallery, progress)
-    query_labels = [item.label for item in query_items]
-    scores = score_queries(query_vectors, query_labels, gallery_vectors, [item.label for item in gallery_items], ks=ks)
-    evaluation = Evaluation({}, skipped + gallery_skipped, query_vectors, query_labels, query_items, gallery_items, scores)
-    evaluation.metrics = scores.summary()
-    if len(set(query_labels)) >= 2:
-        evaluation.metrics.update(clustering_metrics(query_vectors, query_labels))
-        evaluation.metrics.update(embedding_diagnostics(query_vectors, query_labels))
-    evaluation.metrics.update({**_described(evaluation), "queries": str(queries.source), "gallery": str(gallery.source), "encoder": embedder.fingerprint})
-    return evaluation
+    scores = score_queries(query_vectors, [item.label for item in query_items], gallery_vectors, [item.label for item in gallery_items], ks=ks)
+    described = {"queries": str(queries.source), "gallery": str(gallery.source), "encoder": embedder.fingerprint}
+    return _evaluation(scores, query_vectors, query_items, gallery_items, skipped + gallery_skipped, described)
 
 
-def _described(evaluation: Evaluation) -> dict:
-    """The classes with the lowest recall@1, for metrics.json."""
-    worst = sorted(evaluation.class_recall().items(), key=lambda entry: (entry[1][0], entry[0]))[:WORST_CLASSES]
-    return {"worst_classes": [{"label": label, "recall@1": value, "queries": count} for label, (value, count) in worst]}
+def _evaluation(scores: QueryScores, vectors: np.ndarray, queries: list[Item], gallery: list[Item], skipped: list[Skipped], described: dict) -> Evaluation:
+    """The metric set of one protocol: the scores' summary, NMI/AMI and the diagnostics of the queries
+    (when they hold two classes or more), the classes with the lowest recall@1, and the description."""
+    labels = [item.label for item in queries]
+    metrics = scores.summary()
+    if len(set(labels)) >= 2:
+        metrics.update({**clustering_metrics(vectors, labels), **embedding_diagnostics(vectors, labels)})
+    worst = sorted(class_recall(scores, labels).items(), key=lambda entry: (entry[1][0], entry[0]))[:WORST_CLASSES]
+    metrics["worst_classes"] = [{"label": label, "recall@1": value, "queries": count} for label, (value, count) in worst]
+    return Evaluation({**metrics, **described}, skipped, vectors, queries, gallery, scores)
 
 
 def write_plots(evaluation: Evaluation, folder: Path, worst: int = 8, shown: int = 5) -> list[Path]:

@@ -80,7 +80,7 @@ def test_class_recall_and_worst_queries_by_hand() -> None:
     vectors = np.stack([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
     labels = ["a", "b", "a", "b", "c", "c"]
     items = [Item(Path(f"{n}.png"), label) for n, label in enumerate(labels)]
-    evaluation = Evaluation({}, [], vectors, labels, items, items, score_queries(vectors, labels, ks=(1,)))
+    evaluation = Evaluation({}, [], vectors, items, items, score_queries(vectors, labels, ks=(1,)))
     # neighbours: 0->1 (miss), 1->0 (miss), 2->3 (miss), 3->2 (miss), 4->5 (hit), 5->4 (hit)
     assert evaluation.class_recall() == {"a": (0.0, 2), "b": (0.0, 2), "c": (1.0, 2)}
     worst = evaluation.worst_queries(4)
