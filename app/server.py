@@ -1,143 +1,318 @@
-"""The Gradio search app: query by image, see the top-k with similarity, label and hit/miss, and the run's metrics."""
+"""The Gradio search app over a SearchService, and its launch settings.
+
+API (gradio_client, endpoint names are stable):
+  /search     (image, k, label, depth) -> (results, summary)   batched: concurrent queries share one embedding call
+  /search_id  (item id, k, depth)      -> (results, summary)
+  /labels     ()                        -> table of label, count
+  /browse     (label)                   -> gallery of that label's items
+  /evaluate   ()                        -> (metrics table, plots)
+  /embedding_map (projection)           -> map image
+  /add        (files, label)            -> message   (only with --allow-write)
+  /remove     (ids)                     -> message   (only with --allow-write)
+Results are a gallery of (image, caption); a caption reads "HIT · #1 · 0.912 · label · file · id 42".
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ipaddress
+import os
+import re
+import shutil
 from pathlib import Path
 
 import gradio as gr
 
-from index.store import GalleryIndex, Hit
-from retrieval.data import decode_image, read_image_bytes
-from retrieval.embedders import OnnxEmbedder
+from app.service import BROWSE_LIMIT, SearchResult, SearchService
 from retrieval.errors import RetrievalError
-from retrieval.runs import RunDir, read_json
+from retrieval.runs import RunDir
 
-SAMPLES_PER_PAGE = 60
-
-
-@dataclass
-class SearchResult:
-    """The hits of one query and a one-line summary for people."""
-
-    hits: list[Hit]
-    summary: str
+MAX_BATCH = 16  # concurrent search requests embedded in one call
+AUTH_VARIABLE = "RETRIEVAL_AUTH"  # user:password, instead of --auth on the command line
+CAPTION_ID = re.compile(r"· id (\d+)$")
 
 
-class SearchService:
-    """An ONNX encoder and the gallery index it built, ready to answer image queries."""
+class QueryImage(gr.Image):
+    """gr.Image that hands over the uploaded file untouched instead of opening it with Pillow first.
 
-    def __init__(self, run: RunDir, index_dir: Path | None = None, mmap: bool = False) -> None:
-        self.run = run
-        self.embedder = OnnxEmbedder.from_run(run)
-        self.index = GalleryIndex.load(index_dir or run.index, self.embedder.fingerprint, self.embedder.dim, mmap=mmap)
-        self.items = self.index.items()
-        self.metrics = read_json(run.metrics) if run.metrics.is_file() else None
+    The search decodes it with retrieval.data.decode_image (size limits, 16-bit, CMYK, animation), so
+    a bad upload ends in that readable message for its own query only; Gradio's own check would raise
+    and fail every query batched with it.
+    """
 
-    def search(self, image_path: str | Path, k: int = 10, query_label: str = "", depth: int | None = None) -> SearchResult:
-        """Embeds the image at image_path and returns its k nearest gallery items (depth: nprobe/efSearch).
+    is_template = True  # drawn by the frontend's Image component
 
-        Gallery items with the query's exact bytes (the query itself, when picked from the gallery)
-        are left out, as in leave-one-out evaluation.
-        """
-        data, digest = read_image_bytes(Path(image_path))
-        image = decode_image(data, image_path)
-        hits = [hit for hit in self.index.search(self.embedder.embed([image]), k + 1, depth)[0] if hit.sha256 != digest][:k]
-        summary = f"{len(hits)} results"
-        if query_label:
-            correct = sum(hit.label == query_label for hit in hits)
-            summary += f" for label **{query_label}**: {correct}/{len(hits)} hits, first hit at rank {_first_hit(hits, query_label)}"
-        return SearchResult(hits, summary)
-
-    def search_item(self, item_id: int, k: int = 10, depth: int | None = None) -> SearchResult:
-        """Returns the k nearest gallery items to an indexed item (itself left out), by its id."""
-        hits = self.index.search_items([item_id], k, depth)[0]
-        return SearchResult(hits, f"{len(hits)} results for item {item_id}")
-
-    def samples(self) -> list[tuple[str, str]]:
-        """Returns one gallery image per label (up to SAMPLES_PER_PAGE) as (path, label), to pick queries from."""
-        first: dict[str, str] = {}
-        for item in self.items.values():
-            first.setdefault(item.label, item.path.as_posix())
-        return [(path, label) for label, path in first.items()][:SAMPLES_PER_PAGE]
-
-    def served_folders(self) -> list[str]:
-        """The only folders whose files the app serves: those holding gallery images."""
-        return sorted({item.path.parent.as_posix() for item in self.items.values()})
+    def preprocess(self, payload: object) -> str | None:
+        if payload is None or getattr(payload, "path", None) is None:
+            return super().preprocess(payload)  # type: ignore[arg-type]  # None, or a base64 data URL
+        return str(payload.path)  # type: ignore[attr-defined]
 
 
-def _first_hit(hits: list[Hit], label: str) -> str:
-    return next((str(rank) for rank, hit in enumerate(hits, 1) if hit.label == label), "none")
-
-
-def result_gallery(result: SearchResult, query_label: str) -> list[tuple[str, str]]:
-    """Returns gallery entries (path, caption): rank, similarity, label, file name and a hit/miss mark."""
+def result_gallery(service: SearchService, result: SearchResult) -> list[tuple[str, str]]:
+    """Gallery entries (thumbnail, caption): hit/miss mark when the query's label is known, rank, similarity, label, file name, id."""
     entries = []
     for rank, hit in enumerate(result.hits, 1):
-        mark = "" if not query_label else ("HIT · " if hit.label == query_label else "miss · ")
-        entries.append((hit.path, f"{mark}#{rank} · {hit.score:.3f} · {hit.label} · {Path(hit.path).name}"))
+        mark = "" if not result.label else ("HIT · " if hit.label == result.label else "miss · ")
+        entries.append((str(service.thumbnail(hit.id)), f"{mark}#{rank} · {hit.score:.3f} · {hit.label} · {Path(hit.path).name} · id {hit.id}"))
     return entries
 
 
+def item_gallery(service: SearchService, ids: list[int]) -> list[tuple[str, str]]:
+    """Gallery entries (thumbnail, caption) of indexed items: label, file name, id."""
+    items = service.items
+    return [(str(service.thumbnail(i)), f"{items[i].label} · {items[i].path.name} · id {i}") for i in ids if i in items]
+
+
 def metrics_rows(metrics: dict | None) -> list[list[str]]:
-    """Returns the run's metrics.json as rows of (metric, value) for a table."""
+    """Returns a metrics dict (metrics.json) as rows of (metric, value) for a table."""
     if not metrics:
-        return [["(no metrics yet)", "run `retrieval evaluate RUN IMAGES`"]]
+        return [["(no metrics yet)", "run `retrieval evaluate RUN IMAGES`, or press Evaluate"]]
     return [[key, f"{value:.4f}" if isinstance(value, float) else str(value)] for key, value in metrics.items() if not isinstance(value, (dict, list))]
+
+
+def run_plots(service: SearchService) -> list[tuple[str, str]]:
+    """The run's plots (training curves, evaluation plots), copied into the app's cache: the only folder it serves."""
+    sources = [service.run.loss_plot, *sorted(service.run.plots.glob("*.png"))] if service.run.plots.is_dir() else [service.run.loss_plot]
+    shown = []
+    for source in sources:
+        if source.is_file():
+            target = service.cache / "run-plots" / source.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, target)
+            shown.append((str(target), source.stem.replace("_", " ")))
+    return shown
+
+
+def caption_id(caption: str | None) -> int:
+    """The item id at the end of a gallery caption."""
+    match = CAPTION_ID.search(caption or "")
+    if match is None:
+        raise gr.Error("this image is not an indexed item")
+    return int(match.group(1))
+
+
+def parse_ids(text: str) -> list[int]:
+    """Item ids from text such as "3, 7 12"."""
+    words = re.split(r"[\s,;]+", str(text).strip())
+    if not words or not all(word.isdigit() for word in words):
+        raise RetrievalError(f"{text!r}: give item ids as numbers separated by commas or spaces (ids are shown in the captions)")
+    return [int(word) for word in words]
 
 
 def build_app(service: SearchService) -> gr.Blocks:
     """Returns the Gradio interface over a search service."""
-    samples = service.samples()
-    labels = sorted({item.label for item in service.items.values() if item.label})
+    kind = service.index.kind
+    depth_name = {"ivf": "nprobe", "hnsw": "efSearch"}.get(kind, "depth")
+    labels = sorted(label for label, _ in service.label_counts() if label)
 
-    def run_search(image_path: str | None, k: float, query_label: str | None) -> tuple[list[tuple[str, str]], str]:
-        if not image_path:
-            return [], "Upload an image or pick one from the gallery below."
+    def search(images: list[str | None], ks: list[float], query_labels: list[str | None], depths: list[float | None]) -> tuple[list, list]:
+        """Batched: Gradio hands over the requests that queued up together, one list per input."""
+        given = [position for position, image in enumerate(images) if image]
+        results = service.search_images(
+            [images[p] for p in given],  # type: ignore[misc]
+            [int(ks[p] or 10) for p in given],
+            [query_labels[p] or "" for p in given],
+            [int(depths[p]) if depths[p] else None for p in given],
+        )
+        answers: list[tuple[list, str]] = [([], "Upload or paste an image, or click one in a gallery.")] * len(images)
+        for position, result in zip(given, results):
+            answers[position] = (result_gallery(service, result), result.summary)
+        return [gallery for gallery, _ in answers], [summary for _, summary in answers]
+
+    def search_id(item_id: float, k: float, depth: float | None) -> tuple[list, str]:
         try:
-            result = service.search(image_path, int(k), query_label or "")
+            result = service.search_item(int(item_id), int(k), int(depth) if depth else None)
         except RetrievalError as error:
-            return [], f"⚠️ {error}"
-        return result_gallery(result, query_label or ""), result.summary
+            raise gr.Error(str(error)) from None
+        return result_gallery(service, result), result.summary
 
-    def pick(event: gr.SelectData) -> tuple[str, str]:
-        path, label = samples[event.index]
-        return path, label
+    def choose(item_id: int) -> tuple[str, str]:
+        """The item's own file (a copy in the app's cache: the same bytes, so the search leaves it out) and its label."""
+        item = service.items[item_id]
+        target = service.cache / "queries" / f"{item_id}{item.path.suffix.lower()}"
+        if not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                shutil.copyfile(item.path, target)
+            except OSError as error:
+                raise gr.Error(f"{item.path}: cannot be read ({error.strerror or error})") from None
+        return str(target), item.label
+
+    def pick(event: gr.SelectData) -> tuple[str, str, gr.Tabs]:
+        path, label = choose(caption_id((event.value or {}).get("caption")))
+        return path, label, gr.Tabs(selected="search")
+
+    def pick_on_map(projection: str, event: gr.SelectData) -> tuple[str, str, gr.Tabs]:
+        x, y = event.index
+        item_id = service.embedding_map(projection).pick(float(x), float(y))
+        if item_id is None:
+            raise gr.Error("no gallery item there: click on a point")
+        path, label = choose(item_id)
+        return path, label, gr.Tabs(selected="search")
+
+    def label_table() -> list[list]:
+        return [[label or "(unlabeled)", count] for label, count in service.label_counts()]
+
+    def browse(label: str | None) -> list[tuple[str, str]]:
+        return item_gallery(service, service.browse(label or None))
+
+    def evaluate(progress: gr.Progress = gr.Progress()) -> tuple[list[list[str]], list[tuple[str, str]]]:
+        try:
+            evaluation, plots = service.evaluate_now(lambda fraction, text: progress(fraction, desc=text))
+        except RetrievalError as error:
+            raise gr.Error(str(error)) from None
+        return metrics_rows(evaluation.metrics), [(str(path), path.stem.replace("_", " ")) for path in plots]
+
+    def embedding_map(projection: str) -> str:
+        return str(service.embedding_map(projection).image)
+
+    def add(files: list[str] | None, label: str | None) -> tuple[str, list[list]]:
+        if not files:
+            raise gr.Error("choose one or more image files to add")
+        try:
+            ids, skipped = service.add_images(files, label or "")
+        except RetrievalError as error:
+            raise gr.Error(str(error)) from None
+        message = f"added {len(ids)} image(s)" + (f" (ids {ids[0]}–{ids[-1]})" if ids else "")
+        if skipped:
+            message += "; left out: " + "; ".join(f"{s.path.name}: {s.reason}" for s in skipped)
+        return message, label_table()
+
+    def remove(ids: str) -> tuple[str, list[list]]:
+        try:
+            removed = service.remove_items(parse_ids(ids))
+        except RetrievalError as error:
+            raise gr.Error(str(error)) from None
+        return f"removed {removed} item(s)", label_table()
 
     with gr.Blocks(title="retrieval · image search") as demo:
-        gr.Markdown(f"# Image search\nRun `{service.run.root}` · {len(service.index)} gallery images · {len(labels)} labels")
-        with gr.Row():
-            with gr.Column(scale=1):
-                query = gr.Image(label="Query image", type="filepath", sources=["upload", "clipboard"], height=256)
-                query_label = gr.Dropdown(labels, value="", label="Query label (optional: marks hits and misses)", allow_custom_value=True)
-                k = gr.Slider(1, 50, value=10, step=1, label="k")
-                button = gr.Button("Search", variant="primary")
-            with gr.Column(scale=2):
-                summary = gr.Markdown()
-                results = gr.Gallery(label="Nearest neighbours", columns=5, height=480, object_fit="contain")
-        with gr.Tab("Pick a query from the gallery"):
-            picker = gr.Gallery(value=samples, label="Gallery (click an image to query with it)", columns=10, height=360, allow_preview=False)
-        with gr.Tab("Metrics"):
-            with gr.Row():
-                gr.Dataframe(metrics_rows(service.metrics), headers=["metric", "value"], interactive=False)
-                if service.run.loss_plot.is_file():
-                    gr.Image(str(service.run.loss_plot), label="training loss", interactive=False)
-        inputs = [query, k, query_label]
-        button.click(run_search, inputs, [results, summary], api_name="search")
-        picker.select(pick, None, [query, query_label], api_name=False).then(run_search, inputs, [results, summary], api_name=False)
+        gr.Markdown(
+            f"# Image search\nRun `{service.run.root}` · {len(service.index):,} gallery images · {len(labels)} labels · "
+            f"{service.index.manifest.get('index_type', 'Flat')} index" + ("" if service.allow_write else " · read-only")
+        )
+        with gr.Tabs() as tabs:
+            with gr.Tab("Search", id="search"):
+                with gr.Row():
+                    with gr.Column(scale=1):
+                        query = QueryImage(label="Query image", type="filepath", sources=["upload", "clipboard"], image_mode=None, height=256)
+                        query_label = gr.Dropdown(labels, value="", label="Query label (optional: marks hits and misses)", allow_custom_value=True)
+                        k = gr.Slider(1, 50, value=10, step=1, label="k")
+                        depth = gr.Number(
+                            value=0, precision=0, minimum=0, label=f"{depth_name} (0: the tuned {service.index.manifest.get('search', {}).get(depth_name, '')})", visible=kind != "flat"
+                        )
+                        button = gr.Button("Search", variant="primary")
+                    with gr.Column(scale=2):
+                        summary = gr.Markdown()
+                        results = gr.Gallery(label="Nearest neighbours (click one to search with it)", columns=5, height=480, object_fit="contain", allow_preview=False)
+                picker = gr.Gallery(
+                    value=item_gallery(service, service.samples()), label="One image per label (click to search with it)", columns=10, height=300, allow_preview=False
+                )
+            with gr.Tab("Browse", id="browse"):
+                with gr.Row():
+                    with gr.Column(scale=1):
+                        counts = gr.Dataframe(label_table(), headers=["label", "items"], interactive=False, label="Labels")
+                    with gr.Column(scale=2):
+                        browse_label = gr.Dropdown(labels, label=f"Label (up to {BROWSE_LIMIT} shown; click an image to search with it)")
+                        browsed = gr.Gallery(label="Items", columns=8, height=420, allow_preview=False)
+                with gr.Group(visible=service.allow_write):
+                    gr.Markdown("### Add and remove (started with `--allow-write`)")
+                    with gr.Row():
+                        uploads = gr.File(file_count="multiple", file_types=["image"], label="Images to add")
+                        with gr.Column():
+                            new_label = gr.Textbox(label="Their label")
+                            add_button = gr.Button("Add to the index")
+                            remove_ids = gr.Textbox(label="Ids to remove (from the captions)", placeholder="3, 7, 12")
+                            remove_button = gr.Button("Remove from the index", variant="stop")
+                    write_message = gr.Markdown()
+            with gr.Tab("Metrics", id="metrics"):
+                with gr.Row():
+                    gr.Dataframe(metrics_rows(service.metrics), headers=["metric", "value"], interactive=False, label="metrics.json of the run")
+                    gr.Gallery(value=run_plots(service), label="Plots of the run", columns=2, height=420)
+                evaluate_button = gr.Button("Evaluate the index's labeled items now (leave-one-out)")
+                with gr.Row():
+                    evaluated = gr.Dataframe(headers=["metric", "value"], interactive=False, label="Evaluation of the index")
+                    evaluated_plots = gr.Gallery(label="Its plots", columns=2, height=420)
+            with gr.Tab("Embedding map", id="map"):
+                projection = gr.Radio(["pca", "tsne"], value="pca", label="Projection")
+                draw = gr.Button("Draw the map")
+                map_image = gr.Image(label="Gallery embeddings (click a point to search with it)", interactive=False, type="filepath")
+
+        inputs = [query, k, query_label, depth]
+        outputs = [results, summary]
+        concurrency = max(1, (os.cpu_count() or 1) // service.threads)  # embedding calls that fit the cores side by side
+        search_options = {"batch": True, "max_batch_size": MAX_BATCH, "concurrency_limit": concurrency, "concurrency_id": "embed"}
+        button.click(search, inputs, outputs, api_name="search", **search_options)
         query.upload(lambda: "", None, query_label, api_name=False)  # an uploaded image's label is unknown
+        for gallery in (results, picker, browsed):
+            gallery.select(pick, None, [query, query_label, tabs], api_name=False).then(search, inputs, outputs, api_name=False, **search_options)
+        map_image.select(pick_on_map, projection, [query, query_label, tabs], api_name=False).then(search, inputs, outputs, api_name=False, **search_options)
+        item_id = gr.Number(visible=False, precision=0)
+        gr.Button(visible=False).click(search_id, [item_id, k, depth], outputs, api_name="search_id")
+        gr.Button(visible=False).click(label_table, None, counts, api_name="labels")
+        browse_label.change(browse, browse_label, browsed, api_name="browse")
+        evaluate_button.click(evaluate, None, [evaluated, evaluated_plots], api_name="evaluate", concurrency_limit=1)
+        draw.click(embedding_map, projection, map_image, api_name="embedding_map", concurrency_limit=1)
+        if service.allow_write:
+            add_button.click(add, [uploads, new_label], [write_message, counts], api_name="add", concurrency_limit=1)
+            remove_button.click(remove, remove_ids, [write_message, counts], api_name="remove", concurrency_limit=1)
     return demo
 
 
-def serve(run: RunDir, host: str = "127.0.0.1", port: int = 7860, index_dir: Path | None = None) -> None:
-    """Starts the app on host:port and blocks until interrupted."""
-    service = SearchService(run, index_dir)
+def loopback(host: str) -> bool:
+    """Whether host only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_auth(auth: str | None) -> tuple[str, str] | None:
+    """user:password from --auth or the RETRIEVAL_AUTH variable; None when neither is set."""
+    value = auth or os.environ.get(AUTH_VARIABLE)
+    if not value:
+        return None
+    user, colon, password = value.partition(":")
+    if not colon or not user or not password:
+        raise RetrievalError(f"--auth / {AUTH_VARIABLE}: give user:password (both non-empty)")
+    return user, password
+
+
+def launch(
+    service: SearchService, host: str = "127.0.0.1", port: int = 7860, auth: str | None = None, max_upload: str = "20MB", block: bool = True
+) -> gr.Blocks:
+    """Starts the app on host:port: authentication required off loopback, uploads capped, only the app's cache served."""
+    credentials = parse_auth(auth)
+    if credentials is None and not loopback(host):
+        raise RetrievalError(f"--host {host} lets other machines reach the app: give --auth user:password (or set {AUTH_VARIABLE}), or bind 127.0.0.1")
     demo = build_app(service)
-    demo.queue(default_concurrency_limit=2).launch(
+    demo.queue(default_concurrency_limit=1).launch(
         server_name=host,
         server_port=port,
-        allowed_paths=service.served_folders(),
+        auth=credentials,
+        allowed_paths=[str(service.cache)],
         show_error=True,
-        max_file_size="20mb",
+        max_file_size=max_upload.lower(),
         inbrowser=False,
+        quiet=not block,
+        prevent_thread_lock=not block,
     )
+    return demo
+
+
+def serve(
+    run: RunDir,
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    index_dir: Path | None = None,
+    allow_write: bool = False,
+    auth: str | None = None,
+    max_upload: str = "20MB",
+    mmap: bool = False,
+) -> None:
+    """Starts the app and blocks until interrupted."""
+    service = SearchService(run, index_dir, mmap=mmap, allow_write=allow_write)
+    try:
+        launch(service, host, port, auth, max_upload)
+    finally:
+        service.close()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from index.journal import Journal
-from index.store import MANIFEST, Additions, GalleryIndex
+from index.store import MANIFEST, Additions, GalleryIndex, writer_lock
 from retrieval.data import Collection, Item, Skipped, write_skip_report
 from retrieval.embedders import Embedder, iter_embedded
 from retrieval.errors import RetrievalError
@@ -68,6 +68,21 @@ def build_index(
     files and their reasons are written to directory/skipped.json.
     """
     directory = Path(directory)
+    with writer_lock(directory):
+        return _build_index(embedder, collection, directory, sync, rebuild, batch_size, progress, factory, memory)
+
+
+def _build_index(
+    embedder: Embedder,
+    collection: Collection,
+    directory: Path,
+    sync: bool,
+    rebuild: bool,
+    batch_size: int | None,
+    progress: bool,
+    factory: str | None,
+    memory: int | None,
+) -> IndexReport:
     base = None if rebuild or not (directory / MANIFEST).is_file() else GalleryIndex.load(directory, embedder.fingerprint, embedder.dim)
     if base is not None and factory and factory != base.manifest.get("index_type"):
         raise RetrievalError(f"{directory} is a {base.manifest.get('index_type', 'Flat')} index; add --rebuild to build it anew as --faiss {factory!r}")

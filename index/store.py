@@ -8,20 +8,22 @@ The FAISS type is chosen by index.choice (or forced with a factory string) when 
 created, and kept by later updates. Removal: Flat and IVF types remove natively; HNSW cannot, so
 removing from it rebuilds the graph from the vectors it stores. Readers never see a half-written
 index: each save is a new directory swapped into place, and an open GalleryIndex keeps reading the
-version it loaded (reload to see a newer one). Writers must be one at a time (one `retrieval index`
-job per index); readers need no lock.
+version it loaded (reload to see a newer one). Writers go one at a time: `writer_lock` (an flock on
+the sibling file `.NAME.lock`) is held by `retrieval index` and by the app's add/remove around their
+read-modify-write, across processes; readers need no lock.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import sqlite3
 import time
 import warnings
-from collections.abc import Iterable, Sequence
-from contextlib import closing
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -546,6 +548,31 @@ def _create_items(path: Path) -> None:
     with closing(sqlite3.connect(path)) as connection:
         connection.execute("CREATE TABLE items (id INTEGER PRIMARY KEY, path TEXT NOT NULL, label TEXT NOT NULL, sha256 TEXT NOT NULL, added_at TEXT NOT NULL)")
         connection.commit()
+
+
+@contextmanager
+def writer_lock(directory: Path, timeout: float = 600.0) -> Iterator[None]:
+    """Holds the writer lock of the index at directory (one writer at a time, across processes), waiting up to timeout seconds."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    path = directory.with_name(f".{directory.name}.lock")
+    deadline = time.monotonic() + timeout
+    with open(path, "a") as handle:
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RetrievalError(
+                        f"{directory}: another writer (a `retrieval index` job, or an app started with --allow-write) has held {path.name} "
+                        f"for over {timeout:.0f} s; try again when it has finished"
+                    ) from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _swap_into_place(staging: Path, directory: Path) -> None:

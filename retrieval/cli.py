@@ -211,7 +211,7 @@ def search(
     mmap: Annotated[bool, typer.Option("--mmap", help="Leave the index's vectors on disk, memory-mapped (galleries larger than memory).")] = False,
 ) -> None:
     """Print the k nearest gallery images to a query image, or to an indexed item (--id)."""
-    from app.server import SearchService
+    from app.service import SearchService
 
     if (image is None) == (item_id is None):
         raise RetrievalError("give a query IMAGE or --id of an indexed item (one of the two)")
@@ -309,14 +309,18 @@ def evaluate(
 @app.command()
 def serve(
     run: RunArg,
-    host: Annotated[str, typer.Option(help="Address to bind; 127.0.0.1 keeps the app on this machine.")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help="Address to bind; 127.0.0.1 keeps the app on this machine (any other address needs --auth).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port.")] = 7860,
     index_dir: Annotated[Optional[Path], typer.Option("--index", help="Index directory (default: RUN/index).")] = None,
+    allow_write: Annotated[bool, typer.Option("--allow-write", help="Let users add images (kept in the index's sibling uploads/ folder) and remove items.")] = False,
+    auth: Annotated[Optional[str], typer.Option(help="user:password required to use the app (or set RETRIEVAL_AUTH); needed off loopback.")] = None,
+    max_upload: Annotated[str, typer.Option(help="Largest upload accepted, e.g. 20MB.")] = "20MB",
+    mmap: Annotated[bool, typer.Option("--mmap", help="Leave the index vectors on disk (memory-mapped).")] = False,
 ) -> None:
-    """Serve the search app for the run's index in the browser."""
+    """Serve the search app for the run's index in the browser: search, browse, metrics, embedding map and an API."""
     from app.server import serve as run_server
 
-    run_server(RunDir(run), host, port, index_dir)
+    run_server(RunDir(run), host, port, index_dir, allow_write=allow_write, auth=auth, max_upload=max_upload, mmap=mmap)
 
 
 @app.command()
@@ -337,7 +341,7 @@ def demo(
     console.print(f"run directory: {run}  (train {outcome.train_seconds:.0f}s, total {outcome.total_seconds:.0f}s)")
     if serve_app:
         console.print(f"serving the search app at http://{host}:{port}  (Ctrl+C to stop)")
-        serve(run, host, port, None)
+        serve(run, host, port)
 
 
 def parse_ks(text: str) -> list[int]:

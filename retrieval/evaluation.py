@@ -78,11 +78,17 @@ def evaluate_collection(
     if len({item.label for item in collection.items if item.label}) < 2:
         raise RetrievalError(f"{collection.source}: evaluation needs at least two labeled classes (ROOT/<label>/<image> or a CSV with labels)")
     vectors, items, skipped = _embed_labeled(embedder, collection, progress)
+    return evaluate_embedded(vectors, items, skipped, {"protocol": protocol, "images": str(collection.source), "encoder": embedder.fingerprint}, ks)
+
+
+def evaluate_embedded(vectors: np.ndarray, items: list[Item], skipped: list[Skipped], described: dict, ks: Sequence[int] = (1, 5, 10)) -> Evaluation:
+    """Scores leave-one-out retrieval over embeddings already made (of labeled items, in their order),
+    e.g. the vectors an index stores; described (protocol, images, encoder) goes into the metrics."""
     labels = [item.label for item in items]
     if len(set(labels)) < 2:
-        raise RetrievalError(f"{collection.source}: fewer than two classes have readable images")
+        raise RetrievalError(f"{described.get('images', 'the collection')}: fewer than two classes have readable images")
     scores = score_queries(vectors, labels, ks=ks)
-    return _evaluation(scores, vectors, items, items, skipped, {"protocol": protocol, "images": str(collection.source), "encoder": embedder.fingerprint})
+    return _evaluation(scores, vectors, items, items, skipped, described)
 
 
 def evaluate_query_gallery(embedder: Embedder, queries: Collection, gallery: Collection, ks: Sequence[int] = (1, 5, 10), progress: bool = True) -> Evaluation:

@@ -166,6 +166,38 @@ def plot_similarity_histograms(vectors: np.ndarray, labels: Sequence[str], targe
     return _save(figure, target)
 
 
+def plot_embedding_map(points: np.ndarray, labels: Sequence[str], target: Path, title: str, legend_limit: int = 20) -> np.ndarray:
+    """Draws 2-D points coloured by label (a legend up to legend_limit labels) and returns each point's
+    position in the PNG's pixels (x right, y down), so that a click on the image can be mapped to a point.
+
+    Uses a Figure of its own rather than pyplot, so that server threads can draw at the same time.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(8, 6), dpi=100)
+    canvas = FigureCanvasAgg(figure)
+    axis = figure.add_subplot()
+    names, codes = np.unique(np.asarray(labels, dtype=str), return_inverse=True)
+    colours = matplotlib.colormaps["tab20"](codes % 20)
+    axis.scatter(points[:, 0], points[:, 1], c=colours, s=14, linewidths=0)
+    if len(names) <= legend_limit:
+        for code, name in enumerate(names):
+            axis.scatter([], [], color=matplotlib.colormaps["tab20"](code % 20), label=_shorten(name or "(unlabeled)"), s=14)
+        axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    axis.set_title(f"{title} · {len(names)} labels · click a point to search with it", fontsize=9)
+    axis.set_xticks([])
+    axis.set_yticks([])
+    figure.tight_layout()
+    canvas.draw()
+    pixels = axis.transData.transform(np.asarray(points, dtype=np.float64)) if len(points) else np.zeros((0, 2))
+    pixels[:, 1] = canvas.get_width_height()[1] - pixels[:, 1]
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    write_atomic(target, buffer.getvalue())
+    return pixels
+
+
 def _save(figure: plt.Figure, target: Path) -> Path:
     figure.tight_layout()
     buffer = io.BytesIO()

@@ -1,44 +1,45 @@
-"""The search app on a real index: the search function, bad uploads, and the served page answering a query."""
+"""The search app on a real index: the service, every API endpoint through gradio_client, bad uploads,
+the files it serves, authentication, batching of concurrent queries, and add/remove."""
 
 from __future__ import annotations
 
+import shutil
 import socket
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
-from app.server import SearchService, build_app, metrics_rows, result_gallery
+from app.server import launch, loopback, metrics_rows, parse_auth, parse_ids
+from app.service import SearchService, project_2d
+from index.build import build_index
+from index.store import writer_lock
+from retrieval.data import load_collection
+from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir
 from tests.conftest import write_bad_files
 
 
 @pytest.fixture(scope="module")
-def service(demo_run: RunDir) -> SearchService:
-    return SearchService(demo_run)
+def app_run(demo_run: RunDir, tmp_path_factory: pytest.TempPathFactory) -> RunDir:
+    """A copy of the demo run, so that adding and removing here leaves the shared run alone."""
+    root = tmp_path_factory.mktemp("app") / "run"
+    shutil.copytree(demo_run.root, root)
+    return RunDir(root)
 
 
-def test_search_returns_neighbours_without_the_query_itself(service: SearchService, tmp_path: Path) -> None:
-    item = service.items[1]
-    copy = tmp_path / "upload.png"  # the app sees a copy of a picked gallery image
-    copy.write_bytes(item.path.read_bytes())
-    result = service.search(copy, k=5, query_label=item.label)
-    assert len(result.hits) == 5
-    assert all(hit.path != item.path.as_posix() for hit in result.hits)
-    assert [hit.score for hit in result.hits] == sorted((hit.score for hit in result.hits), reverse=True)
-    captions = [caption for _, caption in result_gallery(result, item.label)]
-    assert all(c.startswith("HIT") == (hit.label == item.label) for c, hit in zip(captions, result.hits))
-    assert f"label **{item.label}**" in result.summary
-
-
-def test_samples_cover_every_label(service: SearchService) -> None:
-    labels = {label for _, label in service.samples()}
-    assert labels == {item.label for item in service.items.values()}
-
-
-def test_metrics_table_shows_the_runs_metrics(service: SearchService) -> None:
-    rows = dict(metrics_rows(service.metrics))
-    assert "recall@1" in rows and "map@r" in rows
-    assert metrics_rows(None)[0][0] == "(no metrics yet)"
+@pytest.fixture(scope="module")
+def service(app_run: RunDir) -> Iterator[SearchService]:
+    service = SearchService(app_run, allow_write=True)
+    yield service
+    service.close()
 
 
 def free_port() -> int:
@@ -47,25 +48,297 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_served_page_answers_a_query_and_survives_a_bad_upload(service: SearchService, tmp_path: Path) -> None:
-    from gradio_client import Client, handle_file
+@pytest.fixture(scope="module")
+def client(service: SearchService) -> Iterator[object]:
+    from gradio_client import Client
 
-    demo = build_app(service)
     port = free_port()
-    demo.queue().launch(
-        server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, allowed_paths=service.served_folders(), quiet=True, show_error=True
-    )
+    demo = launch(service, port=port, max_upload="1MB", block=False)
     try:
-        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
-        item = service.items[2]
-        gallery, summary = client.predict(handle_file(str(item.path)), 4, item.label, api_name="/search")
-        assert len(gallery) == 4 and "4 results" in summary
-        bad = write_bad_files(tmp_path)
-        gallery, summary = client.predict(handle_file(str(bad["truncated"])), 4, "", api_name="/search")
-        assert gallery == [] and "image file is truncated" in summary
-        with pytest.raises(Exception, match="cannot identify image file"):  # refused by Gradio's upload check, shown to the user
-            client.predict(handle_file(str(bad["text"])), 4, "", api_name="/search")
-        gallery, summary = client.predict(handle_file(str(item.path)), 3, "", api_name="/search")
-        assert len(gallery) == 3  # still serving
+        yield Client(f"http://127.0.0.1:{port}/", verbose=False)
     finally:
         demo.close()
+
+
+def write_odd_images(folder: Path) -> dict[str, Path]:
+    """Readable but unusual images: animated GIF, 16-bit grayscale PNG, CMYK JPEG."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {"animated": folder / "animated.gif", "sixteen_bit": folder / "deep.png", "cmyk": folder / "print.jpg"}
+    frames = [Image.new("RGB", (48, 48), colour) for colour in ((255, 0, 0), (0, 0, 255))]
+    frames[0].save(paths["animated"], save_all=True, append_images=frames[1:], duration=100, loop=0)
+    Image.fromarray((np.arange(48 * 48, dtype=np.uint16).reshape(48, 48) * 20)).save(paths["sixteen_bit"])
+    Image.new("CMYK", (48, 48), (0, 120, 200, 10)).save(paths["cmyk"])
+    return paths
+
+
+def write_bomb(path: Path) -> Path:
+    """A 10,000 x 10,000 pixel PNG (100 megapixels) that compresses to a few kilobytes."""
+    Image.new("1", (10_000, 10_000)).save(path)
+    return path
+
+
+# the service
+
+
+def test_search_leaves_the_query_out_and_marks_hits(service: SearchService, tmp_path: Path) -> None:
+    item_id, item = next(iter(service.items.items()))
+    copy = tmp_path / "upload.png"  # the app sees a copy of a picked gallery image
+    copy.write_bytes(item.path.read_bytes())
+    result = service.search(copy, k=5, query_label=item.label)
+    assert len(result.hits) == 5 and item_id not in [hit.id for hit in result.hits]
+    assert [hit.score for hit in result.hits] == sorted((hit.score for hit in result.hits), reverse=True)
+    assert f"label **{item.label}**" in result.summary and " ms" in result.summary
+    by_id = service.search_item(item_id, k=5)
+    assert [hit.id for hit in by_id.hits] == [hit.id for hit in result.hits]  # same neighbours from the stored vector
+
+
+def test_a_batch_with_bad_images_fails_only_their_queries(service: SearchService, tmp_path: Path) -> None:
+    bad = write_bad_files(tmp_path / "bad")
+    good = next(iter(service.items.values())).path
+    bomb = write_bomb(tmp_path / "bomb.png")
+    paths = [good, bad["empty"], good, bad["truncated"], bad["text"], bomb, tmp_path / "missing.png"]
+    results = service.search_images(paths, [3] * len(paths), [""] * len(paths), [None] * len(paths))
+    assert [result.error for result in results] == [False, True, False, True, True, True, True]
+    assert results[0].summary.startswith("3 results") and "a batch of 7 queries" in results[0].summary
+    assert "empty file" in results[1].summary and "truncated" in results[3].summary
+    assert "not a readable image" in results[4].summary and "decompression bomb" in results[5].summary
+    assert "cannot be read" in results[6].summary
+
+
+def test_unusual_images_are_searched(service: SearchService, tmp_path: Path) -> None:
+    odd = write_odd_images(tmp_path)
+    results = service.search_images(list(odd.values()), [2, 2, 2], ["", "", ""], [None] * 3)
+    assert all(len(result.hits) == 2 for result in results)
+    assert "animated: searched with its first frame" in results[0].summary
+
+
+def test_browse_counts_and_thumbnails(service: SearchService) -> None:
+    counts = dict(service.label_counts())
+    assert sum(counts.values()) == len(service.items)
+    label = max(counts, key=counts.get)  # type: ignore[arg-type]
+    ids = service.browse(label)
+    assert len(ids) == counts[label] and all(service.items[i].label == label for i in ids)
+    assert {service.items[i].label for i in service.samples()} == set(counts)
+    thumbnail = service.thumbnail(ids[0])
+    assert thumbnail.is_relative_to(service.cache) and max(Image.open(thumbnail).size) <= 256
+
+
+def test_evaluate_now_scores_the_index_items(service: SearchService, demo_run: RunDir) -> None:
+    steps: list[str] = []
+    evaluation, plots = service.evaluate_now(lambda fraction, text: steps.append(text))
+    assert evaluation.metrics["num_queries"] + evaluation.metrics["num_skipped_queries"] == len(service.items)
+    assert 0.0 <= evaluation.metrics["recall@1"] <= evaluation.metrics["recall@10"] <= 1.0
+    assert [path.name for path in plots] == ["recall_at_k.png", "similarities.png", "class_recall.png", "worst_queries.png"]
+    assert len(steps) == 3 and all(path.is_relative_to(service.cache) for path in plots)
+
+
+def test_embedding_map_picks_the_point_clicked(service: SearchService) -> None:
+    embedding_map = service.embedding_map("pca")
+    assert embedding_map.image.is_file() and len(embedding_map.ids) == len(service.items)
+    width, height = Image.open(embedding_map.image).size
+    assert ((0 <= embedding_map.pixels) & (embedding_map.pixels <= [width, height])).all()
+    for row in (0, len(embedding_map.ids) // 2):
+        x, y = embedding_map.pixels[row]
+        picked = embedding_map.pick(x + 1, y - 1)
+        assert picked is not None and np.allclose(embedding_map.pixels[list(embedding_map.ids).index(picked)], (x, y), atol=3)
+    assert embedding_map.pick(-100, -100) is None
+    assert service.embedding_map("pca") is embedding_map  # drawn once per index version
+    points = project_2d(np.random.default_rng(0).normal(size=(40, 8)).astype(np.float32), "tsne")
+    assert points.shape == (40, 2) and np.isfinite(points).all()
+    with pytest.raises(RetrievalError, match="umap"):
+        project_2d(points, "umap")
+
+
+def test_add_and_remove_are_persisted_and_seen_by_the_next_search(app_run: RunDir, tmp_path: Path) -> None:
+    read_only = SearchService(app_run)
+    with pytest.raises(RetrievalError, match="--allow-write"):
+        read_only.add_images([tmp_path / "x.png"], "x")
+    service = SearchService(app_run, allow_write=True)
+    new = tmp_path / "new.png"
+    Image.new("RGB", (64, 64), (10, 200, 30)).save(new)
+    existing = next(iter(service.items.values())).path
+    bad = write_bad_files(tmp_path / "bad")
+    ids, skipped = service.add_images([new, existing, bad["truncated"], new], "../../escape")
+    assert len(ids) == 1 and [s.path.name for s in skipped] == [existing.name, "truncated.png", "new.png"]
+    added = service.items[ids[0]]
+    assert added.label == "../../escape" and added.path.parent.parent == app_run.root / "uploads"  # a label cannot lead out of uploads/
+    assert ids[0] not in [hit.id for hit in service.search(new, k=3).hits]  # the query's own bytes are left out
+    assert ids[0] in [hit.id for hit in read_only.search(existing, k=len(read_only.items)).hits]  # another reader reloads the new version
+    assert ids[0] in SearchService(app_run).items  # persisted
+    assert service.remove_items(ids) == 1
+    assert ids[0] not in read_only.items and not added.path.exists()
+    with pytest.raises(RetrievalError, match="no item with id 999999"):
+        service.remove_items([999999])
+
+
+def test_an_index_job_and_the_app_take_turns(app_run: RunDir, service: SearchService, tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from index.store import writer_lock; import time\nwith writer_lock(__import__('pathlib').Path({str(service.index_dir)!r})):\n    print('held', flush=True); time.sleep(30)"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[1],
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(RetrievalError, match="another writer"):
+            with writer_lock(service.index_dir, timeout=0.3):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    folder = tmp_path / "more" / "green"
+    folder.mkdir(parents=True)
+    Image.new("RGB", (64, 64), (20, 180, 20)).save(folder / "a.png")
+    before = len(service.items)
+    build_index(service.embedder, load_collection(tmp_path / "more"), service.index_dir, progress=False)  # a `retrieval index` job meanwhile
+    assert len(service.items) == before + 1  # the app reloads the new version by itself
+    service.remove_items([max(service.items)])
+
+
+# the served app
+
+
+def test_every_endpoint_answers(client: object, service: SearchService) -> None:
+    from gradio_client import handle_file
+
+    item_id, item = next(iter(service.items.items()))
+    gallery, summary = client.predict(handle_file(str(item.path)), 4, item.label, 0, api_name="/search")  # type: ignore[attr-defined]
+    assert len(gallery) == 4 and "4 results" in summary and gallery[0]["caption"].split(" · ")[0] in ("HIT", "miss")
+    gallery, summary = client.predict(item_id, 3, 0, api_name="/search_id")  # type: ignore[attr-defined]
+    assert len(gallery) == 3 and summary.startswith(f"item {item_id}")
+    with pytest.raises(Exception, match="no item with id 999999"):
+        client.predict(999999, 3, 0, api_name="/search_id")  # type: ignore[attr-defined]
+    table = client.predict(api_name="/labels")  # type: ignore[attr-defined]
+    assert sum(count for _, count in table["data"]) == len(service.items)
+    assert len(client.predict(item.label, api_name="/browse")) == dict(service.label_counts())[item.label]  # type: ignore[attr-defined]
+    metrics, plots = client.predict(api_name="/evaluate")  # type: ignore[attr-defined]
+    assert "recall@1" in {row[0] for row in metrics["data"]} and len(plots) == 4
+    assert Path(client.predict("pca", api_name="/embedding_map")).stat().st_size > 0  # type: ignore[attr-defined]
+    assert metrics_rows(None)[0][0] == "(no metrics yet)"
+
+
+def test_bad_uploads_get_a_message_and_the_server_keeps_serving(client: object, service: SearchService, tmp_path: Path) -> None:
+    from gradio_client import handle_file
+
+    bad = write_bad_files(tmp_path / "bad")
+    messages = {
+        "empty": "empty file",
+        "truncated": "image file is truncated",
+        "text": "not a readable image",
+    }
+    for name, message in messages.items():
+        gallery, summary = client.predict(handle_file(str(bad[name])), 4, "", 0, api_name="/search")  # type: ignore[attr-defined]
+        assert gallery == [] and message in summary, (name, summary)
+    gallery, summary = client.predict(handle_file(str(write_bomb(tmp_path / "bomb.png"))), 4, "", 0, api_name="/search")  # type: ignore[attr-defined]
+    assert gallery == [] and "decompression bomb" in summary
+    for name, path in write_odd_images(tmp_path / "odd").items():
+        gallery, summary = client.predict(handle_file(str(path)), 2, "", 0, api_name="/search")  # type: ignore[attr-defined]
+        assert len(gallery) == 2, (name, summary)
+    huge = tmp_path / "huge.png"
+    huge.write_bytes(np.random.default_rng(0).bytes(2 * 1024 * 1024))  # over the 1 MB limit of this app
+    with pytest.raises(Exception, match="(?i)file.*(large|size)"):
+        client.predict(handle_file(str(huge)), 4, "", 0, api_name="/search")  # type: ignore[attr-defined]
+    gallery, _ = client.predict(handle_file(str(next(iter(service.items.values())).path)), 3, "", 0, api_name="/search")  # type: ignore[attr-defined]
+    assert len(gallery) == 3  # still serving
+
+
+def test_concurrent_queries_are_batched(client: object, service: SearchService) -> None:
+    from gradio_client import handle_file
+
+    paths = [item.path for item in list(service.items.values())[:16]]
+    jobs = [client.submit(handle_file(str(path)), 3, "", 0, api_name="/search") for path in paths]  # type: ignore[attr-defined]
+    answers = [job.result(timeout=120) for job in jobs]
+    assert all(len(gallery) == 3 for gallery, _ in answers)
+    assert any("a batch of" in summary for _, summary in answers)
+
+
+def test_only_the_apps_own_files_are_served(client: object, service: SearchService, app_run: RunDir) -> None:
+    from gradio_client import handle_file
+
+    item = next(iter(service.items.values()))
+    gallery, _ = client.predict(handle_file(str(item.path)), 2, "", 0, api_name="/search")  # type: ignore[attr-defined]
+    base = client.src.rstrip("/")  # type: ignore[attr-defined]
+
+    def status(path: str) -> int:
+        try:
+            with urllib.request.urlopen(f"{base}/gradio_api/file={path}") as answer:
+                return answer.status
+        except urllib.error.HTTPError as error:
+            return error.code
+
+    assert status(gallery[0]["image"]) == 200 and status(str(service.thumbnail(next(iter(service.items))))) == 200
+    refused = ["/etc/passwd", str(item.path), str(app_run.model), str(service.index_dir / "items.sqlite"), f"{service.cache}/../../etc/passwd", "README.md", "%2e%2e/%2e%2e/etc/passwd"]
+    assert {path: status(path) for path in refused} == {path: 403 for path in refused}
+
+
+def test_authentication_and_binding(service: SearchService, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradio_client import Client
+
+    assert loopback("127.0.0.1") and loopback("localhost") and loopback("::1") and not loopback("0.0.0.0")
+    with pytest.raises(RetrievalError, match="--auth"):
+        launch(service, host="0.0.0.0", port=free_port(), block=False)
+    with pytest.raises(RetrievalError, match="user:password"):
+        parse_auth("nopassword")
+    monkeypatch.setenv("RETRIEVAL_AUTH", "ann:secret")
+    assert parse_auth(None) == ("ann", "secret")
+    port = free_port()
+    demo = launch(service, port=port, block=False)
+    try:
+        with pytest.raises(Exception):
+            Client(f"http://127.0.0.1:{port}/", verbose=False).predict(api_name="/labels")
+        table = Client(f"http://127.0.0.1:{port}/", auth=("ann", "secret"), verbose=False).predict(api_name="/labels")
+        assert table["data"]
+    finally:
+        demo.close()
+    assert parse_ids("3, 7 12") == [3, 7, 12]
+    with pytest.raises(RetrievalError, match="ids"):
+        parse_ids("three")
+
+
+def test_add_and_remove_through_the_api(client: object, service: SearchService, tmp_path: Path) -> None:
+    from gradio_client import handle_file
+
+    paths = [tmp_path / "red.png", tmp_path / "blue.png"]
+    for path, colour in zip(paths, ((220, 20, 20), (20, 20, 220))):
+        Image.new("RGB", (64, 64), colour).save(path)
+    before = len(service.items)
+    message, table = client.predict([handle_file(str(path)) for path in paths], "swatch", api_name="/add")  # type: ignore[attr-defined]
+    assert message.startswith("added 2 image(s)") and ["swatch", 2] in table["data"] and len(service.items) == before + 2
+    new_ids = sorted(service.items)[-2:]
+    message, table = client.predict(", ".join(map(str, new_ids)), api_name="/remove")  # type: ignore[attr-defined]
+    assert message == "removed 2 item(s)" and len(service.items) == before
+    with pytest.raises(Exception, match="give item ids"):
+        client.predict("all of them", api_name="/remove")  # type: ignore[attr-defined]
+
+
+def test_a_read_only_app_has_no_write_endpoints(app_run: RunDir) -> None:
+    from gradio_client import Client
+
+    service = SearchService(app_run)
+    port = free_port()
+    demo = launch(service, port=port, block=False)
+    try:
+        endpoints = Client(f"http://127.0.0.1:{port}/", verbose=False).view_api(return_format="dict", print_info=False)["named_endpoints"]
+        assert set(endpoints) == {"/search", "/search_id", "/labels", "/browse", "/evaluate", "/embedding_map"}
+    finally:
+        demo.close()
+        service.close()
+
+
+def test_service_threads_are_thread_safe_for_readers(service: SearchService) -> None:
+    item_id = next(iter(service.items))
+    failures: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            for _ in range(20):
+                assert len(service.search_item(item_id, 3).hits) == 3
+        except BaseException as error:  # noqa: BLE001 - collected for the main thread
+            failures.append(error)
+
+    threads = [threading.Thread(target=read) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []

@@ -23,7 +23,7 @@ def test_search_over_an_existing_index_without_torch(demo_run: RunDir) -> None:
     first_image = query.read_text().splitlines()[1].split(",")[0]
     script = BLOCK_TORCH + f"""
 from retrieval.cli import main
-from app.server import SearchService
+from app.service import SearchService
 service = SearchService(__import__("retrieval.runs").runs.RunDir(__import__("pathlib").Path({str(demo_run.root)!r})))
 result = service.search({first_image!r}, k=3)
 assert len(result.hits) == 3, result
