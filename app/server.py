@@ -52,14 +52,14 @@ def result_gallery(service: SearchService, result: SearchResult) -> list[tuple[s
     entries = []
     for rank, hit in enumerate(result.hits, 1):
         mark = "" if not result.label else ("HIT · " if hit.label == result.label else "miss · ")
-        entries.append((str(service.thumbnail(hit.id)), f"{mark}#{rank} · {hit.score:.3f} · {hit.label} · {Path(hit.path).name} · id {hit.id}"))
+        entries.append((str(service.thumbnail(hit.path, hit.sha256)), f"{mark}#{rank} · {hit.score:.3f} · {hit.label} · {Path(hit.path).name} · id {hit.id}"))
     return entries
 
 
 def item_gallery(service: SearchService, ids: list[int]) -> list[tuple[str, str]]:
     """Gallery entries (thumbnail, caption) of indexed items: label, file name, id."""
     items = service.items
-    return [(str(service.thumbnail(i)), f"{items[i].label} · {items[i].path.name} · id {i}") for i in ids if i in items]
+    return [(str(thumbnail), f"{items[i].label} · {items[i].path.name} · id {i}") for i, thumbnail in zip(ids, service.thumbnails(ids))]
 
 
 def metrics_rows(metrics: dict | None) -> list[list[str]]:
@@ -98,8 +98,8 @@ def parse_ids(text: str) -> list[int]:
     return [int(word) for word in words]
 
 
-def build_app(service: SearchService) -> gr.Blocks:
-    """Returns the Gradio interface over a search service."""
+def build_app(service: SearchService, max_batch: int = MAX_BATCH) -> gr.Blocks:
+    """Returns the Gradio interface over a search service; up to max_batch queued searches share one embedding call."""
     kind = service.index.kind
     depth_name = {"ivf": "nprobe", "hnsw": "efSearch"}.get(kind, "depth")
     labels = sorted(label for label, _ in service.label_counts() if label)
@@ -193,16 +193,18 @@ def build_app(service: SearchService) -> gr.Blocks:
             with gr.Tab("Search", id="search"):
                 with gr.Row():
                     with gr.Column(scale=1):
-                        query = QueryImage(label="Query image", type="filepath", sources=["upload", "clipboard"], image_mode=None, height=256)
+                        query = QueryImage(label="Query image", type="filepath", sources=["upload", "clipboard"], image_mode=None, height=256, elem_id="query")
                         query_label = gr.Dropdown(labels, value="", label="Query label (optional: marks hits and misses)", allow_custom_value=True)
                         k = gr.Slider(1, 50, value=10, step=1, label="k")
                         depth = gr.Number(
                             value=0, precision=0, minimum=0, label=f"{depth_name} (0: the tuned {service.index.manifest.get('search', {}).get(depth_name, '')})", visible=kind != "flat"
                         )
-                        button = gr.Button("Search", variant="primary")
+                        button = gr.Button("Search", variant="primary", elem_id="search")
                     with gr.Column(scale=2):
-                        summary = gr.Markdown()
-                        results = gr.Gallery(label="Nearest neighbours (click one to search with it)", columns=5, height=480, object_fit="contain", allow_preview=False)
+                        summary = gr.Markdown(elem_id="summary")
+                        results = gr.Gallery(
+                            label="Nearest neighbours (click one to search with it)", columns=5, height=480, object_fit="contain", allow_preview=False, elem_id="results"
+                        )
                 picker = gr.Gallery(
                     value=item_gallery(service, service.samples()), label="One image per label (click to search with it)", columns=10, height=300, allow_preview=False
                 )
@@ -234,12 +236,12 @@ def build_app(service: SearchService) -> gr.Blocks:
             with gr.Tab("Embedding map", id="map"):
                 projection = gr.Radio(["pca", "tsne"], value="pca", label="Projection")
                 draw = gr.Button("Draw the map")
-                map_image = gr.Image(label="Gallery embeddings (click a point to search with it)", interactive=False, type="filepath")
+                map_image = gr.Image(label="Gallery embeddings (click a point to search with it)", interactive=False, type="filepath", elem_id="map")
 
         inputs = [query, k, query_label, depth]
         outputs = [results, summary]
         concurrency = max(1, (os.cpu_count() or 1) // service.threads)  # embedding calls that fit the cores side by side
-        search_options = {"batch": True, "max_batch_size": MAX_BATCH, "concurrency_limit": concurrency, "concurrency_id": "embed"}
+        search_options = {"batch": True, "max_batch_size": max_batch, "concurrency_limit": concurrency, "concurrency_id": "embed"}
         button.click(search, inputs, outputs, api_name="search", **search_options)
         query.upload(lambda: "", None, query_label, api_name=False)  # an uploaded image's label is unknown
         for gallery in (results, picker, browsed):
@@ -279,13 +281,19 @@ def parse_auth(auth: str | None) -> tuple[str, str] | None:
 
 
 def launch(
-    service: SearchService, host: str = "127.0.0.1", port: int = 7860, auth: str | None = None, max_upload: str = "20MB", block: bool = True
+    service: SearchService,
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    auth: str | None = None,
+    max_upload: str = "20MB",
+    block: bool = True,
+    max_batch: int = MAX_BATCH,
 ) -> gr.Blocks:
     """Starts the app on host:port: authentication required off loopback, uploads capped, only the app's cache served."""
     credentials = parse_auth(auth)
     if credentials is None and not loopback(host):
         raise RetrievalError(f"--host {host} lets other machines reach the app: give --auth user:password (or set {AUTH_VARIABLE}), or bind 127.0.0.1")
-    demo = build_app(service)
+    demo = build_app(service, max_batch)
     demo.queue(default_concurrency_limit=1).launch(
         server_name=host,
         server_port=port,
@@ -309,10 +317,11 @@ def serve(
     auth: str | None = None,
     max_upload: str = "20MB",
     mmap: bool = False,
+    max_batch: int = MAX_BATCH,
 ) -> None:
     """Starts the app and blocks until interrupted."""
     service = SearchService(run, index_dir, mmap=mmap, allow_write=allow_write)
     try:
-        launch(service, host, port, auth, max_upload)
+        launch(service, host, port, auth, max_upload, max_batch=max_batch)
     finally:
         service.close()

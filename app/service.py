@@ -83,7 +83,7 @@ class SearchService:
         self.index_dir = Path(index_dir or run.index)
         self.mmap = mmap
         self.allow_write = allow_write
-        self.embedder = OnnxEmbedder.from_run(run, threads)
+        self.embedder = OnnxEmbedder.from_run(run, threads, spinning=False)
         self.threads = int(self.embedder.session.get_session_options().intra_op_num_threads)
         self.cache = Path(cache or tempfile.mkdtemp(prefix="retrieval-app-"))
         self.uploads = self.index_dir.parent / "uploads"  # where images added through the app are kept
@@ -189,22 +189,26 @@ class SearchService:
             first.setdefault(item.label, item_id)
         return list(first.values())[:BROWSE_LIMIT]
 
-    def thumbnail(self, item_id: int) -> Path:
-        """A small copy of an item's image in the app's cache (made on first use); a grey tile when the file is gone."""
-        item = self.items.get(int(item_id))
-        if item is None:
-            raise RetrievalError(f"no item with id {item_id} in {self.index_dir}")
-        digest = self.snapshot.index.rows([int(item_id)])[int(item_id)][2]
-        target = self.cache / "thumbnails" / f"{digest}.webp"
+    def thumbnails(self, ids: Sequence[int]) -> list[Path]:
+        """Small copies of indexed items' images in the app's cache (made on first use; a grey tile when a file is gone)."""
+        rows = self.snapshot.index.rows(list(ids))
+        missing = [item_id for item_id in ids if item_id not in rows]
+        if missing:
+            raise RetrievalError(f"no item with id {', '.join(map(str, missing))} in {self.index_dir}")
+        return [self.thumbnail(rows[item_id][0], rows[item_id][2]) for item_id in ids]
+
+    def thumbnail(self, path: str | Path, digest: str) -> Path:
+        """The thumbnail of the image at path whose content has sha256 digest (a hit's path and sha256)."""
+        target = self.cache / "thumbnails" / f"{digest}.jpg"
         if not target.is_file():
             try:
-                image = decode_image(read_image_bytes(item.path)[0], item.path)
+                image = decode_image(read_image_bytes(Path(path))[0], path)
             except ImageError:
                 image = Image.new("RGB", (THUMBNAIL, THUMBNAIL), (200, 200, 200))
             image.thumbnail((THUMBNAIL, THUMBNAIL))
             buffer = io.BytesIO()
-            image.save(buffer, format="WEBP", quality=85)
-            write_atomic(target, buffer.getvalue())
+            image.save(buffer, format="JPEG", quality=88)
+            write_atomic(target, buffer.getvalue(), durable=False)  # a cache: rebuilt when lost
         return target
 
     # writing (only when started with allow_write)

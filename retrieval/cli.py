@@ -178,6 +178,9 @@ def index(
     threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime intra-op threads (default: all cores).")] = None,
     faiss_type: Annotated[Optional[str], typer.Option("--faiss", help='FAISS factory string for a new index, e.g. "HNSW32", "IVF4096,Flat", "OPQ32,IVF4096,PQ32" (default: chosen from the size and --memory).', show_default=False)] = None,
     memory: Annotated[Optional[str], typer.Option("--memory", help="Memory budget of a new index, e.g. 4GB or 512MiB (default: half of this machine's memory).", show_default=False)] = None,
+    engine: Annotated[str, typer.Option(help="Where to embed: local (this process) or ray (Ray Data: CPU decoding tasks, an actor pool of encoders).")] = "local",
+    address: Annotated[Optional[str], typer.Option(help="With --engine ray: the cluster's address (default: start a local Ray).", show_default=False)] = None,
+    workers: Annotated[Optional[int], typer.Option(min=1, help="With --engine ray: encoder actors (default: one per GPU, else one per two CPUs).", show_default=False)] = None,
 ) -> None:
     """Embed a gallery with the run's ONNX model and add it to its FAISS index (incremental and resumable).
 
@@ -186,13 +189,19 @@ def index(
     """
     from index.build import build_index
     from index.choice import parse_memory
+    from index.ray_engine import RayOptions
     from retrieval.embedders import OnnxEmbedder
 
     run_dir = RunDir(run)
     budget = parse_memory(memory) if memory else None
     embedder = OnnxEmbedder.from_run(run_dir, threads)
     target = index_dir or run_dir.index
-    report = build_index(embedder, load_collection(images), target, sync=sync, rebuild=rebuild, batch_size=batch_size, factory=faiss_type, memory=budget)
+    if engine not in ("local", "ray"):
+        raise RetrievalError(f"--engine {engine!r}: use local or ray")
+    ray = RayOptions(address, workers) if engine == "ray" else None
+    if ray is not None:
+        require("ray", "ray")
+    report = build_index(embedder, load_collection(images), target, sync=sync, rebuild=rebuild, batch_size=batch_size, factory=faiss_type, memory=budget, ray=ray)
     report_skipped(report.skipped, target / "skipped.json")
     console.print(
         f"index {target}: {len(report.index)} images · embedded {report.embedded} · resumed {report.resumed} · "
@@ -316,11 +325,12 @@ def serve(
     auth: Annotated[Optional[str], typer.Option(help="user:password required to use the app (or set RETRIEVAL_AUTH); needed off loopback.")] = None,
     max_upload: Annotated[str, typer.Option(help="Largest upload accepted, e.g. 20MB.")] = "20MB",
     mmap: Annotated[bool, typer.Option("--mmap", help="Leave the index vectors on disk (memory-mapped).")] = False,
+    max_batch: Annotated[int, typer.Option(min=1, help="Queued searches embedded together in one call.")] = 16,
 ) -> None:
     """Serve the search app for the run's index in the browser: search, browse, metrics, embedding map and an API."""
     from app.server import serve as run_server
 
-    run_server(RunDir(run), host, port, index_dir, allow_write=allow_write, auth=auth, max_upload=max_upload, mmap=mmap)
+    run_server(RunDir(run), host, port, index_dir, allow_write=allow_write, auth=auth, max_upload=max_upload, mmap=mmap, max_batch=max_batch)
 
 
 @app.command()

@@ -83,20 +83,25 @@ class RunDir:
         return self.model
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Writes a file so that readers see the old or the new content, never a partial one."""
+def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
+    """Writes a file so that readers see the old or the new content, never a partial one.
+
+    durable: also fsync the file and its folder, so that it survives a power cut (not needed for caches).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(handle, "wb") as file:
             file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
+            if durable:
+                file.flush()
+                os.fsync(file.fileno())
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def write_json(path: Path, value: Any) -> None:

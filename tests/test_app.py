@@ -119,7 +119,7 @@ def test_browse_counts_and_thumbnails(service: SearchService) -> None:
     ids = service.browse(label)
     assert len(ids) == counts[label] and all(service.items[i].label == label for i in ids)
     assert {service.items[i].label for i in service.samples()} == set(counts)
-    thumbnail = service.thumbnail(ids[0])
+    (thumbnail,) = service.thumbnails(ids[:1])
     assert thumbnail.is_relative_to(service.cache) and max(Image.open(thumbnail).size) <= 256
 
 
@@ -266,7 +266,7 @@ def test_only_the_apps_own_files_are_served(client: object, service: SearchServi
         except urllib.error.HTTPError as error:
             return error.code
 
-    assert status(gallery[0]["image"]) == 200 and status(str(service.thumbnail(next(iter(service.items))))) == 200
+    assert status(gallery[0]["image"]) == 200 and status(str(service.thumbnails([next(iter(service.items))])[0])) == 200
     refused = ["/etc/passwd", str(item.path), str(app_run.model), str(service.index_dir / "items.sqlite"), f"{service.cache}/../../etc/passwd", "README.md", "%2e%2e/%2e%2e/etc/passwd"]
     assert {path: status(path) for path in refused} == {path: 403 for path in refused}
 

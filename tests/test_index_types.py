@@ -151,7 +151,7 @@ def test_cli_index_choice_stats_and_depth(demo_run: RunDir, icons_root: Path, tm
     assert main(["search", str(demo_run.root), "--index", str(directory)]) == 2
     assert "give a query IMAGE or --id" in capsys.readouterr().err
     assert main(["search", str(demo_run.root), "--id", "99999", "--index", str(directory)]) == 2
-    assert "no item with id(s) 99999" in capsys.readouterr().err
+    assert "no item with id 99999" in capsys.readouterr().err
     assert main(["index", str(demo_run.root), str(images), "--index", str(directory), "--faiss", "IVF8,Flat"]) == 2
     assert "add --rebuild" in capsys.readouterr().err
     assert main(["index", str(demo_run.root), str(images), "--index", str(tmp_path / "other"), "--memory", "lots"]) == 2

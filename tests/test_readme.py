@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from retrieval.cli import main
+from retrieval.runs import RunDir
 
 ROOT = Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -59,3 +60,23 @@ def test_cpu_and_gpu_builds_are_alternatives() -> None:
     assert {name.split(">")[0].split("=")[0] for name in extras["cpu"]} == {"faiss-cpu", "onnxruntime"}
     assert {name.split(">")[0].split("=")[0] for name in extras["gpu"]} == {"faiss-gpu-cu12", "onnxruntime-gpu"}
     assert "torch==2.14.1" in extras["train"] and "torchvision==0.29.1" in extras["train"]
+
+
+def test_the_api_example_runs(demo_run: RunDir) -> None:
+    from app.server import launch
+    from app.service import SearchService
+    from tests.test_app import free_port
+
+    code = README.split("<!-- api-example (run by tests/test_readme.py) -->")[1].split("```python")[1].split("```")[0]
+    assert len([line for line in code.splitlines() if line.strip()]) == 3
+    service = SearchService(demo_run)
+    port = free_port()
+    demo = launch(service, port=port, block=False)
+    query = next(iter(service.items.values())).path
+    try:
+        names: dict = {}
+        exec(code.replace("http://127.0.0.1:7860/", f"http://127.0.0.1:{port}/").replace('"query.jpg"', repr(str(query))), names)  # noqa: S102
+        assert len(names["results"]) == 10 and names["summary"].startswith("10 results")
+    finally:
+        demo.close()
+        service.close()
