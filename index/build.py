@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from index.journal import Journal
+from index.ray_engine import RayOptions, iter_embedded_ray
 from index.store import MANIFEST, Additions, GalleryIndex, writer_lock
 from retrieval.data import Collection, Item, Skipped, write_skip_report
-from retrieval.embedders import Embedder, iter_embedded
+from retrieval.embedders import Embedder, OnnxEmbedder, iter_embedded
 from retrieval.errors import RetrievalError
 
 
@@ -58,6 +59,7 @@ def build_index(
     progress: bool = True,
     factory: str | None = None,
     memory: int | None = None,
+    ray: RayOptions | None = None,
 ) -> IndexReport:
     """Adds the collection's new and changed images to the index at directory (creating it if needed).
 
@@ -65,11 +67,12 @@ def build_index(
     whose file is no longer in the collection are removed; rebuild ignores any existing index. A new
     index gets the FAISS type index.choice picks within memory bytes, or the factory string given.
     Embedded batches go to a journal first, so a killed job resumes where it stopped. The skipped
-    files and their reasons are written to directory/skipped.json.
+    files and their reasons are written to directory/skipped.json. With ray, the embedding runs on Ray
+    Data (index.ray_engine) and everything else is the same.
     """
     directory = Path(directory)
     with writer_lock(directory):
-        return _build_index(embedder, collection, directory, sync, rebuild, batch_size, progress, factory, memory)
+        return _build_index(embedder, collection, directory, sync, rebuild, batch_size, progress, factory, memory, ray)
 
 
 def _build_index(
@@ -82,6 +85,7 @@ def _build_index(
     progress: bool,
     factory: str | None,
     memory: int | None,
+    ray: RayOptions | None,
 ) -> IndexReport:
     base = None if rebuild or not (directory / MANIFEST).is_file() else GalleryIndex.load(directory, embedder.fingerprint, embedder.dim)
     if base is not None and factory and factory != base.manifest.get("index_type"):
@@ -103,7 +107,14 @@ def _build_index(
             return True
         return indexed.get(path, (None, None))[1] == digest
 
-    for batch in iter_embedded(embedder, collection.items, batch_size, unchanged, progress=progress):
+    if ray is None:
+        batches = iter_embedded(embedder, collection.items, batch_size, unchanged, progress=progress)
+    elif isinstance(embedder, OnnxEmbedder):
+        known = {path: digest for path, (_, digest) in indexed.items()} | pending
+        batches = iter_embedded_ray(embedder, collection.items, unchanged, known, directory.with_name(f".{directory.name}.ray"), ray, batch_size, progress)
+    else:
+        raise RetrievalError("--engine ray embeds with an exported model (model.onnx); export the run first")
+    for batch in batches:
         if batch.items:
             journal.add(batch.items, batch.hashes, batch.vectors)
         embedded += len(batch.items)

@@ -56,9 +56,12 @@ def l2_normalise(vectors: np.ndarray) -> np.ndarray:
 class OnnxEmbedder(Embedder):
     """Runs an exported encoder (model.onnx + model.json) with ONNX Runtime, on CUDA when available."""
 
-    def __init__(self, model_path: Path, card: dict, threads: int | None = None) -> None:
+    def __init__(self, model_path: Path, card: dict, threads: int | None = None, spinning: bool = True) -> None:
+        """spinning: ONNX Runtime's threads keep spinning between calls (faster back-to-back batches); a server
+        turns it off, so that the cores go to the web server between its short calls."""
         ort = require("onnxruntime", "cpu")  # imported here so that metrics and data need no runtime
 
+        self.model_path = Path(model_path)
         self.card = card
         self.preprocessing = Preprocessing.from_dict(card["preprocessing"])
         self.dim = int(card["embedding_dim"])
@@ -66,6 +69,7 @@ class OnnxEmbedder(Embedder):
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = threads or os.cpu_count() or 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         available = ort.get_available_providers()
         providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
         try:
@@ -76,14 +80,14 @@ class OnnxEmbedder(Embedder):
         self.batch_size = 256 if "CUDAExecutionProvider" in self.session.get_providers() else 64
 
     @classmethod
-    def from_run(cls, run: RunDir, threads: int | None = None) -> "OnnxEmbedder":
+    def from_run(cls, run: RunDir, threads: int | None = None, spinning: bool = True) -> "OnnxEmbedder":
         """Loads the run's exported model, checking it against the sha256 in its model card."""
         model_path = run.require_model()
         card = read_json(run.model_card)
         digest = hashlib.sha256(model_path.read_bytes()).hexdigest()
         if digest != card.get("sha256"):
             raise RetrievalError(f"{model_path}: sha256 {digest[:12]}… does not match model.json ({str(card.get('sha256'))[:12]}…); re-export with `retrieval export {run.root}`")
-        return cls(model_path, card, threads)
+        return cls(model_path, card, threads, spinning)
 
     def prepare(self, images: Sequence[Image.Image]) -> np.ndarray:
         return self.preprocessing(images)

@@ -1,0 +1,151 @@
+"""Batch embedding on Ray Data (`retrieval index --engine ray`), for galleries one machine cannot embed in time.
+
+Per chunk of the listing: files are read, hashed, decoded and resized in CPU tasks; an actor pool
+embeds them (one ONNX Runtime session per actor, one GPU each when the cluster has GPUs); the results
+(position, sha256, reason, embedding) are written as Parquet shards, which the driver reads back in
+listing order. From there index.build treats them exactly as the local engine's batches: bad files
+are skipped and reported, files whose sha256 is already indexed are not decoded, every batch is
+journaled before the next chunk starts, so a killed job resumes and loses at most one chunk, and the
+index is committed the same way.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from retrieval.data import Item, Skipped, decode_image, read_image_bytes
+from retrieval.embedders import EmbeddedBatch, OnnxEmbedder
+from retrieval.errors import ImageError
+from retrieval.extras import require
+from retrieval.preprocess import Preprocessing
+
+CHUNK = 8192  # items per Ray job: the work a killed job can lose
+UNCHANGED = "\x00unchanged"  # the reason of a file whose sha256 is the one already indexed
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """Where and how wide `retrieval index --engine ray` runs."""
+
+    address: str | None = None  # a Ray cluster (ray://host:10001 or auto); None starts a local one
+    workers: int | None = None  # embedding actors (default: one per GPU, else one per two CPUs)
+
+
+def _decode(batch: dict[str, np.ndarray], preprocessing: dict, known: dict[str, str]) -> dict[str, np.ndarray]:
+    """CPU task: hashes each file, decodes and prepares the new ones (reason "" when it worked)."""
+    prepare = Preprocessing.from_dict(preprocessing)
+    digests, reasons, images = [], [], []
+    for path in batch["path"]:
+        digest, reason = "", ""
+        try:
+            data, digest = read_image_bytes(Path(path))
+            if known.get(str(path)) == digest:
+                reason = UNCHANGED
+            else:
+                images.append(decode_image(data, path))
+        except ImageError as error:
+            reason = error.reason
+        digests.append(digest)
+        reasons.append(reason)
+    shape = prepare([Image.new("RGB", (8, 8))]).shape[1:]
+    pixels = np.zeros((len(reasons), *shape), np.float32)
+    ok = np.array([reason == "" for reason in reasons], dtype=bool)
+    if images:
+        pixels[ok] = prepare(images)
+    return {"position": batch["position"], "sha256": np.array(digests), "reason": np.array(reasons), "pixels": pixels}
+
+
+class _Encoder:
+    """Actor: one ONNX Runtime session, embedding the prepared rows of each batch it is given."""
+
+    def __init__(self, model_path: str, card: dict, threads: int) -> None:
+        self.embedder = OnnxEmbedder(Path(model_path), card, threads)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        ok = batch["reason"] == ""
+        vectors = np.zeros((len(ok), self.embedder.dim), np.float32)
+        if ok.any():
+            vectors[ok] = self.embedder.embed_prepared(np.ascontiguousarray(batch["pixels"][ok]))
+        return {"position": batch["position"], "sha256": batch["sha256"], "reason": batch["reason"], "embedding": vectors}
+
+
+def connect(address: str | None) -> object:
+    """The ray module, connected to the cluster at address (or to a local one started now when None)."""
+    ray = require("ray", "ray")
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    return ray
+
+
+def iter_embedded_ray(
+    embedder: OnnxEmbedder,
+    items: Sequence[Item],
+    unchanged: Callable[[Item, str], bool],
+    known: dict[str, str],
+    scratch: Path,
+    options: RayOptions,
+    batch_size: int | None = None,
+    progress: bool = True,
+) -> Iterator[EmbeddedBatch]:
+    """Embeds items on Ray Data, yielding batches in listing order as index.build's local engine does.
+
+    known maps paths to the sha256 already indexed or journaled (those files are not decoded);
+    unchanged(item, sha256) is then called for every readable file, as the local engine calls it.
+    Parquet shards go to scratch (removed chunk by chunk); a cluster's scratch must be a folder every
+    node can read and write.
+    """
+    ray = connect(options.address)
+    from tqdm import tqdm
+
+    resources = ray.cluster_resources()
+    gpus = int(resources.get("GPU", 0))
+    pool = options.workers or gpus or max(1, int(resources.get("CPU", 2)) // 2)
+    threads = 1 if gpus else max(1, int(resources.get("CPU", 2)) // pool)
+    size = batch_size or embedder.batch_size
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True
+    context.enable_progress_bars = False
+    with tqdm(total=len(items), desc="embedding (ray)", unit="img", disable=not progress) as bar:
+        for start in range(0, len(items), CHUNK):
+            chunk = items[start : start + CHUNK]
+            shards = scratch / f"chunk-{start:012d}-{time.time_ns()}"
+            rows = ray.data.from_items([{"position": start + offset, "path": str(item.path)} for offset, item in enumerate(chunk)])
+            decoded = rows.map_batches(
+                _decode, fn_kwargs={"preprocessing": embedder.card["preprocessing"], "known": known}, batch_size=size, batch_format="numpy"
+            )
+            embedded = decoded.map_batches(
+                _Encoder,
+                fn_constructor_kwargs={"model_path": str(embedder.model_path), "card": embedder.card, "threads": threads},
+                concurrency=pool,
+                num_gpus=1 if gpus else 0,
+                batch_size=size,
+                batch_format="numpy",
+            )
+            embedded.write_parquet(str(shards))
+            results = sorted(ray.data.read_parquet(str(shards)).take_all(), key=lambda row: int(row["position"]))
+            shutil.rmtree(shards, ignore_errors=True)
+            for offset in range(0, len(results), size):
+                batch = EmbeddedBatch(np.zeros((0, embedder.dim), np.float32), [], [], [])
+                vectors = []
+                for row in results[offset : offset + size]:
+                    item = items[int(row["position"])]
+                    reason, digest = str(row["reason"]), str(row["sha256"])
+                    if reason not in ("", UNCHANGED):
+                        batch.skipped.append(Skipped(item.path, reason))
+                    elif unchanged(item, digest) or reason == UNCHANGED:
+                        batch.unchanged += 1
+                    else:
+                        batch.items.append(item)
+                        batch.hashes.append(digest)
+                        vectors.append(np.asarray(row["embedding"], np.float32))
+                if vectors:
+                    batch.vectors = np.stack(vectors)
+                bar.update(len(batch.items) + len(batch.skipped) + batch.unchanged)
+                yield batch
