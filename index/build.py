@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from index.journal import Journal
+from index.milvus import MilvusIndex, MilvusOptions
 from index.ray_engine import RayOptions, iter_embedded_ray
 from index.store import MANIFEST, Additions, GalleryIndex, writer_lock
 from retrieval.data import Collection, Item, Skipped, write_skip_report
@@ -60,6 +61,7 @@ def build_index(
     factory: str | None = None,
     memory: int | None = None,
     ray: RayOptions | None = None,
+    milvus: MilvusOptions | None = None,
 ) -> IndexReport:
     """Adds the collection's new and changed images to the index at directory (creating it if needed).
 
@@ -68,11 +70,12 @@ def build_index(
     index gets the FAISS type index.choice picks within memory bytes, or the factory string given.
     Embedded batches go to a journal first, so a killed job resumes where it stopped. The skipped
     files and their reasons are written to directory/skipped.json. With ray, the embedding runs on Ray
-    Data (index.ray_engine) and everything else is the same.
+    Data (index.ray_engine) and everything else is the same. With milvus, a new index is a Milvus
+    collection (index.milvus); an existing index keeps its backend.
     """
     directory = Path(directory)
     with writer_lock(directory):
-        return _build_index(embedder, collection, directory, sync, rebuild, batch_size, progress, factory, memory, ray)
+        return _build_index(embedder, collection, directory, sync, rebuild, batch_size, progress, factory, memory, ray, milvus)
 
 
 def _build_index(
@@ -86,8 +89,11 @@ def _build_index(
     factory: str | None,
     memory: int | None,
     ray: RayOptions | None,
+    milvus: MilvusOptions | None,
 ) -> IndexReport:
     base = None if rebuild or not (directory / MANIFEST).is_file() else GalleryIndex.load(directory, embedder.fingerprint, embedder.dim)
+    if base is not None and milvus is not None and base.manifest.get("backend") != "milvus":
+        raise RetrievalError(f"{directory} is a FAISS index; add --rebuild to build it anew in Milvus")
     if base is not None and factory and factory != base.manifest.get("index_type"):
         raise RetrievalError(f"{directory} is a {base.manifest.get('index_type', 'Flat')} index; add --rebuild to build it anew as --faiss {factory!r}")
     indexed = {path: (item_id, digest) for item_id, (path, _, digest) in (base.rows() if base else {}).items()}
@@ -127,6 +133,9 @@ def _build_index(
     additions = _Replay(lambda: _current_only(journal.chunks(), current))
     if base is not None and not replaced and not remove:
         index = base  # nothing changed: the index on disk stays as it is
+    elif base is None and milvus is not None:
+        count = sum(len(chunk.items) for chunk in additions)
+        index = MilvusIndex.create(directory, additions, embedder.fingerprint, embedder.dim, milvus.uri, count, memory, milvus.index_type)
     elif base is None:
         index = GalleryIndex.create(directory, additions, embedder.fingerprint, embedder.dim, factory, memory)
     else:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from index.milvus import MilvusIndex
 from index.store import ITEMS, VECTORS, GalleryIndex, faiss, recall_at_10, stored_vectors
 from retrieval.errors import RetrievalError
 
@@ -18,6 +19,8 @@ def index_stats(directory: Path, sample: int = 1000, mmap: bool = False, seed: i
     exactly, all of them.
     """
     index = GalleryIndex.load(directory, mmap=mmap)
+    if index.manifest.get("backend") == "milvus":
+        return _milvus_stats(index, sample, seed)  # type: ignore[arg-type]
     stats: dict = {
         "count": len(index),
         "type": index.manifest.get("index_type", "Flat"),
@@ -40,9 +43,31 @@ def index_stats(directory: Path, sample: int = 1000, mmap: bool = False, seed: i
         except RetrievalError:  # compressed codes of a type forced without re-ranking
             stats["recall@10 (at build)"] = index.manifest.get("recall@10", float("nan"))
             return stats
+    stats.update(_measured_recall(index, ids, vectors, sample, seed))
+    return stats
+
+
+def _measured_recall(index: GalleryIndex | MilvusIndex, ids: np.ndarray, vectors: np.ndarray, sample: int, seed: int) -> dict:
+    """recall@10 of the index for a seeded sample of its own vectors, against exact search over all of them."""
     chosen = np.random.default_rng(seed).choice(len(ids), min(sample, len(ids)), replace=False)
     k = min(10, len(ids))
     exact = ids[faiss.knn(vectors[chosen], vectors, k, metric=faiss.METRIC_INNER_PRODUCT)[1]]
     found = [[hit.id for hit in hits] for hits in index.search(vectors[chosen], k)]
-    stats[f"recall@10 (now, {len(chosen):,} own vectors)"] = recall_at_10(found, exact)
-    return stats
+    return {f"recall@10 (now, {len(chosen):,} own vectors)": recall_at_10(found, exact)}
+
+
+def _milvus_stats(index: MilvusIndex, sample: int, seed: int) -> dict:
+    """What index_stats shows for a collection in Milvus: the manifest's facts and the measured recall."""
+    ids = np.array(sorted(index.rows()), np.int64)
+    stats = {
+        "count": len(index),
+        "backend": f"Milvus at {index.manifest['uri']}, collection {index.collection}",
+        "type": index.manifest["index_type"],
+        "parameters": index.manifest.get("index_params", {}),
+        "chosen because": index.manifest.get("choice", ""),
+        "search depth": index.manifest.get("search", {}),
+        "dimension": index.dim,
+        "encoder sha256": index.encoder_sha256,
+        "updated": index.manifest.get("updated", ""),
+    }
+    return {**stats, **_measured_recall(index, ids, index.vectors_of(ids.tolist()), sample, seed)}

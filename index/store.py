@@ -142,6 +142,10 @@ class GalleryIndex:
             )
         if dim is not None and manifest.get("dim") != dim:
             raise RetrievalError(f"{directory}: holds {manifest.get('dim')}-dimensional vectors, the encoder makes {dim}; rebuild the index")
+        if manifest.get("backend") == "milvus":
+            from index.milvus import MilvusIndex
+
+            return MilvusIndex.load(directory, manifest)  # type: ignore[return-value]
         for name in (VECTORS, ITEMS):
             if not (directory / name).is_file():
                 raise RetrievalError(f"{directory}: {name} is missing; rebuild the index with `retrieval index`")

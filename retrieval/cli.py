@@ -181,6 +181,9 @@ def index(
     engine: Annotated[str, typer.Option(help="Where to embed: local (this process) or ray (Ray Data: CPU decoding tasks, an actor pool of encoders).")] = "local",
     address: Annotated[Optional[str], typer.Option(help="With --engine ray: the cluster's address (default: start a local Ray).", show_default=False)] = None,
     workers: Annotated[Optional[int], typer.Option(min=1, help="With --engine ray: encoder actors (default: one per GPU, else one per two CPUs).", show_default=False)] = None,
+    backend: Annotated[str, typer.Option(help="Where a new index lives: faiss (files in the index directory) or milvus (a collection at --uri).")] = "faiss",
+    uri: Annotated[Optional[str], typer.Option(help="With --backend milvus: http://host:19530, or a file for Milvus Lite (e.g. gallery.db).", show_default=False)] = None,
+    milvus_index: Annotated[Optional[str], typer.Option("--milvus-index", help="With --backend milvus: force a Milvus index type (FLAT, IVF_FLAT, IVF_SQ8, IVF_PQ, HNSW, GPU_CAGRA).", show_default=False)] = None,
 ) -> None:
     """Embed a gallery with the run's ONNX model and add it to its FAISS index (incremental and resumable).
 
@@ -189,6 +192,7 @@ def index(
     """
     from index.build import build_index
     from index.choice import parse_memory
+    from index.milvus import MilvusOptions
     from index.ray_engine import RayOptions
     from retrieval.embedders import OnnxEmbedder
 
@@ -201,7 +205,14 @@ def index(
     ray = RayOptions(address, workers) if engine == "ray" else None
     if ray is not None:
         require("ray", "ray")
-    report = build_index(embedder, load_collection(images), target, sync=sync, rebuild=rebuild, batch_size=batch_size, factory=faiss_type, memory=budget, ray=ray)
+    if backend not in ("faiss", "milvus") or (backend == "milvus") != (uri is not None):
+        raise RetrievalError(f"--backend {backend!r}: use faiss, or milvus with --uri (a Milvus address, or a file for Milvus Lite)")
+    milvus = MilvusOptions(uri, milvus_index) if uri is not None else None
+    if milvus is not None:
+        require("pymilvus", "milvus")
+    report = build_index(
+        embedder, load_collection(images), target, sync=sync, rebuild=rebuild, batch_size=batch_size, factory=faiss_type, memory=budget, ray=ray, milvus=milvus
+    )
     report_skipped(report.skipped, target / "skipped.json")
     console.print(
         f"index {target}: {len(report.index)} images · embedded {report.embedded} · resumed {report.resumed} · "

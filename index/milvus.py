@@ -1,0 +1,254 @@
+"""A Milvus backend for the gallery index (`retrieval index RUN IMAGES --backend milvus --uri URI`).
+
+The index directory keeps only `manifest.json` (backend, uri, collection, index type, dimension,
+encoder, ...); the vectors and the items (id, path, label, sha256, added_at) live in one Milvus
+collection. URI is a Milvus server or cluster (http://host:19530) or a local file for Milvus Lite
+(gallery.db). The index type is index.choice's pick for the gallery, translated: Flat → FLAT,
+IVFn,Flat → IVF_FLAT, IVFn,SQ8 → IVF_SQ8, OPQm,IVFn,PQm → IVF_PQ, HNSWm → HNSW; `--milvus-index`
+forces any type the server has (GPU_CAGRA on a server with GPUs; Milvus Lite has FLAT, IVF_FLAT,
+IVF_SQ8 and HNSW). An update removes, inserts and flushes, then rewrites the manifest atomically; the
+collection is the record of what is indexed (a load counts its rows). One writer at a time, as for
+FAISS (index.store.writer_lock); a Milvus Lite file is opened by one process at a time (serve it with
+`milvus-lite server` to share it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from index.choice import IndexChoice, choose_index
+from index.store import FORMAT_VERSION, MANIFEST, Additions, Hit
+from retrieval.data import Item
+from retrieval.errors import RetrievalError
+from retrieval.extras import require
+from retrieval.runs import write_json
+
+BACKEND = "milvus"
+FETCH = 1000  # rows per page when listing the collection
+_clients: dict[str, object] = {}
+
+
+@dataclass(frozen=True)
+class MilvusOptions:
+    """Where `retrieval index --backend milvus` keeps a new index."""
+
+    uri: str  # http://host:19530, or a file for Milvus Lite
+    index_type: str | None = None  # a Milvus index type instead of the automatic choice
+
+
+def milvus_type(factory: str) -> tuple[str, dict]:
+    """The Milvus index type and build parameters that match a FAISS factory string."""
+    nlist = re.search(r"IVF(\d+)", factory)
+    if factory == "Flat":
+        return "FLAT", {}
+    links = re.match(r"HNSW(\d*)", factory)
+    if links:
+        return "HNSW", {"M": int(links.group(1) or 32), "efConstruction": 200}
+    if nlist is None:
+        raise RetrievalError(f"{factory!r} has no Milvus counterpart; give --milvus-index (FLAT, IVF_FLAT, IVF_SQ8, IVF_PQ, HNSW, GPU_CAGRA, ...)")
+    lists = int(nlist.group(1))
+    product = re.search(r"PQ(\d+)", factory)
+    if product:
+        return "IVF_PQ", {"nlist": lists, "m": int(product.group(1)), "nbits": 8}
+    return ("IVF_SQ8" if "SQ8" in factory else "IVF_FLAT"), {"nlist": lists}
+
+
+def default_depth(index_type: str, parameters: dict) -> dict:
+    """The search depth a new collection is searched with unless a query says otherwise."""
+    if index_type.startswith("IVF"):
+        return {"nprobe": max(16, int(parameters.get("nlist", 256)) // 16)}
+    if index_type.startswith("HNSW"):
+        return {"efSearch": 128}
+    return {}
+
+
+def connect(uri: str) -> object:
+    """A MilvusClient for uri (one per process and uri)."""
+    pymilvus = require("pymilvus", "milvus")
+    logging.getLogger("pymilvus").setLevel(logging.ERROR)  # Milvus Lite lacks a timestamp call pymilvus warns about on every listing
+    if uri not in _clients:
+        try:
+            _clients[uri] = pymilvus.MilvusClient(uri)
+        except Exception as error:  # pymilvus raises its own untyped errors for unreachable servers
+            raise RetrievalError(f"--uri {uri}: cannot connect to Milvus ({str(error).splitlines()[0][:200]})") from None
+    return _clients[uri]
+
+
+def resolve_uri(uri: str) -> str:
+    """Server addresses as given; a Milvus Lite file as an absolute path (the manifest may be read from elsewhere)."""
+    return uri if re.match(r"^[a-z]+://", uri) else str(Path(uri).expanduser().resolve())
+
+
+class MilvusIndex:
+    """The gallery index on a Milvus collection, with the interface of index.store.GalleryIndex."""
+
+    def __init__(self, directory: Path, manifest: dict) -> None:
+        self.directory = directory
+        self.manifest = manifest
+        self.client = connect(manifest["uri"])
+        self.collection = str(manifest["collection"])
+
+    @property
+    def dim(self) -> int:
+        return int(self.manifest["dim"])
+
+    @property
+    def encoder_sha256(self) -> str:
+        return str(self.manifest["encoder_sha256"])
+
+    @property
+    def kind(self) -> str:
+        """ivf, hnsw or flat: which search depth (nprobe, efSearch or none) the collection's type has."""
+        index_type = str(self.manifest["index_type"])
+        return "ivf" if index_type.startswith("IVF") else "hnsw" if index_type.startswith("HNSW") else "flat"
+
+    def __len__(self) -> int:
+        return int(self.manifest["count"])
+
+    @classmethod
+    def create(
+        cls,
+        directory: Path,
+        additions: Iterable[Additions],
+        encoder_sha256: str,
+        dim: int,
+        uri: str,
+        count: int,
+        memory: int | None = None,
+        index_type: str | None = None,
+    ) -> "MilvusIndex":
+        """Creates the collection (dropping one of the same name) for count items, adds them and writes the manifest."""
+        pymilvus = require("pymilvus", "milvus")
+        uri = resolve_uri(uri)
+        client = connect(uri)
+        collection = f"retrieval_{hashlib.sha256(str(Path(directory).resolve()).encode()).hexdigest()[:16]}"  # one per index directory
+        choice = IndexChoice(index_type, "given with --milvus-index") if index_type else choose_index(count, dim, memory)
+        milvus_index, parameters = (index_type, {}) if index_type else milvus_type(choice.factory)
+        schema = pymilvus.MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
+        schema.add_field("id", pymilvus.DataType.INT64, is_primary=True)
+        schema.add_field("embedding", pymilvus.DataType.FLOAT_VECTOR, dim=dim)
+        for name, length in (("path", 4096), ("label", 1024), ("sha256", 64), ("added_at", 32)):
+            schema.add_field(name, pymilvus.DataType.VARCHAR, max_length=length)
+        index_params = client.prepare_index_params()
+        index_params.add_index(field_name="embedding", index_type=milvus_index, metric_type="IP", params=parameters)
+        try:
+            if client.has_collection(collection):
+                client.drop_collection(collection)
+            client.create_collection(collection, schema=schema, index_params=index_params)
+        except Exception as error:  # the server's refusal, e.g. an index type it does not have
+            raise RetrievalError(f"Milvus at {uri} refused the collection ({str(error).splitlines()[0][:200]}); try another --milvus-index") from None
+        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "backend": BACKEND,
+            "uri": uri,
+            "collection": collection,
+            "index_type": milvus_index,
+            "index_params": parameters,
+            "choice": choice.reason if not index_type else "given with --milvus-index",
+            "search": default_depth(milvus_index, parameters),
+            "metric": "inner_product",
+            "dim": dim,
+            "count": 0,
+            "next_id": 1,
+            "encoder_sha256": encoder_sha256,
+            "created": now,
+            "updated": now,
+        }
+        return cls(Path(directory), manifest).update(additions, [])
+
+    @classmethod
+    def load(cls, directory: Path, manifest: dict) -> "MilvusIndex":
+        """Opens the collection a manifest names, counting its rows (Milvus is the record of what is indexed)."""
+        index = cls(Path(directory), manifest)
+        if not index.client.has_collection(index.collection):  # type: ignore[attr-defined]
+            raise RetrievalError(f"{directory}: Milvus at {manifest['uri']} has no collection {index.collection}; rebuild the index with `retrieval index --rebuild`")
+        rows = index.rows()
+        index.manifest = {**manifest, "count": len(rows), "next_id": max(int(manifest["next_id"]), max(rows, default=0) + 1)}
+        return index
+
+    def update(self, additions: Iterable[Additions], remove_ids: Sequence[int]) -> "MilvusIndex":
+        """Removes and adds items, flushes, and saves the manifest; returns the index as it now is."""
+        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        next_id = int(self.manifest["next_id"])
+        if len(remove_ids):
+            self.client.delete(self.collection, ids=[int(i) for i in remove_ids])  # type: ignore[attr-defined]
+        for chunk in additions:
+            rows = [
+                {"id": next_id + offset, "embedding": vector.tolist(), "path": str(item.path), "label": item.label, "sha256": digest, "added_at": now}
+                for offset, (vector, item, digest) in enumerate(zip(np.asarray(chunk.vectors, np.float32), chunk.items, chunk.hashes))
+            ]
+            if rows:
+                self.client.insert(self.collection, rows)  # type: ignore[attr-defined]
+            next_id += len(rows)
+        self.client.flush(self.collection)  # type: ignore[attr-defined]
+        count = len(self.rows())
+        if count == 0:
+            raise RetrievalError(f"{self.directory}: nothing to index (no readable images)")
+        manifest = {**self.manifest, "count": count, "next_id": next_id, "updated": now}
+        write_json(self.directory / MANIFEST, manifest)
+        return MilvusIndex(self.directory, manifest)
+
+    def search(self, queries: np.ndarray, k: int = 10, depth: int | None = None, rerank: int | None = None, label: str | None = None) -> list[list[Hit]]:
+        """The k nearest items of each query (depth: nprobe or efSearch for this search; label: only items with it)."""
+        depth = depth or next(iter(self.manifest.get("search", {}).values()), None)
+        parameters = {} if depth is None else {"nprobe": int(depth)} if self.kind == "ivf" else {"ef": max(int(depth), k)}
+        found = self.client.search(  # type: ignore[attr-defined]
+            self.collection,
+            data=np.asarray(queries, np.float32).tolist(),
+            limit=k,
+            filter=f"label == {_quoted(label)}" if label is not None else "",
+            search_params={"metric_type": "IP", "params": parameters},
+            output_fields=["path", "label", "sha256"],
+        )
+        return [
+            [Hit(int(hit["id"]), hit["entity"]["path"], hit["entity"]["label"], float(hit["distance"]), hit["entity"]["sha256"]) for hit in hits]
+            for hits in found
+        ]
+
+    def search_items(self, ids: Sequence[int], k: int = 10, depth: int | None = None) -> list[list[Hit]]:
+        """The k nearest items of indexed items, each left out of its own results."""
+        found = self.search(self.vectors_of(ids), k + 1, depth)
+        return [[hit for hit in hits if hit.id != item_id][:k] for item_id, hits in zip(ids, found)]
+
+    def vectors_of(self, ids: Sequence[int]) -> np.ndarray:
+        """The stored vectors of indexed items, in the order of ids."""
+        if not len(ids):
+            return np.zeros((0, self.dim), np.float32)
+        rows = {}
+        for start in range(0, len(ids), FETCH):
+            for row in self.client.get(self.collection, ids=[int(i) for i in ids[start : start + FETCH]], output_fields=["embedding"]):  # type: ignore[attr-defined]
+                rows[int(row["id"])] = row["embedding"]
+        missing = [i for i in ids if int(i) not in rows]
+        if missing:
+            raise RetrievalError(f"{self.directory}: no item with id(s) {', '.join(map(str, missing))[:200]} in this index")
+        return np.asarray([rows[int(i)] for i in ids], np.float32)
+
+    def rows(self, ids: Sequence[int] | None = None) -> dict[int, tuple[str, str, str]]:
+        """id -> (path, label, sha256) of every item, or of the given ids that exist."""
+        fields = ["path", "label", "sha256"]
+        if ids is not None:
+            found = self.client.get(self.collection, ids=[int(i) for i in ids], output_fields=fields) if len(ids) else []  # type: ignore[attr-defined]
+            return {int(row["id"]): (row["path"], row["label"], row["sha256"]) for row in found}
+        rows: dict[int, tuple[str, str, str]] = {}
+        pages = self.client.query_iterator(self.collection, batch_size=FETCH, filter="id >= 0", output_fields=fields)  # type: ignore[attr-defined]
+        while page := pages.next():
+            rows.update({int(row["id"]): (row["path"], row["label"], row["sha256"]) for row in page})
+        pages.close()
+        return dict(sorted(rows.items()))
+
+    def items(self) -> dict[int, Item]:
+        """Every item, by id."""
+        return {item_id: Item(Path(path), label) for item_id, (path, label, _) in self.rows().items()}
+
+
+def _quoted(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
