@@ -11,6 +11,7 @@ index is committed the same way.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -79,6 +80,7 @@ class _Encoder:
 def connect(address: str | None) -> object:
     """The ray module, connected to the cluster at address (or to a local one started now when None)."""
     ray = require("ray", "ray")
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # one line per dataset otherwise; the job has its own progress bar
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
     return ray
