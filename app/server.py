@@ -1,7 +1,8 @@
 """The Gradio search app over a SearchService, and its launch settings.
 
 API (gradio_client, endpoint names are stable):
-  /search     (image, k, label, depth) -> (results, summary)   batched: concurrent queries share one embedding call
+  /search     (image, k, label, depth, only) -> (results, summary)   batched: concurrent queries share one embedding call;
+                                           only: results restricted to the label
   /search_id  (item id, k, depth)      -> (results, summary)
   /labels     ()                        -> table of label, count
   /browse     (label)                   -> gallery of that label's items
@@ -104,7 +105,7 @@ def build_app(service: SearchService, max_batch: int = MAX_BATCH) -> gr.Blocks:
     depth_name = {"ivf": "nprobe", "hnsw": "efSearch"}.get(kind, "depth")
     labels = sorted(label for label, _ in service.label_counts() if label)
 
-    def search(images: list[str | None], ks: list[float], query_labels: list[str | None], depths: list[float | None]) -> tuple[list, list]:
+    def search(images: list[str | None], ks: list[float], query_labels: list[str | None], depths: list[float | None], only: list[bool]) -> tuple[list, list]:
         """Batched: Gradio hands over the requests that queued up together, one list per input."""
         given = [position for position, image in enumerate(images) if image]
         results = service.search_images(
@@ -112,6 +113,7 @@ def build_app(service: SearchService, max_batch: int = MAX_BATCH) -> gr.Blocks:
             [int(ks[p] or 10) for p in given],
             [query_labels[p] or "" for p in given],
             [int(depths[p]) if depths[p] else None for p in given],
+            [(query_labels[p] or None) if only[p] else None for p in given],
         )
         answers: list[tuple[list, str]] = [([], "Upload or paste an image, or click one in a gallery.")] * len(images)
         for position, result in zip(given, results):
@@ -195,6 +197,7 @@ def build_app(service: SearchService, max_batch: int = MAX_BATCH) -> gr.Blocks:
                     with gr.Column(scale=1):
                         query = QueryImage(label="Query image", type="filepath", sources=["upload", "clipboard"], image_mode=None, height=256, elem_id="query")
                         query_label = gr.Dropdown(labels, value="", label="Query label (optional: marks hits and misses)", allow_custom_value=True)
+                        only_label = gr.Checkbox(False, label="Only gallery items with the query label")
                         k = gr.Slider(1, 50, value=10, step=1, label="k")
                         depth = gr.Number(
                             value=0, precision=0, minimum=0, label=f"{depth_name} (0: the tuned {service.index.manifest.get('search', {}).get(depth_name, '')})", visible=kind != "flat"
@@ -238,7 +241,7 @@ def build_app(service: SearchService, max_batch: int = MAX_BATCH) -> gr.Blocks:
                 draw = gr.Button("Draw the map")
                 map_image = gr.Image(label="Gallery embeddings (click a point to search with it)", interactive=False, type="filepath", elem_id="map")
 
-        inputs = [query, k, query_label, depth]
+        inputs = [query, k, query_label, depth, only_label]
         outputs = [results, summary]
         concurrency = max(1, (os.cpu_count() or 1) // service.threads)  # embedding calls that fit the cores side by side
         search_options = {"batch": True, "max_batch_size": max_batch, "concurrency_limit": concurrency, "concurrency_id": "embed"}

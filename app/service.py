@@ -120,18 +120,25 @@ class SearchService:
 
     # searching
 
-    def search(self, image_path: str | Path, k: int = 10, query_label: str = "", depth: int | None = None) -> SearchResult:
-        """Embeds the image at image_path and returns its k nearest gallery items (depth: nprobe/efSearch).
+    def search(self, image_path: str | Path, k: int = 10, query_label: str = "", depth: int | None = None, only: str | None = None) -> SearchResult:
+        """Embeds the image at image_path and returns its k nearest gallery items (depth: nprobe/efSearch;
+        only: items with this label only).
 
         Gallery items with the query's exact bytes (the query itself, when picked from the gallery)
         are left out, as in leave-one-out evaluation.
         """
-        return self.search_images([image_path], [k], [query_label], [depth])[0]
+        return self.search_images([image_path], [k], [query_label], [depth], [only])[0]
 
     def search_images(
-        self, paths: Sequence[str | Path], ks: Sequence[int], labels: Sequence[str], depths: Sequence[int | None]
+        self,
+        paths: Sequence[str | Path],
+        ks: Sequence[int],
+        labels: Sequence[str],
+        depths: Sequence[int | None],
+        only: Sequence[str | None] | None = None,
     ) -> list[SearchResult]:
         """Answers a batch of image queries with one embedding call; an unreadable image fails only its own query."""
+        only = list(only) if only is not None else [None] * len(paths)
         started = time.perf_counter()
         snapshot = self.snapshot
         results: list[SearchResult | None] = [None] * len(paths)
@@ -148,9 +155,9 @@ class SearchService:
             good.append(position)
         if good:
             vectors = self.embedder.embed(images)
-            for depth in {depths[position] for position in good}:
-                rows = [row for row, position in enumerate(good) if depths[position] == depth]
-                found = snapshot.index.search(vectors[rows], max(int(ks[good[row]]) for row in rows) + 1, depth)
+            for depth, label in {(depths[position], only[position]) for position in good}:
+                rows = [row for row, position in enumerate(good) if (depths[position], only[position]) == (depth, label)]
+                found = snapshot.index.search(vectors[rows], max(int(ks[good[row]]) for row in rows) + 1, depth, label=label)
                 for row, hits in zip(rows, found):
                     position = good[row]
                     kept = [hit for hit in hits if hit.sha256 != digests[row]][: int(ks[position])]
@@ -161,14 +168,14 @@ class SearchService:
             result.summary = _summary(result.hits, result.label, milliseconds, len(paths)) + notes[good.index(position)]  # type: ignore[union-attr]
         return results  # type: ignore[return-value]
 
-    def search_item(self, item_id: int, k: int = 10, depth: int | None = None) -> SearchResult:
+    def search_item(self, item_id: int, k: int = 10, depth: int | None = None, only: str | None = None) -> SearchResult:
         """Returns the k nearest gallery items to an indexed item (itself left out), marked by its label."""
         started = time.perf_counter()
         snapshot = self.snapshot
         item = snapshot.items.get(int(item_id))
         if item is None:
             raise RetrievalError(f"no item with id {item_id} in {self.index_dir}; pick one of the gallery or see `retrieval index-stats`")
-        hits = snapshot.index.search_items([int(item_id)], k, depth)[0]
+        hits = snapshot.index.search_items([int(item_id)], k, depth, label=only)[0]
         summary = _summary(hits, item.label, (time.perf_counter() - started) * 1000, 1)
         return SearchResult(hits, f"item {item_id} ({item.path.name}): {summary}", item.label)
 

@@ -214,9 +214,9 @@ class MilvusIndex:
             for hits in found
         ]
 
-    def search_items(self, ids: Sequence[int], k: int = 10, depth: int | None = None) -> list[list[Hit]]:
+    def search_items(self, ids: Sequence[int], k: int = 10, depth: int | None = None, label: str | None = None) -> list[list[Hit]]:
         """The k nearest items of indexed items, each left out of its own results."""
-        found = self.search(self.vectors_of(ids), k + 1, depth)
+        found = self.search(self.vectors_of(ids), k + 1, depth, label=label)
         return [[hit for hit in hits if hit.id != item_id][:k] for item_id, hits in zip(ids, found)]
 
     def vectors_of(self, ids: Sequence[int]) -> np.ndarray:

@@ -2,8 +2,8 @@
 
 Per chunk of the listing: files are read, hashed, decoded and resized in CPU tasks; an actor pool
 embeds them (one ONNX Runtime session per actor, one GPU each when the cluster has GPUs); the results
-(position, sha256, reason, embedding) are written as Parquet shards, which the driver reads back in
-listing order. From there index.build treats them exactly as the local engine's batches: bad files
+(position in the listing, path, label, sha256, reason when skipped, embedding) are written as Parquet
+shards, which the driver reads back in listing order; ids are given when they are merged into the index. From there index.build treats them exactly as the local engine's batches: bad files
 are skipped and reported, files whose sha256 is already indexed are not decoded, every batch is
 journaled before the next chunk starts, so a killed job resumes and loses at most one chunk, and the
 index is committed the same way.
@@ -60,7 +60,7 @@ def _decode(batch: dict[str, np.ndarray], preprocessing: dict, known: dict[str, 
     ok = np.array([reason == "" for reason in reasons], dtype=bool)
     if images:
         pixels[ok] = prepare(images)
-    return {"position": batch["position"], "sha256": np.array(digests), "reason": np.array(reasons), "pixels": pixels}
+    return {**{key: batch[key] for key in ("position", "path", "label")}, "sha256": np.array(digests), "reason": np.array(reasons), "pixels": pixels}
 
 
 class _Encoder:
@@ -74,7 +74,7 @@ class _Encoder:
         vectors = np.zeros((len(ok), self.embedder.dim), np.float32)
         if ok.any():
             vectors[ok] = self.embedder.embed_prepared(np.ascontiguousarray(batch["pixels"][ok]))
-        return {"position": batch["position"], "sha256": batch["sha256"], "reason": batch["reason"], "embedding": vectors}
+        return {**{key: batch[key] for key in ("position", "path", "label", "sha256", "reason")}, "embedding": vectors}
 
 
 def connect(address: str | None) -> object:
@@ -118,7 +118,7 @@ def iter_embedded_ray(
         for start in range(0, len(items), CHUNK):
             chunk = items[start : start + CHUNK]
             shards = scratch / f"chunk-{start:012d}-{time.time_ns()}"
-            rows = ray.data.from_items([{"position": start + offset, "path": str(item.path)} for offset, item in enumerate(chunk)])
+            rows = ray.data.from_items([{"position": start + offset, "path": str(item.path), "label": item.label} for offset, item in enumerate(chunk)])
             decoded = rows.map_batches(
                 _decode, fn_kwargs={"preprocessing": embedder.card["preprocessing"], "known": known}, batch_size=size, batch_format="numpy"
             )

@@ -171,12 +171,13 @@ class GalleryIndex:
         """flat, ivf or hnsw, from the index type (indexes saved before types were chosen say IDMap2,Flat)."""
         return index_kind(str(self.manifest.get("index_type", "Flat")))
 
-    def search(self, queries: np.ndarray, k: int = 10, depth: int | None = None, rerank: int | None = None) -> list[list[Hit]]:
+    def search(self, queries: np.ndarray, k: int = 10, depth: int | None = None, rerank: int | None = None, label: str | None = None) -> list[list[Hit]]:
         """Returns the k best hits for each query row, best first.
 
         depth is nprobe for IVF indexes and efSearch for HNSW (default: the value tuned at build time);
         exact indexes have none. Compressed indexes (SQ, PQ) fetch rerank × k candidates and re-score
         them with the exact vectors (default RERANK; 0 or 1: the compressed scores as they are).
+        label: only items with this label (a FAISS ID selector, searched on the CPU index).
         """
         queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
         if queries.shape[1] != self.dim:
@@ -188,16 +189,25 @@ class GalleryIndex:
         tuned = next(iter(self.manifest.get("search", {}).values()), None)
         k = max(1, min(k, len(self)))
         factor = int(self.manifest.get("rerank", 0)) if rerank is None else rerank
-        scores, ids = search_ids(self.searcher, queries, k, search_parameters(self.kind, depth or tuned), self.raw, factor)
+        allowed = None if label is None else self._ids_with_label(label)
+        if allowed is not None and not len(allowed):
+            return [[] for _ in queries]
+        searcher = self.searcher if allowed is None else self.vectors  # FAISS's GPU indexes take no selector
+        selector = None if allowed is None else faiss.IDSelectorBatch(len(allowed), faiss.swig_ptr(allowed))
+        scores, ids = search_ids(searcher, queries, k, search_parameters(self.kind, depth or tuned, selector), self.raw, factor)
         found = self.rows(ids[ids >= 0].tolist())
         return [
             [Hit(int(i), found[int(i)][0], found[int(i)][1], float(s), found[int(i)][2]) for i, s in zip(row_ids, row_scores) if i >= 0]
             for row_ids, row_scores in zip(ids, scores)
         ]
 
-    def search_items(self, ids: Sequence[int], k: int = 10, depth: int | None = None) -> list[list[Hit]]:
+    def _ids_with_label(self, label: str) -> np.ndarray:
+        with _read_only(self.directory / ITEMS) as connection:
+            return np.array([row[0] for row in connection.execute("SELECT id FROM items WHERE label = ?", (label,))], dtype=np.int64)
+
+    def search_items(self, ids: Sequence[int], k: int = 10, depth: int | None = None, label: str | None = None) -> list[list[Hit]]:
         """The k nearest items to items already indexed, each one itself left out (queries by id)."""
-        found = self.search(self.vectors_of(ids), k + 1, depth)
+        found = self.search(self.vectors_of(ids), k + 1, depth, label=label)
         return [[hit for hit in row if hit.id != item][:k] for row, item in zip(found, ids)]
 
     def vectors_of(self, ids: Sequence[int]) -> np.ndarray:
@@ -537,11 +547,14 @@ def on_gpus(vectors: faiss.Index, kind: str) -> faiss.Index:
         return vectors
 
 
-def search_parameters(kind: str, depth: int | None) -> object | None:
-    """FAISS per-call search parameters: nprobe for IVF, efSearch for HNSW (None: the index's own)."""
-    if depth is None or kind == "flat":
+def search_parameters(kind: str, depth: int | None, selector: object | None = None) -> object | None:
+    """FAISS per-call search parameters: nprobe for IVF, efSearch for HNSW, and an ID selector (None: the index's own)."""
+    options = {} if selector is None else {"sel": selector}
+    if kind != "flat" and depth is not None:
+        options["nprobe" if kind == "ivf" else "efSearch"] = int(depth)
+    if not options:
         return None
-    return faiss.SearchParametersIVF(nprobe=int(depth)) if kind == "ivf" else faiss.SearchParametersHNSW(efSearch=int(depth))
+    return {"ivf": faiss.SearchParametersIVF, "hnsw": faiss.SearchParametersHNSW}.get(kind, faiss.SearchParameters)(**options)
 
 
 def _read_only(path: Path) -> closing[sqlite3.Connection]:

@@ -229,6 +229,7 @@ def search(
     index_dir: Annotated[Optional[Path], typer.Option("--index", help="Index directory (default: RUN/index).")] = None,
     depth: Annotated[Optional[int], typer.Option("--depth", help="nprobe (IVF) or efSearch (HNSW) for this search (default: the value tuned at build time).", show_default=False)] = None,
     mmap: Annotated[bool, typer.Option("--mmap", help="Leave the index's vectors on disk, memory-mapped (galleries larger than memory).")] = False,
+    label: Annotated[Optional[str], typer.Option("--label", help="Only gallery items with this label.", show_default=False)] = None,
 ) -> None:
     """Print the k nearest gallery images to a query image, or to an indexed item (--id)."""
     from app.service import SearchService
@@ -236,7 +237,7 @@ def search(
     if (image is None) == (item_id is None):
         raise RetrievalError("give a query IMAGE or --id of an indexed item (one of the two)")
     service = SearchService(RunDir(run), index_dir, mmap=mmap)
-    result = service.search(image, k, depth=depth) if image is not None else service.search_item(int(item_id), k, depth)  # type: ignore[arg-type]
+    result = service.search(image, k, depth=depth, only=label) if image is not None else service.search_item(int(item_id), k, depth, only=label)  # type: ignore[arg-type]
     table = Table(title=f"nearest to {image if image is not None else f'item {item_id}'}")
     for column in ("rank", "similarity", "label", "path"):
         table.add_column(column)

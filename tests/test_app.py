@@ -204,6 +204,8 @@ def test_every_endpoint_answers(client: object, service: SearchService) -> None:
     item_id, item = next(iter(service.items.items()))
     gallery, summary = client.predict(handle_file(str(item.path)), 4, item.label, 0, api_name="/search")  # type: ignore[attr-defined]
     assert len(gallery) == 4 and "4 results" in summary and gallery[0]["caption"].split(" · ")[0] in ("HIT", "miss")
+    gallery, _ = client.predict(handle_file(str(item.path)), 5, item.label, 0, True, api_name="/search")  # type: ignore[attr-defined]
+    assert gallery and all(entry["caption"].startswith("HIT") for entry in gallery)  # only items of the query's label
     gallery, summary = client.predict(item_id, 3, 0, api_name="/search_id")  # type: ignore[attr-defined]
     assert len(gallery) == 3 and summary.startswith(f"item {item_id}")
     with pytest.raises(Exception, match="no item with id 999999"):

@@ -148,6 +148,10 @@ def test_cli_index_choice_stats_and_depth(demo_run: RunDir, icons_root: Path, tm
     assert main(["search", str(demo_run.root), "--id", "5", "--index", str(directory), "-k", "3"]) == 0
     table = capsys.readouterr().out
     assert "nearest to item 5" in table and table.count(str(images)) <= 3
+    label = query.parent.name
+    assert main(["search", str(demo_run.root), str(query), "--index", str(directory), "--label", label, "-k", "3"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if str(images) in line]
+    assert rows and all(f"/{label}/" in line or label in line for line in rows)
     assert main(["search", str(demo_run.root), "--index", str(directory)]) == 2
     assert "give a query IMAGE or --id" in capsys.readouterr().err
     assert main(["search", str(demo_run.root), "--id", "99999", "--index", str(directory)]) == 2
@@ -228,3 +232,18 @@ def test_with_gpus_the_lists_train_and_searches_run_on_a_sharded_copy(tmp_path: 
     monkeypatch.setattr(faiss, "index_cpu_to_all_gpus", refuse)
     with pytest.warns(UserWarning, match="searching on the CPU: FAISS cannot move this index to the GPU"):
         assert GalleryIndex.load(tmp_path / "ivf").search(vectors[:1], 3)[0][0].id == 1
+
+
+@pytest.mark.parametrize("factory", ["Flat", "HNSW16", "IVF64,Flat", "IVF64,SQ8"])
+def test_a_label_filter_keeps_the_order_of_the_unfiltered_search(factory: str, tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((3000, 32)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    items = [Item(Path(f"/gallery/{row}.png"), f"c{row % 7}") for row in range(len(vectors))]
+    index = GalleryIndex.create(tmp_path / "index", [Additions(vectors, items, ["0" * 64] * len(items))], "encoder", 32, factory)
+    filtered = index.search(vectors[:5], 10, label="c3")
+    unfiltered = index.search(vectors[:5], 200)
+    for only, every in zip(filtered, unfiltered):
+        assert len(only) == 10 and {hit.label for hit in only} == {"c3"}
+        assert [hit.id for hit in only] == [hit.id for hit in every if hit.label == "c3"][:10]
+    assert index.search(vectors[:1], 5, label="no such label") == [[]]
