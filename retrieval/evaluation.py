@@ -113,9 +113,10 @@ def _evaluation(scores: QueryScores, vectors: np.ndarray, queries: list[Item], g
 
 
 def write_plots(evaluation: Evaluation, folder: Path, worst: int = 8, shown: int = 5) -> list[Path]:
-    """Writes the recall@k curve, the similarity histograms, the per-class recall@1 distribution and the
-    grid of the worst queries with their top results into folder; returns the files."""
-    from retrieval.plots import plot_class_recall, plot_recall_curves, plot_similarity_histograms, plot_worst_queries
+    """Writes the recall@k curve, the similarity histograms, the per-class recall@1 distribution, the
+    grid of the worst queries with their top results and (with two labels or more) the embedding
+    diagnostics into folder; returns the files."""
+    from retrieval.plots import plot_class_recall, plot_diagnostics, plot_recall_curves, plot_similarity_histograms, plot_worst_queries
 
     rows = []
     for position in evaluation.worst_queries(worst):
@@ -126,4 +127,5 @@ def write_plots(evaluation: Evaluation, folder: Path, worst: int = 8, shown: int
         plot_similarity_histograms(evaluation.vectors, evaluation.labels, folder / "similarities.png"),
         plot_class_recall(evaluation.class_recall(), folder / "class_recall.png"),
         plot_worst_queries(rows, folder / "worst_queries.png"),
+        *([plot_diagnostics(evaluation.metrics, folder / "diagnostics.png")] if "tolerance" in evaluation.metrics else []),
     ]

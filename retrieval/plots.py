@@ -166,6 +166,26 @@ def plot_similarity_histograms(vectors: np.ndarray, labels: Sequence[str], targe
     return _save(figure, target)
 
 
+DIAGNOSTICS = (  # metric, axis range, which way is better
+    ("alignment", (0.0, 2.0), "lower: same-label pairs closer"),
+    ("uniformity", (-4.0, 0.0), "lower: spread more evenly on the sphere"),
+    ("tolerance", (0.0, 1.0), "higher: each class kept together"),
+)
+
+
+def plot_diagnostics(metrics: dict, target: Path) -> Path:
+    """Alignment, uniformity and tolerance of the embeddings, each on its own scale with the better direction named."""
+    figure, axes = plt.subplots(len(DIAGNOSTICS), 1, figsize=(6, 3.2))
+    for axis, (name, limits, better) in zip(axes, DIAGNOSTICS):
+        value = float(metrics.get(name, float("nan")))
+        axis.barh([0], [value - limits[0]], left=limits[0], color="tab:blue", height=0.5)
+        axis.set_xlim(*limits)
+        axis.set_yticks([])
+        axis.set_title(f"{name} {value:.3f}  ({better})", fontsize=9, loc="left")
+    figure.suptitle("embedding diagnostics", fontsize=10)
+    return _save(figure, target)
+
+
 def plot_embedding_map(points: np.ndarray, labels: Sequence[str], target: Path, title: str, legend_limit: int = 20) -> np.ndarray:
     """Draws 2-D points coloured by label (a legend up to legend_limit labels) and returns each point's
     position in the PNG's pixels (x right, y down), so that a click on the image can be mapped to a point.

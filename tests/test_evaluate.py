@@ -26,7 +26,7 @@ def test_leave_one_out_writes_the_metric_set_and_plots(demo_run: RunDir, icons_r
     worst = metrics["worst_classes"]
     assert len(worst) == 6 and [entry["recall@1"] for entry in worst] == sorted(entry["recall@1"] for entry in worst)
     assert sum(entry["recall@1"] * entry["queries"] for entry in worst) == pytest.approx(metrics["recall@1"] * metrics["num_queries"])
-    for name in ("recall_at_k.png", "similarities.png", "class_recall.png", "worst_queries.png"):
+    for name in ("recall_at_k.png", "similarities.png", "class_recall.png", "worst_queries.png", "diagnostics.png"):
         assert (demo_run.root / "plots" / name).read_bytes()[:8] == PNG
 
 
