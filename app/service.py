@@ -85,12 +85,21 @@ class SearchService:
         self.allow_write = allow_write
         self.embedder = OnnxEmbedder.from_run(run, threads, spinning=False)
         self.threads = int(self.embedder.session.get_session_options().intra_op_num_threads)
-        self.cache = Path(cache or tempfile.mkdtemp(prefix="retrieval-app-"))
+        self._cache = cache
+        self._making_cache = threading.Lock()
         self.uploads = self.index_dir.parent / "uploads"  # where images added through the app are kept
         self.metrics = read_json(run.metrics) if run.metrics.is_file() else None
         self._reload = threading.Lock()
         self._snapshot = self._load()
         self._maps: dict[tuple[tuple[int, int], str], EmbeddingMap] = {}
+
+    @property
+    def cache(self) -> Path:
+        """The app's own folder (thumbnails, plots, query copies): made on first use, the only one the web server reads."""
+        with self._making_cache:
+            if self._cache is None:
+                self._cache = Path(tempfile.mkdtemp(prefix="retrieval-app-"))
+        return self._cache
 
     def _load(self) -> Snapshot:
         stamp = _stamp(self.index_dir)
@@ -310,7 +319,8 @@ class SearchService:
 
     def close(self) -> None:
         """Removes the app's cache folder."""
-        shutil.rmtree(self.cache, ignore_errors=True)
+        if self._cache is not None:
+            shutil.rmtree(self._cache, ignore_errors=True)
 
 
 def project_2d(vectors: np.ndarray, method: str = "pca") -> np.ndarray:

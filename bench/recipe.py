@@ -1,0 +1,122 @@
+"""The training recipe's ablation on the embedded icons dataset: each configuration trained on train/,
+exported, and scored leave-one-out on test/ (classes never seen in training), as `retrieval demo` does.
+
+A configuration is a name and the `retrieval train` options it adds to the shipped defaults (the
+empty string is the shipped recipe). Every run goes through the command line in its own process
+(`retrieval train`, `export`, `evaluate`), so the figures are what a user gets. The table gives,
+per configuration, the mean and the spread (half the range) over the seeds of recall@1, recall@5,
+MAP@R, uniformity and tolerance of the test embeddings, and the training time.
+
+    python bench/recipe.py [--seeds 0,1,2] [--epochs N] [--only NAME,...] [--out docs/recipe.json] [--markdown table.md]
+
+--epochs shortens every run (the table says so); --only runs some of the configurations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from retrieval.datasets import icons
+
+RETRIEVAL = str(Path(sys.executable).with_name("retrieval"))
+CONFIGURATIONS = {
+    "shipped": "",
+    "supcon t=0.1": "--temperature 0.1",
+    "supcon t=0.2": "--temperature 0.2",
+    "supcon t=0.5": "--temperature 0.5",
+    "infonce t=0.07": "--loss infonce --temperature 0.07",
+    "infonce t=0.2": "--loss infonce --temperature 0.2",
+    "npair": "--loss npair",
+    "hcl t=0.5": "--loss hcl --temperature 0.5",
+    "hcl t=0.1": "--loss hcl --temperature 0.1",
+    "hard t=0.2": "--loss hard --temperature 0.2",
+    "hard t=0.05": "--loss hard --temperature 0.05",
+    "with a queue of 1024": "--queue-size 1024",
+    "2 images per class": "--images-per-class 2",
+    "8 images per class": "--images-per-class 8",
+    "embedding 128": "--embedding-dim 128",
+    "learning rate 1e-3": "--learning-rate 1e-3",
+    "no warm-up": "--warmup 0",
+    "weight decay 5e-4": "--weight-decay 5e-4",
+    "image size 96": "--image-size 96",
+}
+SHOWN = ("recall@1", "recall@5", "map@r", "uniformity", "tolerance")
+
+
+def one_run(name: str, options: str, seed: int, epochs: int | None, work: Path) -> dict:
+    """Trains, exports and evaluates one configuration with one seed; returns its figures."""
+    dataset = icons()
+    run = work / f"{name.replace(' ', '_').replace('=', '')}-seed{seed}"
+    extra = shlex.split(options) + (["--epochs", str(epochs)] if epochs else [])
+    started = time.perf_counter()
+    subprocess.run([RETRIEVAL, "train", str(dataset / "train"), "--run", str(run), "--seed", str(seed), *extra], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    seconds = time.perf_counter() - started
+    subprocess.run([RETRIEVAL, "export", str(run)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run([RETRIEVAL, "evaluate", str(run), str(dataset / "test")], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = json.loads((run / "metrics.json").read_text())
+    return {"name": name, "options": options, "seed": seed, "epochs": epochs, "train_seconds": seconds, **{key: metrics[key] for key in SHOWN}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--epochs", type=int, default=None, help="shorten every run to this many epochs")
+    parser.add_argument("--only", default=None, help="configuration names separated by commas")
+    parser.add_argument("--out", type=Path, default=Path("recipe.json"))
+    parser.add_argument("--work", type=Path, default=Path("/tmp/recipe"))
+    parser.add_argument("--markdown", type=Path, default=None, help="also write the table here as Markdown")
+    args = parser.parse_args()
+    console = Console(width=160)
+    names = args.only.split(",") if args.only else list(CONFIGURATIONS)
+    seeds = [int(seed) for seed in args.seeds.split(",")]
+    rows = json.loads(args.out.read_text()) if args.out.is_file() else []  # later runs add to earlier ones
+    for name in names:
+        for seed in seeds:
+            if any(row["name"] == name and row["seed"] == seed and row["epochs"] == args.epochs for row in rows):
+                continue
+            rows.append(one_run(name, CONFIGURATIONS[name], seed, args.epochs, args.work))
+            console.print(f"{name} seed {seed}: recall@1 {rows[-1]['recall@1']:.3f}, MAP@R {rows[-1]['map@r']:.3f}, {rows[-1]['train_seconds']:.0f} s")
+            args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    epochs = "the shipped number of epochs" if args.epochs is None else f"{args.epochs} epochs"
+    header = ("configuration", "options", "seeds", *SHOWN, "train s")
+    lines = summary(rows, args.epochs)
+    table = Table(title=f"icons test classes, leave-one-out; {epochs}; mean ± half-range over the seeds run")
+    for column in header:
+        table.add_column(column)
+    for line in lines:
+        table.add_row(*line)
+    console.print(table)
+    if args.markdown:
+        text = "\n".join("| " + " | ".join(cells) + " |" for cells in [header, ("---",) * len(header), *lines])
+        args.markdown.write_text(text + "\n")
+
+
+def summary(rows: list[dict], epochs: int | None) -> list[tuple[str, ...]]:
+    """One line per configuration run with these epochs: its options, seeds, mean ± half-range of each figure, training time."""
+    lines = []
+    for name in dict.fromkeys(row["name"] for row in rows):
+        runs = [row for row in rows if row["name"] == name and row["epochs"] == epochs]
+        if not runs:
+            continue
+
+        def cell(key: str, runs: list[dict] = runs) -> str:
+            values = np.array([row[key] for row in runs])
+            return f"{values.mean():.3f}" + (f" ± {(values.max() - values.min()) / 2:.3f}" if len(values) > 1 else "")
+
+        options = f"`{runs[0]['options']}`" if runs[0]["options"] else "(defaults)"
+        lines.append((name, options, str(len(runs)), *(cell(key) for key in SHOWN), f"{np.mean([row['train_seconds'] for row in runs]):.0f}"))
+    return lines
+
+
+if __name__ == "__main__":
+    main()
