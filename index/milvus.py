@@ -190,12 +190,17 @@ class MilvusIndex:
                 self.client.insert(self.collection, rows)  # type: ignore[attr-defined]
             next_id += len(rows)
         self.client.flush(self.collection)  # type: ignore[attr-defined]
-        count = len(self.rows())
+        count = self.count()
         if count == 0:
             raise RetrievalError(f"{self.directory}: nothing to index (no readable images)")
         manifest = {**self.manifest, "count": count, "next_id": next_id, "updated": now}
         write_json(self.directory / MANIFEST, manifest)
         return MilvusIndex(self.directory, manifest)
+
+    def count(self) -> int:
+        """The number of items in the collection, counted by Milvus (no listing)."""
+        (row,) = self.client.query(self.collection, filter="", output_fields=["count(*)"])  # type: ignore[attr-defined]
+        return int(row["count(*)"])
 
     def search(self, queries: np.ndarray, k: int = 10, depth: int | None = None, rerank: int | None = None, label: str | None = None) -> list[list[Hit]]:
         """The k nearest items of each query (depth: nprobe or efSearch for this search; label: only items with it)."""
