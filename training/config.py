@@ -6,7 +6,9 @@ from dataclasses import asdict, dataclass, fields
 
 from retrieval.errors import RetrievalError
 from retrieval.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
+from training.augment import DEFAULT_AUGMENT, parse_augment
 from training.losses import DEFAULT_TEMPERATURES
+from training.model import STEMS
 
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -28,8 +30,10 @@ class TrainConfig:
     backbone: str = "resnet18"
     pretrained: bool = False
     image_size: int = 64
+    stem: str = "imagenet"  # imagenet, or small (resnets: a 3x3 stride-1 first convolution for small inputs)
+    augment: str | None = None  # training.augment step names separated by commas, or none; None: DEFAULT_AUGMENT
     embedding_dim: int | None = None  # None: the backbone's feature width
-    learning_rate: float = 3e-3
+    learning_rate: float = 1e-3
     weight_decay: float = 1e-4
     optimizer: str = "adamw"  # adamw, or sgd (momentum 0.9, Nesterov)
     warmup: float = 0.1  # fraction of the steps with a linear warm-up, before the cosine decay to 0
@@ -70,6 +74,11 @@ class TrainConfig:
             raise RetrievalError(f"--queue-size works with the {' and '.join(QUEUE_LOSSES)} losses, not {self.loss!r}")
         if not 0 <= self.momentum < 1:
             raise RetrievalError(f"--momentum must be in [0, 1), got {self.momentum}")
+        if self.stem not in STEMS:
+            raise RetrievalError(f"--stem must be one of {', '.join(STEMS)}, got {self.stem!r}")
+        if self.augment is None:
+            self.augment = DEFAULT_AUGMENT
+        parse_augment(self.augment)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise RetrievalError(f"--device must be auto, cpu or cuda, got {self.device!r}")
 

@@ -23,6 +23,7 @@ BACKBONES = (
 TIMM_PREFIX = "timm:"  # "timm:<model name>" builds the model with timm.create_model
 
 PROJECTION_DIM = 128
+STEMS = ("imagenet", "small")
 
 
 class Encoder(nn.Module):
@@ -34,9 +35,11 @@ class Encoder(nn.Module):
     classes never seen in training.
     """
 
-    def __init__(self, backbone: str = "resnet18", embedding_dim: int | None = None, pretrained: bool = False, image_size: int = 224) -> None:
+    def __init__(
+        self, backbone: str = "resnet18", embedding_dim: int | None = None, pretrained: bool = False, image_size: int = 224, stem: str = "imagenet"
+    ) -> None:
         super().__init__()
-        self.backbone, width = make_backbone(backbone, pretrained, image_size)
+        self.backbone, width = make_backbone(backbone, pretrained, image_size, stem)
         self.embedding_dim = embedding_dim or width
         self.embedding = nn.Identity() if self.embedding_dim == width else nn.Linear(width, self.embedding_dim)
         self.projection = nn.Sequential(
@@ -57,13 +60,21 @@ class Encoder(nn.Module):
         return F.normalize(features, dim=1), F.normalize(self.projection(features), dim=1)
 
 
-def make_backbone(name: str, pretrained: bool, image_size: int = 224) -> tuple[nn.Module, int]:
+def make_backbone(name: str, pretrained: bool, image_size: int = 224, stem: str = "imagenet") -> tuple[nn.Module, int]:
     """Returns a backbone that maps images to pooled features, and its feature width.
 
     name is a torchvision classifier (its classification layer removed) or "timm:<model>" (timm
     installed, built with num_classes=0). pretrained=True loads ImageNet weights through the
-    library's own loading code, which needs a network the first time.
+    library's own loading code, which needs a network the first time. stem="small" gives a ResNet
+    a 3x3 stride-1 first convolution instead of the 7x7 stride-2 one made for 224-pixel images, so
+    that a small input keeps 4x the feature-map area (a 64-pixel image ends as 4x4, not 2x2).
     """
+    if stem not in STEMS:
+        raise RetrievalError(f"unknown stem {stem!r}; choose one of {', '.join(STEMS)}")
+    if stem == "small" and not name.startswith("resnet"):
+        raise RetrievalError(f"--stem small is for the resnet backbones, not {name!r}")
+    if stem == "small" and pretrained:
+        raise RetrievalError("--stem small replaces the first convolution, so it cannot start from pretrained weights; drop one of them")
     if name.startswith(TIMM_PREFIX):
         return _timm_backbone(name.removeprefix(TIMM_PREFIX), pretrained)
     if name not in BACKBONES:
@@ -82,6 +93,8 @@ def make_backbone(name: str, pretrained: bool, image_size: int = 224) -> tuple[n
     if name.startswith("resnet"):
         width = model.fc.in_features
         model.fc = nn.Identity()
+        if stem == "small":
+            model.conv1 = nn.Conv2d(3, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
     elif name.startswith("vit_"):
         width = model.hidden_dim
         model.heads = nn.Identity()

@@ -1,0 +1,75 @@
+"""Training-time augmentation, built from named steps (`retrieval train --augment crop,color,...`).
+
+Each step makes another view of the same concept as cross-style retrieval sees it: other framings
+(crop, affine), other colours and tones (color: mild brightness, contrast, saturation and hue
+changes; hue: any hue; grayscale; invert), other line weights and detail (blur), occlusion
+(erase). No flips: some classes are mirror images of each other. docs/recipe.md measures each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from PIL import Image
+from torchvision.transforms import v2
+
+from retrieval.errors import RetrievalError
+from retrieval.preprocess import Preprocessing, resize_and_crop
+
+WHITE = (255, 255, 255)  # the background transparent images are composed on (retrieval.data.load_image)
+
+
+def _pil_step(name: str, size: int) -> v2.Transform:
+    if name == "crop":
+        return v2.RandomResizedCrop(size, scale=(0.7, 1.0), ratio=(0.9, 1.1), antialias=True)
+    if name == "color":
+        return v2.RandomApply([v2.ColorJitter(0.2, 0.2, 0.2, 0.05)], p=0.5)
+    if name == "hue":
+        return v2.RandomApply([v2.ColorJitter(hue=0.5)], p=0.5)
+    if name == "grayscale":
+        return v2.RandomGrayscale(p=0.2)
+    if name == "invert":
+        return v2.RandomInvert(p=0.2)
+    if name == "blur":
+        return v2.RandomApply([v2.GaussianBlur(5, sigma=(0.1, 1.5))], p=0.3)
+    if name == "affine":
+        return v2.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.85, 1.05), fill=WHITE)
+    raise AssertionError(name)
+
+
+AUGMENTATIONS = ("crop", "color", "hue", "grayscale", "invert", "blur", "affine", "erase")
+DEFAULT_AUGMENT = "crop,color"
+
+
+def parse_augment(text: str) -> tuple[str, ...]:
+    """The step names of an --augment value ("none" or an empty string: no augmentation)."""
+    names = tuple(part.strip() for part in text.split(",") if part.strip() and part.strip() != "none")
+    unknown = [name for name in names if name not in AUGMENTATIONS]
+    if unknown:
+        raise RetrievalError(f"--augment: unknown step {unknown[0]!r}; choose from {', '.join(AUGMENTATIONS)}, or none")
+    if len(set(names)) != len(names):
+        raise RetrievalError(f"--augment {text!r} names a step twice")
+    return names
+
+
+def make_augmentation(text: str, preprocessing: Preprocessing) -> Callable[[Image.Image], torch.Tensor]:
+    """Returns image -> normalised float32 [3, S, S] tensor: the named steps, in their canonical order.
+
+    The S x S image comes first (a random crop, or without one the evaluation resize and centre
+    crop), so that the other Pillow steps work on small images; random erasing runs last, on the
+    normalised tensor, erasing to the mean colour.
+    """
+    names = parse_augment(text)
+    size = preprocessing.image_size
+    pil_steps = [_pil_step(name, size) for name in AUGMENTATIONS if name in names and name != "erase"]
+    steps = v2.Compose(pil_steps) if pil_steps else v2.Identity()
+    erase = v2.RandomErasing(p=0.25, scale=(0.02, 0.15), value=0) if "erase" in names else None
+
+    def augment(image: Image.Image) -> torch.Tensor:
+        viewed = steps(image if "crop" in names else resize_and_crop(image, size))
+        tensor = torch.from_numpy(preprocessing.normalise(viewed))
+        return erase(tensor) if erase is not None else tensor
+
+    return augment
+
