@@ -13,13 +13,24 @@ between a user's queries (people look at the results), side by side. Before each
 image is searched once, so that the thumbnails of its results exist (a server that has been up a while).
 
     python bench/app_load.py [--users 1,4,16] [--seconds 30] [--think 1.0] [--images 10000] [--work /tmp/app_load]
+
+--mixed runs the hardening issue's setting instead: --users users (default 32) of which each query
+is, with probability --bad-share, a bad upload from the adversarial corpus (tests/robustness/corpus.py:
+empty, truncated, not an image, a decompression bomb, a header that lies); it counts good queries
+that failed, bad ones answered without a message, and samples the server's resident memory each
+half second: the growth is the median of the last quarter of the run minus that of the first.
+
+    python bench/app_load.py --mixed [--users 32] [--seconds 60] [--bad-share 0.25]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
+import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -119,6 +130,68 @@ def user(url: str, seconds: float, think: float, queries: list[Path], seed: int,
     answers.put((latencies, errors))
 
 
+def mixed_user(url: str, seconds: float, good: list[Path], bad: list[Path], bad_share: float, seed: int, answers: multiprocessing.Queue) -> None:
+    """One user of --mixed: good or bad uploads at random; counts what went wrong for each kind."""
+    from gradio_client import Client, handle_file
+
+    client = Client(url, verbose=False, download_files=False)
+    rng = random.Random(seed)
+    counts = {"good": 0, "bad": 0, "failed good": 0, "bad without a message": 0}
+    answers.put("ready")
+    stop = time.monotonic() + seconds
+    while time.monotonic() < stop:
+        is_bad = rng.random() < bad_share
+        counts["bad" if is_bad else "good"] += 1
+        try:
+            gallery, summary = client.predict(handle_file(str(rng.choice(bad if is_bad else good))), 10, "", 0, api_name="/search")
+        except Exception:  # noqa: BLE001 - an exception is a failure of either kind
+            counts["bad without a message" if is_bad else "failed good"] += 1
+            continue
+        if is_bad and (gallery or "⚠️" not in summary):
+            counts["bad without a message"] += 1
+        elif not is_bad and len(gallery) != 10:
+            counts["failed good"] += 1
+    answers.put(counts)
+
+
+def resident_mib(pid: int) -> float:
+    """A process's resident memory (VmRSS) in MiB, from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def mixed_load(url: str, server_pid: int, users: int, seconds: float, good: list[Path], bad: list[Path], bad_share: float) -> dict:
+    """Runs --mixed: users processes for seconds; returns the counts, the memory samples and their growth."""
+    answers: multiprocessing.Queue = multiprocessing.Queue()
+    processes = [multiprocessing.Process(target=mixed_user, args=(url, seconds, good, bad, bad_share, seed, answers)) for seed in range(users)]
+    for process in processes:
+        process.start()
+    ready = [answers.get() for _ in range(users)]
+    assert ready == ["ready"] * users
+    samples = []
+    while any(process.is_alive() for process in processes) and len(samples) < 4 * seconds:
+        samples.append(resident_mib(server_pid))
+        time.sleep(0.5)
+    counts = [answers.get() for _ in range(users)]
+    for process in processes:
+        process.join()
+    quarter = max(1, len(samples) // 4)
+    totals = {key: sum(count[key] for count in counts) for key in counts[0]}
+    return {**totals, "rss_first_mib": float(np.median(samples[:quarter])), "rss_last_mib": float(np.median(samples[-quarter:])), "rss_samples": samples}
+
+
+def bad_uploads(work: Path) -> list[Path]:
+    """The adversarial corpus's bad files that can be uploaded (regular files with UTF-8 names)."""
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from tests.robustness.corpus import write_corpus
+
+    shutil.rmtree(work / "adversarial", ignore_errors=True)
+    corpus = write_corpus(work / "adversarial")
+    return sorted(path for path in corpus.bad.values() if path.is_file() and not path.is_symlink() and os.access(path, os.R_OK) and str(path).isprintable())
+
+
 def load(url: str, users: int, seconds: float, think: float, queries: list[Path]) -> tuple[list[float], int]:
     """Runs users for seconds (after all have connected); returns every latency (s) and the number of errors."""
     from gradio_client import Client, handle_file
@@ -139,14 +212,21 @@ def load(url: str, users: int, seconds: float, think: float, queries: list[Path]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--users", default="1,4,16", help="numbers of concurrent users, separated by commas")
+    parser.add_argument("--users", default=None, help="numbers of concurrent users, separated by commas (default 1,4,16; with --mixed one number, default 32)")
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--think", type=float, default=1.0, help="mean pause of a user between queries, in the last row (uniform 0.5-1.5x)")
     parser.add_argument("--images", type=int, default=10_000)
     parser.add_argument("--work", type=Path, default=Path("/tmp/app_load"))
+    parser.add_argument("--mixed", action="store_true", help="good and bad uploads from --users users (default 32); memory sampled")
+    parser.add_argument("--bad-share", type=float, default=0.25, help="with --mixed: the share of bad uploads")
+    parser.add_argument("--json", type=Path, default=None, help="with --mixed: also write the figures here")
     args = parser.parse_args()
     console = Console(width=150)
     run, index, queries = prepare(args.work, args.images)
+    if args.mixed:
+        mixed(args, int(args.users or 32), run, index, queries, console)
+        return
+    args.users = args.users or "1,4,16"
     most = max(int(users) for users in args.users.split(","))
     settings = [(int(users), 16, 0.0) for users in args.users.split(",")] + [(most, 1, 0.0), (most, 16, args.think)]
     table = Table(title=f"retrieval serve, {args.images:,}-image Flat index, {args.seconds:.0f} s per row, each query uploaded, k=10")
@@ -167,6 +247,28 @@ def main() -> None:
     for users, think, max_batch, count, qps, p50, p95, p99, errors in rows:
         table.add_row(str(users), f"{think:g}", str(max_batch), f"{count:,}", f"{qps:.1f}", f"{p50:.0f}", f"{p95:.0f}", f"{p99:.0f}", str(errors), f"{qps / unbatched:.2f}x")
     console.print(table)
+
+
+def mixed(args: argparse.Namespace, users: int, run: Path, index: Path, queries: list[Path], console: Console) -> None:
+    """The --mixed setting: one row of good and bad uploads under load, with the server's memory."""
+    bad = bad_uploads(args.work)
+    server, url = serve(run, index, 16)
+    try:
+        figures = mixed_load(url, server.pid, users, args.seconds, queries, bad, args.bad_share)
+    finally:
+        server.terminate()
+        server.wait()
+    table = Table(title=f"retrieval serve, {args.images:,}-image index, {users} users, {args.seconds:.0f} s, {args.bad_share:.0%} bad uploads ({len(bad)} kinds)")
+    for column in ("good queries", "failed good", "bad uploads", "bad without a message", "server RSS first quarter MiB", "last quarter MiB", "growth MiB"):
+        table.add_column(column, justify="right")
+    growth = figures["rss_last_mib"] - figures["rss_first_mib"]
+    table.add_row(
+        f"{figures['good']:,}", str(figures["failed good"]), f"{figures['bad']:,}", str(figures["bad without a message"]),
+        f"{figures['rss_first_mib']:.0f}", f"{figures['rss_last_mib']:.0f}", f"{growth:+.0f}",
+    )
+    console.print(table)
+    if args.json:
+        args.json.write_text(json.dumps({**figures, "users": users, "seconds": args.seconds, "growth_mib": growth}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -194,7 +194,7 @@ class MilvusIndex:
         if count == 0:
             raise RetrievalError(f"{self.directory}: nothing to index (no readable images)")
         manifest = {**self.manifest, "count": count, "next_id": next_id, "updated": now}
-        write_json(self.directory / MANIFEST, manifest)
+        write_json(self.directory / MANIFEST, manifest, sealed=True)
         return MilvusIndex(self.directory, manifest)
 
     def count(self) -> int:

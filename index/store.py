@@ -16,7 +16,6 @@ read-modify-write, across processes; readers need no lock.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import shutil
 import sqlite3
@@ -34,7 +33,7 @@ from index.choice import TARGET_RECALL, IndexChoice, choose_index
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
-from retrieval.runs import fsync_dir, read_json
+from retrieval.runs import file_sha256, fsync_dir, read_json, write_json
 
 faiss = require("faiss", "cpu")  # or the gpu extra: faiss-gpu provides the same module
 
@@ -149,6 +148,11 @@ class GalleryIndex:
         for name in (VECTORS, ITEMS):
             if not (directory / name).is_file():
                 raise RetrievalError(f"{directory}: {name} is missing; rebuild the index with `retrieval index`")
+        for name, digest in manifest.get("sha256", {}).items():
+            if mmap and name == VECTORS:
+                continue  # memory-mapped: reading the whole file to hash it would defeat the purpose
+            if not (directory / name).is_file() or file_sha256(directory / name) != digest:
+                raise RetrievalError(f"{directory / name}: missing, or its bytes do not match the manifest's sha256 (damaged or truncated); rebuild the index")
         try:
             vectors = faiss.read_index(str(directory / VECTORS), faiss.IO_FLAG_MMAP if mmap else 0)
         except RuntimeError as error:
@@ -327,14 +331,17 @@ def commit(
             "updated": now,
         }
         faiss.write_index(vectors, str(staging / VECTORS))
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        for name in (VECTORS, ITEMS, MANIFEST, *([RAW] if described.get("rerank") else [])):
+        stored = (VECTORS, ITEMS, *([RAW] if described.get("rerank") else []))
+        for name in stored:
             with open(staging / name, "rb") as handle:
                 os.fsync(handle.fileno())
-        fsync_dir(staging)
+        manifest["sha256"] = {name: file_sha256(staging / name) for name in stored}
+        write_json(staging / MANIFEST, manifest, sealed=True)  # fsyncs it and the staging folder
         _swap_into_place(staging, directory)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(error, OSError):  # disk full, quota, read-only file system
+            raise RetrievalError(f"{directory}: the index cannot be written ({error.strerror or error}); the previous version is kept") from None
         raise
     return GalleryIndex(directory, manifest, vectors)
 

@@ -49,8 +49,10 @@ def train(
     backbone: Annotated[str, typer.Option(help="torchvision backbone (resnet18, resnet34, resnet50, mobilenet_v3_small, mobilenet_v3_large, efficientnet_b0, convnext_tiny, vit_b_16) or timm:<model> with timm installed.")] = "resnet18",
     pretrained: Annotated[bool, typer.Option(help="Start from ImageNet weights (downloaded by torchvision; needs a network once).")] = False,
     image_size: Annotated[int, typer.Option(help="Input size in pixels (square).")] = 64,
+    stem: Annotated[str, typer.Option(help="imagenet, or small: a ResNet's first convolution 3x3 stride 1 for small inputs (4x the compute).")] = "imagenet",
+    augment: Annotated[Optional[str], typer.Option(help="Augmentation steps, comma-separated, from crop, color, hue, grayscale, invert, blur, affine, erase; or none (default: the recipe's, see docs/recipe.md).", show_default=False)] = None,
     embedding_dim: Annotated[Optional[int], typer.Option(help="Embedding dimension (default: the backbone's feature width, e.g. 512 for resnet18).")] = None,
-    learning_rate: Annotated[float, typer.Option(help="Peak learning rate, reached after the warm-up, then decayed to 0 along a cosine.")] = 3e-3,
+    learning_rate: Annotated[float, typer.Option(help="Peak learning rate, reached after the warm-up, then decayed to 0 along a cosine.")] = 1e-3,
     weight_decay: Annotated[float, typer.Option(help="Weight decay of the optimizer.")] = 1e-4,
     optimizer: Annotated[str, typer.Option(help="adamw, or sgd (Nesterov momentum 0.9; give it a larger --learning-rate, e.g. 0.1).")] = "adamw",
     warmup: Annotated[float, typer.Option(help="Fraction of the steps spent warming the learning rate up linearly.")] = 0.1,
@@ -89,6 +91,8 @@ def train(
             backbone=backbone,
             pretrained=pretrained,
             image_size=image_size,
+            stem=stem,
+            augment=augment,
             embedding_dim=embedding_dim,
             learning_rate=learning_rate,
             weight_decay=weight_decay,
@@ -238,6 +242,8 @@ def search(
         raise RetrievalError("give a query IMAGE or --id of an indexed item (one of the two)")
     service = SearchService(RunDir(run), index_dir, mmap=mmap)
     result = service.search(image, k, depth=depth, only=label) if image is not None else service.search_item(int(item_id), k, depth, only=label)  # type: ignore[arg-type]
+    if result.error:
+        raise RetrievalError(result.summary.removeprefix("⚠️").strip())
     table = Table(title=f"nearest to {image if image is not None else f'item {item_id}'}")
     for column in ("rank", "similarity", "label", "path"):
         table.add_column(column)
@@ -408,6 +414,9 @@ def report_skipped(skipped: list[Skipped], report: Path | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line and returns its exit status; our own errors become one line on stderr and status 2."""
+    for stream in (sys.stdout, sys.stderr):  # file names that are not valid UTF-8 are printed escaped, not a crash
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
         app(args=argv, prog_name="retrieval")
     except RetrievalError as error:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import os
 import warnings
 from collections import Counter
 from collections.abc import Sequence
@@ -77,16 +78,47 @@ def load_collection(source: str | Path) -> Collection:
 def _load_folder(root: Path) -> Collection:
     items: list[Item] = []
     skipped: list[Skipped] = []
-    for path in sorted(root.rglob("*")):
+    for path in sorted(_walk(root)):
         relative = path.relative_to(root)
-        if any(part.startswith(".") for part in relative.parts) or path.is_dir():
+        if any(part.startswith(".") for part in relative.parts):
+            continue
+        if path.is_symlink() and path.is_dir():
+            skipped.append(Skipped(path, "a link to a folder: not followed (it could loop, or lead out of the collection)"))
             continue
         if path.suffix.lower() not in IMAGE_SUFFIXES:
             skipped.append(Skipped(path, f"not an image file type ({path.suffix or 'no suffix'})"))
             continue
+        problem = file_problem(path)
+        if problem:
+            skipped.append(Skipped(path, problem))
+            continue
         label = relative.parts[0] if len(relative.parts) > 1 else ""
         items.append(Item(path.resolve(), label))
     return Collection(root.resolve(), items, skipped)
+
+
+def _walk(root: Path) -> list[Path]:
+    """Every non-folder entry under root; symlinked folders are not entered (no loops, nothing outside root)."""
+    found: list[Path] = []
+    for folder, folders, files in os.walk(root):
+        base = Path(folder)
+        found.extend(base / name for name in files)
+        found.extend(base / name for name in folders if (base / name).is_symlink())  # reported, not walked
+    return found
+
+
+def file_problem(path: Path) -> str | None:
+    """Why path cannot be an image of a collection (None: it can): not UTF-8, not a regular file."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return "its name is not valid UTF-8; rename it"
+    try:
+        if path.resolve(strict=True).is_file():
+            return None
+    except (OSError, RuntimeError) as error:  # a symlink loop is a RuntimeError in Python 3.11
+        return f"cannot be opened ({getattr(error, 'strerror', None) or error})"
+    return "not a regular file (a folder link, a pipe or a device); only image files are read"
 
 
 def _load_csv(csv_path: Path) -> Collection:
@@ -95,6 +127,7 @@ def _load_csv(csv_path: Path) -> Collection:
     base = csv_path.resolve().parent
     items: list[Item] = []
     skipped: list[Skipped] = []
+    seen: set[Path] = set()
     with csv_path.open(newline="", encoding="utf-8") as handle:
         reader = csv.DictReader(handle)
         missing = {"path", "label"} - set(reader.fieldnames or [])
@@ -104,11 +137,16 @@ def _load_csv(csv_path: Path) -> Collection:
             raw = (row.get("path") or "").strip()
             if not raw:
                 continue
-            path = (base / raw).resolve()
-            if not path.is_file():
+            path = base / raw
+            if not path.exists() and not path.is_symlink():
                 skipped.append(Skipped(path, "listed in the CSV but not found"))
                 continue
-            items.append(Item(path, (row.get("label") or "").strip()))
+            problem = file_problem(path) or ("listed in the CSV more than once (the first row is used)" if path.resolve() in seen else None)
+            if problem:
+                skipped.append(Skipped(path, problem))
+                continue
+            seen.add(path.resolve())
+            items.append(Item(path.resolve(), (row.get("label") or "").strip()))
     return Collection(csv_path.resolve(), items, skipped)
 
 
@@ -119,16 +157,20 @@ def _load_list(list_path: Path) -> Collection:
     for line in list_path.read_text(encoding="utf-8").splitlines():
         if not line.strip() or line.lstrip().startswith("#"):
             continue
-        path = (base / line.strip()).resolve()
-        if path.is_file():
-            items.append(Item(path, ""))
+        path = base / line.strip()
+        problem = "listed but not found" if not path.exists() and not path.is_symlink() else file_problem(path)
+        if problem:
+            skipped.append(Skipped(path, problem))
         else:
-            skipped.append(Skipped(path, "listed but not found"))
+            items.append(Item(path.resolve(), ""))
     return Collection(list_path.resolve(), items, skipped)
 
 
 def read_image_bytes(path: Path) -> tuple[bytes, str]:
     """Returns a file's bytes and their sha256, raising ImageError when it cannot be read."""
+    problem = file_problem(Path(path))
+    if problem:
+        raise ImageError(path, problem)
     try:
         data = Path(path).read_bytes()
     except OSError as error:
@@ -145,6 +187,7 @@ def decode_image(data: bytes, name: str | Path = "image") -> Image.Image:
         raise ImageError(name, "empty file")
     try:
         with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # Pillow's notes on damaged metadata: the image is used or refused anyway
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
             width, height = image.size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -88,8 +89,11 @@ def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
 
     durable: also fsync the file and its folder, so that it survives a power cut (not needed for caches).
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as error:
+        raise RetrievalError(f"{path}: cannot be written ({error.strerror or error}); the previous version is kept") from None
     try:
         with os.fdopen(handle, "wb") as file:
             file.write(data)
@@ -97,26 +101,51 @@ def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
                 file.flush()
                 os.fsync(file.fileno())
         os.replace(temporary, path)
-    except BaseException:
+        if durable:
+            fsync_dir(path.parent)
+    except BaseException as error:
         Path(temporary).unlink(missing_ok=True)
+        if isinstance(error, OSError):  # disk full, quota, read-only file system
+            raise RetrievalError(f"{path}: cannot be written ({error.strerror or error}); the previous version is kept") from None
         raise
-    if durable:
-        fsync_dir(path.parent)
 
 
-def write_json(path: Path, value: Any) -> None:
-    """Writes pretty JSON atomically."""
+CHECKSUM = "checksum"  # key of a sealed JSON object: the sha256 of the object's other keys
+
+
+def write_json(path: Path, value: Any, sealed: bool = False) -> None:
+    """Writes pretty JSON atomically; sealed (an object): with a checksum that read_json verifies."""
+    if sealed:
+        value = {**value, CHECKSUM: _json_digest(value)}
     write_atomic(path, (json.dumps(value, indent=2, sort_keys=False) + "\n").encode())
 
 
 def read_json(path: Path) -> Any:
-    """Reads JSON, naming the file when it is missing or malformed."""
+    """Reads JSON, naming the file when it is missing, malformed or (sealed) does not match its checksum."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise RetrievalError(f"{path}: missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise RetrievalError(f"{path}: not valid JSON ({error}); the file is damaged, recreate it") from None
+    if isinstance(value, dict) and CHECKSUM in value:
+        expected = value.pop(CHECKSUM)
+        if expected != _json_digest(value):
+            raise RetrievalError(f"{path}: its content does not match its checksum (the file was damaged or edited by hand); recreate it")
+    return value
+
+
+def _json_digest(value: dict) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def fsync_dir(directory: Path) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 import index.store as store
 from index.store import GalleryIndex
+from retrieval.errors import RetrievalError
 from retrieval.runs import write_atomic
 from tests.test_index import build
 
@@ -22,7 +23,7 @@ def test_a_failed_write_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.M
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", disk_full)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(RetrievalError, match="No space left on device.*previous version is kept"):
         write_atomic(target, b"new")
     assert target.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
@@ -36,7 +37,7 @@ def test_a_failed_index_save_keeps_the_old_index(tmp_path: Path, monkeypatch: py
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(store.faiss, "write_index", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(RetrievalError, match="No space left on device"):
         build(directory, n=3)
     loaded = GalleryIndex.load(directory)
     assert len(loaded) == 7 and len(loaded.items()) == 7

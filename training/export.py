@@ -108,7 +108,7 @@ def export(run: RunDir, parity_images: Sequence[Path] = (), float16: bool = Fals
             "batch_sizes": [len(x) for x in inputs],
         }
         write_atomic(run.model, model_bytes)
-    write_json(run.model_card, card)
+    write_json(run.model_card, card, sealed=True)
     return parity
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import time
@@ -12,14 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
-from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
-from torchvision.transforms import v2
 from tqdm import tqdm
 
 from retrieval.benchmarks import load_training_data
@@ -31,6 +29,7 @@ from retrieval.plots import plot_training_log
 from retrieval.preprocess import Preprocessing
 from retrieval.runs import RunDir, read_json, write_atomic, write_json
 from training import distributed
+from training.augment import make_augmentation
 from training.config import TrainConfig
 from training.losses import make_loss
 from training.memory import MemoryQueue
@@ -51,29 +50,19 @@ class TrainResult:
 
 
 class AugmentedImages(Dataset):
-    """Items decoded on access, augmented, then put through the shared evaluation preprocessing."""
+    """Items decoded on access, augmented (training.augment) and normalised as at evaluation."""
 
-    def __init__(self, items: Sequence[Item], classes: Sequence[str], preprocessing: Preprocessing) -> None:
+    def __init__(self, items: Sequence[Item], classes: Sequence[str], preprocessing: Preprocessing, augment: str) -> None:
         self.items = list(items)
         codes = {label: code for code, label in enumerate(classes)}
         self.codes = [codes[item.label] for item in self.items]
-        self.preprocessing = preprocessing
-        size = preprocessing.image_size
-        # Cross-style retrieval: the same concept in other colours, line weights and framings.
-        # No flips: some classes are mirror images of each other.
-        self.augment = v2.Compose(
-            [
-                v2.RandomResizedCrop(size, scale=(0.7, 1.0), ratio=(0.9, 1.1), antialias=True),
-                v2.RandomApply([v2.ColorJitter(0.2, 0.2, 0.2, 0.05)], p=0.5),
-            ]
-        )
+        self.augment = make_augmentation(augment, preprocessing)
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        image: Image.Image = self.augment(load_image(self.items[index].path))
-        return torch.from_numpy(self.preprocessing.normalise(image)), self.codes[index]
+        return self.augment(load_image(self.items[index].path)), self.codes[index]
 
 
 def readable_items(items: Sequence[Item], progress: bool = True) -> tuple[list[Item], list[Skipped]]:
@@ -190,19 +179,19 @@ def _train(config: TrainConfig, run: RunDir, progress: bool, resume: bool, ranks
 
     if ranks.is_main:
         run.root.mkdir(parents=True, exist_ok=True)
-        write_json(run.config, config.to_dict())
+        write_json(run.config, config.to_dict(), sealed=True)
         write_skip_report(run.root / "skipped.json", skipped)
     validator = Validator(validation, config.preprocessing, device) if validation and ranks.is_main else None
     cuda = device.type == "cuda"
     memory_format = torch.channels_last if cuda else torch.contiguous_format
 
-    model = Encoder(config.backbone, config.embedding_dim, config.pretrained, config.image_size).to(device, memory_format=memory_format)
+    model = Encoder(config.backbone, config.embedding_dim, config.pretrained, config.image_size, config.stem).to(device, memory_format=memory_format)
     queue = MemoryQueue(model, config.queue_size, config.momentum) if config.queue_size else None
     loss_fn = make_loss(config.loss, config.temperature)
     sampler = ClassBalancedBatchSampler([item.label for item in items], config.batch_size, config.images_per_class, config.seed, ranks.rank, ranks.world_size)
     # its own generator: starting an epoch's iterator must not draw from the augmentation's, or a run resumed mid-epoch would diverge
     generator = torch.Generator().manual_seed(config.seed)
-    loader = DataLoader(AugmentedImages(items, classes, config.preprocessing), batch_sampler=sampler, num_workers=config.workers, pin_memory=cuda, generator=generator)
+    loader = DataLoader(AugmentedImages(items, classes, config.preprocessing, config.augment), batch_sampler=sampler, num_workers=config.workers, pin_memory=cuda, generator=generator)
     optimizer = make_optimizer(config, model)
     schedule = warmup_cosine(optimizer, config.epochs * len(sampler), config.warmup)
     dtype = autocast_dtype(config.precision, device)
@@ -320,9 +309,49 @@ def _prefixed(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.
     return {name.removeprefix(prefix): tensor for name, tensor in tensors.items() if name.startswith(prefix)}
 
 
+DATA_SHA256 = "data_sha256"  # safetensors metadata key: the sha256 of the file's tensor bytes
+
+
+def sealed_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """Serialises tensors as safetensors whose metadata holds the sha256 of the tensor bytes.
+
+    The tensor bytes do not depend on the header, so they are serialised once to hash them and
+    once more with the hash; read_sealed then refuses a file with any flipped or missing byte.
+    """
+    digest = hashlib.sha256(_tensor_bytes(save_safetensors(tensors, metadata=metadata))).hexdigest()
+    return save_safetensors(tensors, metadata={**metadata, DATA_SHA256: digest})
+
+
+def read_sealed(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Returns a sealed safetensors file's tensors and metadata, or raises RetrievalError naming what is wrong."""
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise RetrievalError(f"{path}: cannot be read ({error.strerror})") from None
+    try:
+        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+        metadata = dict(header.get("__metadata__") or {})
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        raise RetrievalError(f"{path}: not a safetensors file (its header is damaged)") from None
+    expected = metadata.pop(DATA_SHA256, None)
+    if expected is None:
+        raise RetrievalError(f"{path}: has no {DATA_SHA256} (damaged, or written by an older version); retrain the run")
+    if hashlib.sha256(_tensor_bytes(data)).hexdigest() != expected:
+        raise RetrievalError(f"{path}: its tensor bytes do not match their sha256 (the file is truncated or damaged); retrain, or resume from an intact copy")
+    try:
+        tensors = load_safetensors(data)
+    except Exception as error:  # safetensors raises several untyped errors for a damaged header
+        raise RetrievalError(f"{path}: not a readable safetensors file ({str(error).splitlines()[0]})") from None
+    return tensors, metadata
+
+
+def _tensor_bytes(data: bytes) -> bytes:
+    return data[8 + int.from_bytes(data[:8], "little") :]
+
+
 def save_checkpoint(path: Path, model: torch.nn.Module, metadata: dict[str, str]) -> None:
-    """Writes the model's weights as safetensors, atomically."""
-    write_atomic(path, save_safetensors(_weights(model), metadata=metadata))
+    """Writes the model's weights as sealed safetensors, atomically."""
+    write_atomic(path, sealed_safetensors(_weights(model), metadata))
 
 
 class TrainerState:
@@ -368,16 +397,14 @@ class TrainerState:
             tensors.update({f"queue/{name}": t for name, t in queue_tensors.items()})
             tensors.update(_weights(self.queue.encoder, prefix="queue/encoder/"))
             metadata["queue"] = json.dumps(counters)
-        write_atomic(self.path, save_safetensors(tensors, metadata=metadata))
+        write_atomic(self.path, sealed_safetensors(tensors, metadata))
 
     def load(self) -> dict:
         """Restores the state into the model, optimizer, schedule, scaler and queue; returns the record."""
         if not self.path.is_file():
             raise RetrievalError(f"{self.path}: nothing to resume (no trainer state); start the run without --resume")
+        tensors, metadata = read_sealed(self.path)
         try:
-            with safe_open(str(self.path), "pt") as handle:
-                metadata = handle.metadata()
-                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
             saved_ranks = sum(name.startswith("rng/torch/") for name in tensors)
             if saved_ranks != self.ranks.world_size:
                 raise RetrievalError(f"{self.path}: saved by {saved_ranks} training processes; resume it with as many, not {self.ranks.world_size}")
@@ -406,9 +433,9 @@ def load_encoder(run: RunDir) -> tuple[Encoder, TrainConfig]:
     """Rebuilds the run's encoder from config.json and its best (else last) checkpoint (no unpickling)."""
     checkpoint = run.require_checkpoint()
     config = TrainConfig.from_dict(read_json(run.config))
-    model = Encoder(config.backbone, config.embedding_dim, image_size=config.image_size)
+    model = Encoder(config.backbone, config.embedding_dim, image_size=config.image_size, stem=config.stem)
+    state, _ = read_sealed(checkpoint)
     try:
-        state = load_safetensors(checkpoint.read_bytes())
         model.load_state_dict(state)
     except Exception as error:  # safetensors and load_state_dict raise several untyped errors
         raise RetrievalError(f"{checkpoint}: not a checkpoint of this encoder ({str(error).splitlines()[0]}); retrain the run") from None
