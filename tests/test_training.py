@@ -1,4 +1,4 @@
-"""The trainer's parts: backbones, schedule, memory queue, options, and a run with the non-default options."""
+"""The trainer's parts: backbones, stems, augmentation, schedule, memory queue, options, and a run with the non-default options."""
 
 from __future__ import annotations
 
@@ -36,6 +36,41 @@ def test_backbone_mistakes_are_explained() -> None:
         Encoder("vit_b_16", image_size=40)
     with pytest.raises(RetrievalError, match="224-pixel images"):
         Encoder("vit_b_16", pretrained=True, image_size=64)  # refused before any download
+
+
+def test_the_small_stem_keeps_four_times_the_feature_map_and_is_explained_where_it_cannot_apply() -> None:
+    model = Encoder("resnet18", image_size=64, stem="small").eval()
+    conv = model.backbone.conv1
+    assert (conv.kernel_size, conv.stride) == ((3, 3), (1, 1))
+    trunk = torch.nn.Sequential(*list(model.backbone.children())[:-2])  # up to layer4, before pooling
+    assert trunk(torch.randn(1, 3, 64, 64)).shape[-2:] == (4, 4)
+    assert Encoder("resnet18", image_size=64).backbone.conv1.stride == (2, 2)
+    with pytest.raises(RetrievalError, match="for the resnet backbones"):
+        Encoder("mobilenet_v3_small", stem="small")
+    with pytest.raises(RetrievalError, match="cannot start from pretrained weights"):
+        Encoder("resnet18", pretrained=True, stem="small")  # refused before any download
+
+
+def test_every_augmentation_step_makes_the_declared_tensor() -> None:
+    from PIL import Image
+
+    from retrieval.preprocess import Preprocessing
+    from training.augment import AUGMENTATIONS, make_augmentation
+
+    image = Image.new("RGB", (50, 70), (200, 40, 40))
+    preprocessing = Preprocessing(32)
+    for step in (*AUGMENTATIONS, "none", ",".join(AUGMENTATIONS)):
+        view = make_augmentation(step, preprocessing)(image)
+        assert view.dtype == torch.float32 and view.shape == (3, 32, 32), step
+    plain = make_augmentation("none", preprocessing)(image)
+    assert torch.equal(plain, torch.from_numpy(preprocessing([image])[0]))  # no step: the evaluation transform
+    with pytest.raises(RetrievalError, match="unknown step 'flip'"):
+        TrainConfig(data=".", augment="crop,flip")
+    with pytest.raises(RetrievalError, match="names a step twice"):
+        TrainConfig(data=".", augment="crop,crop")
+    with pytest.raises(RetrievalError, match="--stem must be one of"):
+        TrainConfig(data=".", stem="tiny")
+    assert TrainConfig(data=".").augment == "crop,color"
 
 
 def test_warmup_then_cosine_to_zero() -> None:
@@ -87,9 +122,12 @@ def test_sgd_clipping_bf16_queue_and_tensorboard(small_folder: Path, tmp_path: P
     run = RunDir(tmp_path / "run")
     options = ["--epochs", "2", "--batch-size", "8", "--image-size", "32", "--optimizer", "sgd", "--learning-rate", "0.05"]
     options += ["--clip-grad", "1.0", "--precision", "bf16", "--queue-size", "32", "--warmup", "0.2", "--tensorboard", "--loss", "infonce"]
+    options += ["--stem", "small", "--augment", "crop,hue,grayscale,invert,blur,affine,erase"]
     assert main(["train", str(small_folder), "--run", str(run.root), *options]) == 0
     config = json.loads(run.config.read_text())
     assert (config["optimizer"], config["precision"], config["queue_size"], config["clip_grad"]) == ("sgd", "bf16", 32, 1.0)
+    assert (config["stem"], config["augment"]) == ("small", "crop,hue,grayscale,invert,blur,affine,erase")
+    assert main(["export", str(run.root)]) == 0  # the small stem is rebuilt from config.json and exported
     log = [json.loads(line) for line in run.train_log.read_text().splitlines()]
     assert len(log) == 2 and all(entry["images_per_second"] > 0 and entry["loss"] == entry["loss"] for entry in log)
     assert list((run.root / "tensorboard").glob("events.out.tfevents.*"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -113,6 +114,33 @@ def test_the_app_answers_good_uploads_refuses_bad_ones_and_adds_only_good_files(
     after = GalleryIndex.load(index_dir).rows()
     assert {i: after[i] for i in before} == before  # nothing stored before is lost or changed
     assert {after[i][1] for i in ids} == {'odd, "quoted" label'}
+
+
+def test_the_app_api_answers_every_uploadable_file(corpus: Corpus, demo_run: RunDir, tmp_path: Path) -> None:
+    """The same through HTTP (gradio_client), as a browser or a script sends them: /search, then /add."""
+    from gradio_client import Client, handle_file
+
+    from app.server import launch
+    from tests.test_app import free_port
+
+    index_dir = tmp_path / "index"
+    shutil.copytree(demo_run.index, index_dir)
+    service = SearchService(demo_run, index_dir, allow_write=True, cache=tmp_path / "cache")
+    uploadable = {kind: path for kind, path in corpus.all.items() if path.is_file() and not path.is_symlink() and os.access(path, os.R_OK) and path.name.isprintable()}
+    assert len(uploadable) >= len(corpus.all) - 5  # all but the pipe, the links and the non-UTF-8 name, which cannot be uploaded
+    port = free_port()
+    demo = launch(service, port=port, block=False)
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        for kind, path in uploadable.items():
+            gallery, summary = client.predict(handle_file(str(path)), 3, "", 0, api_name="/search")
+            assert (len(gallery) == 3) if kind in corpus.good else (gallery == [] and "⚠️" in summary), (kind, summary)
+        message, _ = client.predict([handle_file(str(path)) for path in uploadable.values()], "api", api_name="/add")
+        good = sum(kind in corpus.good for kind in uploadable)
+        assert message.startswith(f"added {good} image(s)") and message.count(": ") >= len(uploadable) - good, message
+    finally:
+        demo.close()
+        service.close()
 
 
 def test_a_csv_with_duplicates_and_labels_with_commas_and_quotes(corpus: Corpus, demo_run: RunDir, tmp_path: Path) -> None:
