@@ -117,7 +117,7 @@ def file_problem(path: Path) -> str | None:
         if path.resolve(strict=True).is_file():
             return None
     except (OSError, RuntimeError) as error:  # a symlink loop is a RuntimeError in Python 3.11
-        return f"cannot be opened ({getattr(error, 'strerror', None) or error})"
+        return f"cannot be read ({getattr(error, 'strerror', None) or error})"
     return "not a regular file (a folder link, a pipe or a device); only image files are read"
 
 
