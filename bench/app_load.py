@@ -21,6 +21,9 @@ that failed, bad ones answered without a message, and samples the server's resid
 half second: the growth is the median of the last quarter of the run minus that of the first.
 
     python bench/app_load.py --mixed [--users 32] [--seconds 60] [--bad-share 0.25]
+
+--service-only runs the same mix without the server: the search service in this process, batches of
+4 queries (and their thumbnails) --queries times, its resident memory before and after.
 """
 
 from __future__ import annotations
@@ -220,11 +223,16 @@ def main() -> None:
     parser.add_argument("--mixed", action="store_true", help="good and bad uploads from --users users (default 32); memory sampled")
     parser.add_argument("--bad-share", type=float, default=0.25, help="with --mixed: the share of bad uploads")
     parser.add_argument("--json", type=Path, default=None, help="with --mixed: also write the figures here")
+    parser.add_argument("--service-only", action="store_true", help="the --mixed queries on the search service in this process, no server")
+    parser.add_argument("--queries", type=int, default=4800, help="with --service-only: how many")
     args = parser.parse_args()
     console = Console(width=150)
     run, index, queries = prepare(args.work, args.images)
     if args.mixed:
         mixed(args, int(args.users or 32), run, index, queries, console)
+        return
+    if args.service_only:
+        service_only(run, index, queries, bad_uploads(args.work), args.bad_share, args.queries, args.work, console)
         return
     args.users = args.users or "1,4,16"
     most = max(int(users) for users in args.users.split(","))
@@ -269,6 +277,21 @@ def mixed(args: argparse.Namespace, users: int, run: Path, index: Path, queries:
     console.print(table)
     if args.json:
         args.json.write_text(json.dumps({**figures, "users": users, "seconds": args.seconds, "growth_mib": growth}, indent=1) + "\n")
+
+
+def service_only(run: Path, index: Path, good: list[Path], bad: list[Path], bad_share: float, count: int, work: Path, console: Console) -> None:
+    """The --mixed queries on app.service.SearchService in this process: its memory before and after."""
+    from app.service import SearchService
+    from retrieval.runs import RunDir
+
+    service = SearchService(RunDir(run), index, cache=work / "service-cache")
+    rng = random.Random(0)
+    before = resident_mib(os.getpid())
+    for _ in range(count // 4):
+        batch = [rng.choice(bad if rng.random() < bad_share else good) for _ in range(4)]
+        for result in service.search_images(batch, [10] * 4, [""] * 4, [None] * 4):
+            service.thumbnails([hit.id for hit in result.hits])
+    console.print(f"search service alone, {count:,} queries ({bad_share:.0%} bad) with thumbnails: resident memory {before:.0f} → {resident_mib(os.getpid()):.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The app under 32 concurrent clients mixing good and bad uploads (bench/app_load.py --mixed, short):
-no good query fails, every bad one is answered with a message, and the server's memory stays flat."""
+no good query fails, every bad one is answered with a message, and the server's memory growth stays
+bounded (it is not flat yet: README, "The hardening suite, latest run")."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
-GROWTH_LIMIT_MIB = 100  # a leak of a decoded upload per query would be gigabytes over a run
+GROWTH_LIMIT_MIB = 100  # measured +24 to +40 MiB over 60-120 s; a leak of a decoded upload per query would be gigabytes
 
 
 def test_32_clients_mixing_good_and_bad_uploads(tmp_path: Path) -> None:
