@@ -111,8 +111,13 @@ def main() -> None:
         table.add_row(*line)
     console.print(table)
     if args.markdown:
-        text = "\n".join("| " + " | ".join(cells) + " |" for cells in [header, ("---",) * len(header), *lines])
-        args.markdown.write_text(text + "\n")
+        write_markdown(args.markdown, header, lines)
+
+
+def write_markdown(path: Path, header: tuple[str, ...], lines: list[tuple[str, ...]]) -> None:
+    """Writes a table as Markdown (for docs/ and the README)."""
+    text = "\n".join("| " + " | ".join(cells) + " |" for cells in [header, ("---",) * len(header), *lines])
+    path.write_text(text + "\n")
 
 
 def summary(rows: list[dict], epochs: int | None) -> list[tuple[str, ...]]:

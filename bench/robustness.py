@@ -22,6 +22,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from recipe import write_markdown  # bench/ is this script's folder, first on sys.path
+
 ROOT = Path(__file__).parents[1]
 AREAS = {  # test module -> what it exercises
     "test_adversarial_inputs": "adversarial corpus through train, index, search, evaluate, the app",
@@ -84,8 +86,7 @@ def main() -> None:
         table.add_row(*line)
     console.print(table)
     if args.markdown:
-        text = "\n".join("| " + " | ".join(cells) + " |" for cells in [header, ("---",) * len(header), *lines])
-        args.markdown.write_text(text + "\n")
+        write_markdown(args.markdown, header, lines)
 
 
 if __name__ == "__main__":
