@@ -15,10 +15,15 @@ Results are a gallery of (image, caption); a caption reads "HIT · #1 · 0.912 �
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import ipaddress
 import os
 import re
 import shutil
+import signal
+import threading
+import time
 from pathlib import Path
 
 import gradio as gr
@@ -30,6 +35,10 @@ from retrieval.runs import RunDir
 MAX_BATCH = 16  # concurrent search requests embedded in one call
 AUTH_VARIABLE = "RETRIEVAL_AUTH"  # user:password, instead of --auth on the command line
 CAPTION_ID = re.compile(r"· id (\d+)$")
+ANALYTICS_EVENTS = 500  # Gradio keeps this many finished events for its monitoring page (its default, 10,000, is ~10 MiB of dicts)
+TRIM_VARIABLE = "RETRIEVAL_TRIM_SECONDS"  # how often freed heap memory is handed back to the system (0: never)
+TRIM_SECONDS = 10.0
+_trimmer: threading.Thread | None = None  # one per process, however many apps it launches
 
 
 class QueryImage(gr.Image):
@@ -283,6 +292,39 @@ def parse_auth(auth: str | None) -> tuple[str, str] | None:
     return user, password
 
 
+def release_memory_periodically(every: float | None = None) -> threading.Thread | None:
+    """Hands the memory that concurrent requests freed back to the system every few seconds (glibc's malloc_trim).
+
+    The server's threads decode uploads, embed and answer side by side; glibc keeps what they free in
+    per-thread arenas, so without this the resident memory climbs for many minutes under load
+    (bench/app_load.py --mixed). Every RETRIEVAL_TRIM_SECONDS seconds (default 10; 0: never). Not
+    glibc (macOS, musl): nothing to do, returns None. One thread per process: later calls return it.
+    """
+    global _trimmer
+    if _trimmer is not None:
+        return _trimmer
+    if every is None:
+        try:
+            every = float(os.environ.get(TRIM_VARIABLE, TRIM_SECONDS))
+        except ValueError:
+            raise RetrievalError(f"{TRIM_VARIABLE}={os.environ[TRIM_VARIABLE]!r}: give a number of seconds (0: never)") from None
+    if every <= 0:
+        return None
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is None:
+        return None
+
+    def loop() -> None:
+        while True:
+            time.sleep(every)
+            trim(0)
+
+    _trimmer = threading.Thread(target=loop, name="malloc-trim", daemon=True)
+    _trimmer.start()
+    return _trimmer
+
+
 def launch(
     service: SearchService,
     host: str = "127.0.0.1",
@@ -296,7 +338,9 @@ def launch(
     credentials = parse_auth(auth)
     if credentials is None and not loopback(host):
         raise RetrievalError(f"--host {host} lets other machines reach the app: give --auth user:password (or set {AUTH_VARIABLE}), or bind 127.0.0.1")
+    os.environ.setdefault("GRADIO_ANALYTICS_MAX_EVENTS", str(ANALYTICS_EVENTS))  # read when the queue is made
     demo = build_app(service, max_batch)
+    release_memory_periodically()
     demo.queue(default_concurrency_limit=1).launch(
         server_name=host,
         server_port=port,
@@ -311,6 +355,11 @@ def launch(
     return demo
 
 
+def stop_like_ctrl_c(signum: int, frame: object) -> None:
+    """SIGTERM handler: stops the server the way Ctrl+C does, so that the cleanup after it runs."""
+    raise KeyboardInterrupt
+
+
 def serve(
     run: RunDir,
     host: str = "127.0.0.1",
@@ -322,7 +371,9 @@ def serve(
     mmap: bool = False,
     max_batch: int = MAX_BATCH,
 ) -> None:
-    """Starts the app and blocks until interrupted."""
+    """Starts the app and blocks until interrupted (Ctrl+C, or SIGTERM as from systemd or docker stop); then removes its cache folder."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop_like_ctrl_c)
     service = SearchService(run, index_dir, mmap=mmap, allow_write=allow_write)
     try:
         launch(service, host, port, auth, max_upload, max_batch=max_batch)

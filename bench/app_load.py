@@ -18,9 +18,11 @@ image is searched once, so that the thumbnails of its results exist (a server th
 is, with probability --bad-share, a bad upload from the adversarial corpus (tests/robustness/corpus.py:
 empty, truncated, not an image, a decompression bomb, a header that lies); it counts good queries
 that failed, bad ones answered without a message, and samples the server's resident memory each
-half second: the growth is the median of the last quarter of the run minus that of the first.
+half second, after --warmup seconds of the same load (not sampled): the growth is the median of the
+last quarter of the run minus that of the first. --baseline adds, side by side, a server with the
+app's memory settings off (RETRIEVAL_TRIM_SECONDS=0, Gradio's default of 10,000 kept events).
 
-    python bench/app_load.py --mixed [--users 32] [--seconds 60] [--bad-share 0.25]
+    python bench/app_load.py --mixed [--users 32] [--seconds 60] [--warmup 0] [--bad-share 0.25] [--baseline]
 
 --service-only runs the same mix without the server: the search service in this process, batches of
 4 queries (and their thumbnails) --queries times, its resident memory before and after.
@@ -91,13 +93,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def serve(run: Path, index: Path, max_batch: int) -> tuple[subprocess.Popen, str]:
-    """Starts `retrieval serve` and waits until it answers."""
+def serve(run: Path, index: Path, max_batch: int, environment: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Starts `retrieval serve` (with these extra environment variables) and waits until it answers."""
     port = free_port()
     server = subprocess.Popen(
         [RETRIEVAL, "serve", str(run), "--index", str(index), "--port", str(port), "--max-batch", str(max_batch)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, **(environment or {})},
     )
     url = f"http://127.0.0.1:{port}/"
     deadline = time.monotonic() + 120
@@ -222,6 +225,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/app_load"))
     parser.add_argument("--mixed", action="store_true", help="good and bad uploads from --users users (default 32); memory sampled")
     parser.add_argument("--bad-share", type=float, default=0.25, help="with --mixed: the share of bad uploads")
+    parser.add_argument("--warmup", type=float, default=0.0, help="with --mixed: seconds of the same load before the measured run")
+    parser.add_argument("--baseline", action="store_true", help="with --mixed: also a server with the app's memory settings off, side by side")
     parser.add_argument("--json", type=Path, default=None, help="with --mixed: also write the figures here")
     parser.add_argument("--service-only", action="store_true", help="the --mixed queries on the search service in this process, no server")
     parser.add_argument("--queries", type=int, default=4800, help="with --service-only: how many")
@@ -258,25 +263,39 @@ def main() -> None:
 
 
 def mixed(args: argparse.Namespace, users: int, run: Path, index: Path, queries: list[Path], console: Console) -> None:
-    """The --mixed setting: one row of good and bad uploads under load, with the server's memory."""
+    """The --mixed setting: good and bad uploads under load, with the server's memory (and --baseline's, side by side)."""
     bad = bad_uploads(args.work)
-    server, url = serve(run, index, 16)
-    try:
-        figures = mixed_load(url, server.pid, users, args.seconds, queries, bad, args.bad_share)
-    finally:
-        server.terminate()
-        server.wait()
-    table = Table(title=f"retrieval serve, {args.images:,}-image index, {users} users, {args.seconds:.0f} s, {args.bad_share:.0%} bad uploads ({len(bad)} kinds)")
-    for column in ("good queries", "failed good", "bad uploads", "bad without a message", "server RSS first quarter MiB", "last quarter MiB", "growth MiB"):
-        table.add_column(column, justify="right")
-    growth = figures["rss_last_mib"] - figures["rss_first_mib"]
-    table.add_row(
-        f"{figures['good']:,}", str(figures["failed good"]), f"{figures['bad']:,}", str(figures["bad without a message"]),
-        f"{figures['rss_first_mib']:.0f}", f"{figures['rss_last_mib']:.0f}", f"{growth:+.0f}",
+    settings = {"as shipped": {}}
+    if args.baseline:
+        settings["memory settings off"] = {"RETRIEVAL_TRIM_SECONDS": "0", "GRADIO_ANALYTICS_MAX_EVENTS": "10000"}
+    rows = {}
+    for name, environment in settings.items():
+        server, url = serve(run, index, 16, environment)
+        try:
+            if args.warmup > 0:
+                mixed_load(url, server.pid, users, args.warmup, queries, bad, args.bad_share)
+            rows[name] = mixed_load(url, server.pid, users, args.seconds, queries, bad, args.bad_share)
+        finally:
+            server.terminate()
+            server.wait()
+        rows[name]["growth_mib"] = rows[name]["rss_last_mib"] - rows[name]["rss_first_mib"]
+    table = Table(
+        title=f"retrieval serve, {args.images:,}-image index, {users} users, {args.warmup:.0f} s warm-up then {args.seconds:.0f} s measured, "
+        f"{args.bad_share:.0%} bad uploads ({len(bad)} kinds)"
     )
+    columns = ("server", "good queries", "failed good", "bad uploads", "bad without a message", "RSS first quarter MiB", "last quarter MiB", "min-max MiB", "growth MiB")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for name, figures in rows.items():
+        samples = figures["rss_samples"]
+        table.add_row(
+            name, f"{figures['good']:,}", str(figures["failed good"]), f"{figures['bad']:,}", str(figures["bad without a message"]),
+            f"{figures['rss_first_mib']:.0f}", f"{figures['rss_last_mib']:.0f}", f"{min(samples):.0f}-{max(samples):.0f}", f"{figures['growth_mib']:+.0f}",
+        )
     console.print(table)
     if args.json:
-        args.json.write_text(json.dumps({**figures, "users": users, "seconds": args.seconds, "growth_mib": growth}, indent=1) + "\n")
+        shipped = rows["as shipped"]
+        args.json.write_text(json.dumps({**shipped, "users": users, "seconds": args.seconds, "warmup": args.warmup, "rows": rows}, indent=1) + "\n")
 
 
 def service_only(run: Path, index: Path, good: list[Path], bad: list[Path], bad_share: float, count: int, work: Path, console: Console) -> None:

@@ -2,10 +2,10 @@
 
 Runs tests/robustness with more kills (ROBUSTNESS_KILLS) and many more fuzzed inputs
 (HYPOTHESIS_PROFILE=long: 5,000 per property instead of 150), then the app under --users clients
-mixing good and bad uploads for --seconds (bench/app_load.py --mixed), and prints one row per
+mixing good and bad uploads for --seconds after --warmup seconds (bench/app_load.py --mixed), and prints one row per
 check with its outcome and time; --markdown writes the same table for the README.
 
-    python bench/robustness.py [--kills 10] [--seconds 60] [--users 32] [--markdown reliability.md]
+    python bench/robustness.py [--kills 10] [--seconds 60] [--warmup 30] [--users 32] [--markdown reliability.md]
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=10, help="SIGKILLs of each job in the fault loops")
     parser.add_argument("--fuzz", default="long", help="hypothesis profile: long (5,000 inputs per property) or ci (150)")
     parser.add_argument("--seconds", type=float, default=60.0, help="length of the load run")
+    parser.add_argument("--warmup", type=float, default=30.0, help="seconds of the same load before it, not measured")
     parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
@@ -59,7 +60,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         rows = run_suite(args.kills, args.fuzz, Path(scratch) / "report.xml")
         figures_path = Path(scratch) / "load.json"
-        command = [sys.executable, "bench/app_load.py", "--mixed", "--users", str(args.users), "--seconds", str(args.seconds), "--work", str(Path(scratch) / "load"), "--json", str(figures_path)]
+        command = [sys.executable, "bench/app_load.py", "--mixed", "--users", str(args.users), "--seconds", str(args.seconds), "--warmup", str(args.warmup), "--work", str(Path(scratch) / "load"), "--json", str(figures_path)]
         load_ok = subprocess.run(command, cwd=ROOT, check=False).returncode == 0 and figures_path.is_file()
         figures = json.loads(figures_path.read_text()) if load_ok else {}
     table = Table(title=f"tests/robustness with {args.kills} kills per fault loop and the {args.fuzz!r} fuzzing profile; the app under {args.users} clients for {args.seconds:.0f} s")
@@ -72,7 +73,7 @@ def main() -> None:
         passed = sum(row["outcome"] == "passed" for row in cases)
         failed = [row["name"] for row in cases if row["outcome"] == "failed"]
         lines.append((area, str(len(cases)), str(passed), ", ".join(failed) or "0", "", f"{sum(row['seconds'] for row in cases):.0f}"))
-    area = f"the app under {args.users} clients for {args.seconds:.0f} s, {figures.get('bad', 0):,} of {figures.get('bad', 0) + figures.get('good', 0):,} uploads bad"
+    area = f"the app under {args.users} clients for {args.seconds:.0f} s after {args.warmup:.0f} s, {figures.get('bad', 0):,} of {figures.get('bad', 0) + figures.get('good', 0):,} uploads bad"
     if figures:
         ok = not figures["failed good"] and not figures["bad without a message"]
         held = (

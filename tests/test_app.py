@@ -3,11 +3,14 @@ the files it serves, authentication, batching of concurrent queries, and add/rem
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -344,3 +347,62 @@ def test_service_threads_are_thread_safe_for_readers(service: SearchService) -> 
     for thread in threads:
         thread.join()
     assert failures == []
+
+
+def test_freed_memory_is_handed_back_periodically(monkeypatch: pytest.MonkeyPatch) -> None:
+    import app.server as server
+
+    calls: list[int] = []
+    three, never = threading.Event(), threading.Event()
+
+    class FakeLibc:
+        def malloc_trim(self, pad: int) -> int:
+            calls.append(pad)
+            if len(calls) == 3:
+                three.set()
+                never.wait()  # parks the test's thread for good
+            return 1
+
+    monkeypatch.setattr(server, "_trimmer", None)
+    monkeypatch.setattr(server.ctypes, "CDLL", lambda name: FakeLibc())
+    thread = server.release_memory_periodically(0.01)
+    assert thread is not None and thread.daemon and server.release_memory_periodically(0.01) is thread  # one per process
+    assert three.wait(5)
+    assert calls == [0, 0, 0]
+
+
+def test_the_memory_release_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    import app.server as server
+
+    monkeypatch.setattr(server, "_trimmer", None)
+    monkeypatch.setenv("RETRIEVAL_TRIM_SECONDS", "0")
+    assert server.release_memory_periodically() is None
+    monkeypatch.setenv("RETRIEVAL_TRIM_SECONDS", "often")
+    with pytest.raises(RetrievalError, match="RETRIEVAL_TRIM_SECONDS='often'"):
+        server.release_memory_periodically()
+
+
+def test_a_stopped_server_leaves_no_cache_folder(app_run: RunDir, tmp_path: Path) -> None:
+    """SIGTERM (systemd, docker stop) ends `retrieval serve` like Ctrl+C: its thumbnails folder is removed."""
+    port = free_port()
+    retrieval = str(Path(sys.executable).with_name("retrieval"))
+    environment = {**os.environ, "TMPDIR": str(tmp_path)}
+    server = subprocess.Popen([retrieval, "serve", str(app_run.root), "--port", str(port)], env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("retrieval-app-*")) or not answers(f"http://127.0.0.1:{port}/"):
+            assert server.poll() is None and time.monotonic() < deadline, server.stderr.read() if server.stderr else ""
+            time.sleep(0.5)
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+    finally:
+        server.kill()
+    assert not list(tmp_path.glob("retrieval-app-*"))
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    except OSError:
+        return False

@@ -1,6 +1,6 @@
 """The app under 32 concurrent clients mixing good and bad uploads (bench/app_load.py --mixed, short):
-no good query fails, every bad one is answered with a message, and the server's memory growth stays
-bounded (it is not flat yet: README, "The hardening suite, latest run")."""
+no good query fails, every bad one is answered with a message, and after a warm-up the server's memory
+stays flat within the sampling noise (the long run: README, "The hardening suite, latest run")."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
-GROWTH_LIMIT_MIB = 100  # measured +24 to +40 MiB over 60-120 s; a leak of a decoded upload per query would be gigabytes
+GROWTH_LIMIT_MIB = 25  # after the warm-up: -2 MiB over 120 s (samples within 12 MiB); +35 with the memory settings off
 
 
 def test_32_clients_mixing_good_and_bad_uploads(tmp_path: Path) -> None:
     out = tmp_path / "load.json"
-    command = [sys.executable, "bench/app_load.py", "--mixed", "--users", "32", "--seconds", "20", "--images", "300", "--work", str(tmp_path / "work"), "--json", str(out)]
+    command = [sys.executable, "bench/app_load.py", "--mixed", "--users", "32", "--seconds", "20", "--warmup", "10", "--images", "300", "--work", str(tmp_path / "work"), "--json", str(out)]
     finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert finished.returncode == 0, finished.stderr[-3000:]
     figures = json.loads(out.read_text())
