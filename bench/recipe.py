@@ -1,13 +1,19 @@
-"""The training recipe's ablation on the embedded icons dataset: each configuration trained on train/,
-exported, and scored leave-one-out on test/ (classes never seen in training), as `retrieval demo` does.
+"""The training recipe's ablation on the embedded icons dataset, chosen on held-out training classes.
+
+--split validation (the default, for choosing): a seeded fifth of the *training* classes is held
+out as a validation set (retrieval.data.split_by_class, seed 0); each configuration is trained on
+the other four fifths, exported, and scored leave-one-out on the validation classes, which is what
+a choice may look at, and on test/ (classes never seen in training), which is only reported.
+--split full trains on all of train/ and scores test/, as `retrieval demo` does (the shipped
+recipe's headline figures).
 
 A configuration is a name and the `retrieval train` options it adds to the shipped defaults (the
 empty string is the shipped recipe). Every run goes through the command line in its own process
 (`retrieval train`, `export`, `evaluate`), so the figures are what a user gets. The table gives,
-per configuration, the mean and the spread (half the range) over the seeds of recall@1, recall@5,
-MAP@R, uniformity and tolerance of the test embeddings, and the training time.
+per configuration, the mean and the spread (half the range) over the seeds of the validation
+recall@1 and MAP@R, the test recall@1, recall@5, MAP@R, uniformity and tolerance, and the training time.
 
-    python bench/recipe.py [--seeds 0,1,2] [--epochs N] [--only NAME,...] [--out docs/recipe.json] [--markdown table.md]
+    python bench/recipe.py [--split validation|full] [--seeds 0,1,2] [--epochs N] [--only NAME,...] [--out docs/recipe.json] [--markdown table.md]
 
 --epochs shortens every run (the table says so); --only runs some of the configurations.
 """
@@ -15,6 +21,7 @@ MAP@R, uniformity and tolerance of the test embeddings, and the training time.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import shlex
 import subprocess
@@ -26,6 +33,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from retrieval.data import load_collection, split_by_class
 from retrieval.datasets import icons
 
 RETRIEVAL = str(Path(sys.executable).with_name("retrieval"))
@@ -59,30 +67,60 @@ CONFIGURATIONS = {
     "8 images per class": "--images-per-class 8",
     "embedding 128": "--embedding-dim 128",
     "learning rate 3e-3": "--learning-rate 3e-3",
+    "learning rate 3e-4": "--learning-rate 3e-4",
     "no warm-up": "--warmup 0",
     "weight decay 5e-4": "--weight-decay 5e-4",
     "image size 96": "--image-size 96",
-    "validation 15 %, patience 10": "--val-classes 0.15 --patience 10",
+    "validation 15 % with patience 10": "--val-classes 0.15 --patience 10",
 }
 SHOWN = ("recall@1", "recall@5", "map@r", "uniformity", "tolerance")
+VALIDATION_SHOWN = ("val recall@1", "val map@r")
+VALIDATION_SHARE = 0.2  # of the training classes, held out with --split validation
 
 
-def one_run(name: str, options: str, seed: int, epochs: int | None, work: Path) -> dict:
-    """Trains, exports and evaluates one configuration with one seed; returns its figures."""
+def validation_split(work: Path) -> tuple[Path, Path]:
+    """CSVs of the training classes to fit on and the held-out fifth to choose on (absolute paths, seed 0)."""
+    fit, validation = split_by_class(load_collection(icons() / "train").items, VALIDATION_SHARE, seed=0)
+    paths = []
+    for name, items in (("fit", fit), ("validation", validation)):
+        path = work / f"{name}.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", newline="", encoding="utf-8") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(["path", "label"])
+            writer.writerows([str(item.path), item.label] for item in items)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def run_quietly(*arguments: str) -> None:
+    """Runs a `retrieval` command, its output discarded; fails loudly."""
+    subprocess.run([RETRIEVAL, *arguments], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def one_run(name: str, options: str, seed: int, epochs: int | None, split: str, work: Path) -> dict:
+    """Trains, exports and evaluates one configuration with one seed on a split; returns its figures."""
     dataset = icons()
-    run = work / f"{name.replace(' ', '_').replace('=', '')}-seed{seed}"
+    run = work / split / f"{name.replace(' ', '_').replace('=', '')}-seed{seed}"
     extra = shlex.split(options) + (["--epochs", str(epochs)] if epochs else [])
+    fit, validation = validation_split(work) if split == "validation" else (dataset / "train", None)
     started = time.perf_counter()
-    subprocess.run([RETRIEVAL, "train", str(dataset / "train"), "--run", str(run), "--seed", str(seed), *extra], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_quietly("train", str(fit), "--run", str(run), "--seed", str(seed), *extra)
     seconds = time.perf_counter() - started
-    subprocess.run([RETRIEVAL, "export", str(run)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    subprocess.run([RETRIEVAL, "evaluate", str(run), str(dataset / "test")], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_quietly("export", str(run))
+    figures: dict = {}
+    if validation is not None:
+        run_quietly("evaluate", str(run), str(validation))
+        metrics = json.loads((run / "metrics.json").read_text())
+        figures = {"val recall@1": metrics["recall@1"], "val map@r": metrics["map@r"]}
+    run_quietly("evaluate", str(run), str(dataset / "test"))
     metrics = json.loads((run / "metrics.json").read_text())
-    return {"name": name, "options": options, "seed": seed, "epochs": epochs, "train_seconds": seconds, **{key: metrics[key] for key in SHOWN}}
+    return {"name": name, "options": options, "seed": seed, "epochs": epochs, "split": split, "train_seconds": seconds, **figures, **{key: metrics[key] for key in SHOWN}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--split", choices=("validation", "full"), default="validation", help="validation: fit on 4/5 of the training classes, choose on the rest; full: train on all")
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--epochs", type=int, default=None, help="shorten every run to this many epochs")
     parser.add_argument("--only", default=None, help="configuration names separated by commas")
@@ -96,15 +134,18 @@ def main() -> None:
     rows = json.loads(args.out.read_text()) if args.out.is_file() else []  # later runs add to earlier ones
     for name in names:
         for seed in seeds:
-            if any(row["name"] == name and row["seed"] == seed and row["epochs"] == args.epochs for row in rows):
+            if any(same_setting(row, args.epochs, args.split) and row["name"] == name and row["seed"] == seed for row in rows):
                 continue
-            rows.append(one_run(name, CONFIGURATIONS[name], seed, args.epochs, args.work))
-            console.print(f"{name} seed {seed}: recall@1 {rows[-1]['recall@1']:.3f}, MAP@R {rows[-1]['map@r']:.3f}, {rows[-1]['train_seconds']:.0f} s")
+            rows.append(one_run(name, CONFIGURATIONS[name], seed, args.epochs, args.split, args.work))
+            chosen_on = f"validation recall@1 {rows[-1]['val recall@1']:.3f}, MAP@R {rows[-1]['val map@r']:.3f}; " if args.split == "validation" else ""
+            console.print(f"{name} seed {seed}: {chosen_on}test recall@1 {rows[-1]['recall@1']:.3f}, MAP@R {rows[-1]['map@r']:.3f}, {rows[-1]['train_seconds']:.0f} s")
             args.out.write_text(json.dumps(rows, indent=1) + "\n")
     epochs = "the shipped number of epochs" if args.epochs is None else f"{args.epochs} epochs"
-    header = ("configuration", "options", "seeds", *SHOWN, "train s")
-    lines = summary(rows, args.epochs)
-    table = Table(title=f"icons test classes, leave-one-out; {epochs}; mean ± half-range over the seeds run")
+    shown = (*VALIDATION_SHOWN, *SHOWN) if args.split == "validation" else SHOWN
+    header = ("configuration", "options", "seeds", *shown, "train s")
+    lines = summary(rows, args.epochs, args.split, shown)
+    trained_on = "trained on 4/5 of the training classes, chosen on the other 1/5 (val), test classes reported" if args.split == "validation" else "trained on all training classes"
+    table = Table(title=f"icons, leave-one-out; {trained_on}; {epochs}; mean ± half-range over the seeds run")
     for column in header:
         table.add_column(column)
     for line in lines:
@@ -120,11 +161,16 @@ def write_markdown(path: Path, header: tuple[str, ...], lines: list[tuple[str, .
     path.write_text(text + "\n")
 
 
-def summary(rows: list[dict], epochs: int | None) -> list[tuple[str, ...]]:
-    """One line per configuration run with these epochs: its options, seeds, mean ± half-range of each figure, training time."""
+def same_setting(row: dict, epochs: int | None, split: str) -> bool:
+    """Whether a stored row was run with these epochs on this split (rows from before --split trained on all of train/)."""
+    return row["epochs"] == epochs and row.get("split", "full") == split
+
+
+def summary(rows: list[dict], epochs: int | None, split: str, shown: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """One line per configuration run in this setting: its options, seeds, mean ± half-range of each figure, training time."""
     lines = []
     for name in dict.fromkeys(row["name"] for row in rows):
-        runs = [row for row in rows if row["name"] == name and row["epochs"] == epochs]
+        runs = [row for row in rows if row["name"] == name and same_setting(row, epochs, split)]
         if not runs:
             continue
 
@@ -133,7 +179,7 @@ def summary(rows: list[dict], epochs: int | None) -> list[tuple[str, ...]]:
             return f"{values.mean():.3f}" + (f" ± {(values.max() - values.min()) / 2:.3f}" if len(values) > 1 else "")
 
         options = f"`{runs[0]['options']}`" if runs[0]["options"] else "(defaults)"
-        lines.append((name, options, str(len(runs)), *(cell(key) for key in SHOWN), f"{np.mean([row['train_seconds'] for row in runs]):.0f}"))
+        lines.append((name, options, str(len(runs)), *(cell(key) for key in shown), f"{np.mean([row['train_seconds'] for row in runs]):.0f}"))
     return lines
 
 
