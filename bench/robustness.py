@@ -5,7 +5,7 @@ Runs tests/robustness with more kills (ROBUSTNESS_KILLS) and many more fuzzed in
 mixing good and bad uploads for --seconds after --warmup seconds (bench/app_load.py --mixed), and prints one row per
 check with its outcome and time; --markdown writes the same table for the README.
 
-    python bench/robustness.py [--kills 10] [--seconds 60] [--warmup 30] [--users 32] [--markdown reliability.md]
+    python bench/robustness.py [--kills 10] [--seconds 60] [--warmup 120] [--users 32] [--markdown reliability.md]
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=10, help="SIGKILLs of each job in the fault loops")
     parser.add_argument("--fuzz", default="long", help="hypothesis profile: long (5,000 inputs per property) or ci (150)")
     parser.add_argument("--seconds", type=float, default=60.0, help="length of the load run")
-    parser.add_argument("--warmup", type=float, default=30.0, help="seconds of the same load before it, not measured")
+    parser.add_argument("--warmup", type=float, default=120.0, help="seconds of the same load before it, not measured (a 10,000-image index levels off after 60-120 s)")
     parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
