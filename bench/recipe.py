@@ -21,7 +21,6 @@ recall@1 and MAP@R, the test recall@1, recall@5, MAP@R, uniformity and tolerance
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import shlex
 import subprocess
@@ -33,7 +32,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from retrieval.data import load_collection, split_by_class
+from retrieval.data import load_collection, split_by_class, write_collection_csv
 from retrieval.datasets import icons
 
 RETRIEVAL = str(Path(sys.executable).with_name("retrieval"))
@@ -78,19 +77,13 @@ VALIDATION_SHOWN = ("val recall@1", "val map@r")
 VALIDATION_SHARE = 0.2  # of the training classes, held out with --split validation
 
 
-def validation_split(work: Path) -> tuple[Path, Path]:
-    """CSVs of the training classes to fit on and the held-out fifth to choose on (absolute paths, seed 0)."""
+def training_data(split: str, work: Path) -> tuple[Path, Path | None]:
+    """What to train on and the held-out classes to choose on: the whole train/ and None, or with
+    --split validation CSVs of four fifths of its classes and the seeded other fifth (seed 0)."""
+    if split == "full":
+        return icons() / "train", None
     fit, validation = split_by_class(load_collection(icons() / "train").items, VALIDATION_SHARE, seed=0)
-    paths = []
-    for name, items in (("fit", fit), ("validation", validation)):
-        path = work / f"{name}.csv"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w", newline="", encoding="utf-8") as handle:
-            writer = csv.writer(handle)
-            writer.writerow(["path", "label"])
-            writer.writerows([str(item.path), item.label] for item in items)
-        paths.append(path)
-    return paths[0], paths[1]
+    return write_collection_csv(work / "fit.csv", fit), write_collection_csv(work / "validation.csv", validation)
 
 
 def run_quietly(*arguments: str) -> None:
@@ -98,24 +91,27 @@ def run_quietly(*arguments: str) -> None:
     subprocess.run([RETRIEVAL, *arguments], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def one_run(name: str, options: str, seed: int, epochs: int | None, split: str, work: Path) -> dict:
-    """Trains, exports and evaluates one configuration with one seed on a split; returns its figures."""
-    dataset = icons()
+def scores(run: Path, images: Path) -> dict:
+    """`retrieval evaluate RUN IMAGES` (leave-one-out), and the metrics.json it writes."""
+    run_quietly("evaluate", str(run), str(images))
+    return json.loads((run / "metrics.json").read_text())
+
+
+def one_run(name: str, options: str, seed: int, epochs: int | None, split: str, data: tuple[Path, Path | None], work: Path) -> dict:
+    """Trains on data's first part, exports, and scores data's held-out classes (if any) and test/; returns the figures."""
+    fit, validation = data
     run = work / split / f"{name.replace(' ', '_').replace('=', '')}-seed{seed}"
     extra = shlex.split(options) + (["--epochs", str(epochs)] if epochs else [])
-    fit, validation = validation_split(work) if split == "validation" else (dataset / "train", None)
     started = time.perf_counter()
     run_quietly("train", str(fit), "--run", str(run), "--seed", str(seed), *extra)
     seconds = time.perf_counter() - started
     run_quietly("export", str(run))
-    figures: dict = {}
+    figures = {}
     if validation is not None:
-        run_quietly("evaluate", str(run), str(validation))
-        metrics = json.loads((run / "metrics.json").read_text())
-        figures = {"val recall@1": metrics["recall@1"], "val map@r": metrics["map@r"]}
-    run_quietly("evaluate", str(run), str(dataset / "test"))
-    metrics = json.loads((run / "metrics.json").read_text())
-    return {"name": name, "options": options, "seed": seed, "epochs": epochs, "split": split, "train_seconds": seconds, **figures, **{key: metrics[key] for key in SHOWN}}
+        held_out = scores(run, validation)
+        figures = {"val recall@1": held_out["recall@1"], "val map@r": held_out["map@r"]}
+    test = scores(run, icons() / "test")
+    return {"name": name, "options": options, "seed": seed, "epochs": epochs, "split": split, "train_seconds": seconds, **figures, **{key: test[key] for key in SHOWN}}
 
 
 def main() -> None:
@@ -132,11 +128,12 @@ def main() -> None:
     names = args.only.split(",") if args.only else list(CONFIGURATIONS)
     seeds = [int(seed) for seed in args.seeds.split(",")]
     rows = json.loads(args.out.read_text()) if args.out.is_file() else []  # later runs add to earlier ones
+    data = training_data(args.split, args.work)
     for name in names:
         for seed in seeds:
             if any(same_setting(row, args.epochs, args.split) and row["name"] == name and row["seed"] == seed for row in rows):
                 continue
-            rows.append(one_run(name, CONFIGURATIONS[name], seed, args.epochs, args.split, args.work))
+            rows.append(one_run(name, CONFIGURATIONS[name], seed, args.epochs, args.split, data, args.work))
             chosen_on = f"validation recall@1 {rows[-1]['val recall@1']:.3f}, MAP@R {rows[-1]['val map@r']:.3f}; " if args.split == "validation" else ""
             console.print(f"{name} seed {seed}: {chosen_on}test recall@1 {rows[-1]['recall@1']:.3f}, MAP@R {rows[-1]['map@r']:.3f}, {rows[-1]['train_seconds']:.0f} s")
             args.out.write_text(json.dumps(rows, indent=1) + "\n")

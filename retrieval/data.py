@@ -108,12 +108,20 @@ def _walk(root: Path) -> list[Path]:
     return found
 
 
-def file_problem(path: Path) -> str | None:
-    """Why path cannot be an image of a collection (None: it can): not UTF-8, not a regular file."""
+def _name_problem(path: Path) -> str | None:
+    """Why path's name cannot be stored or printed (None: it can): not valid UTF-8."""
     try:
         str(path).encode("utf-8")
     except UnicodeEncodeError:
         return "its name is not valid UTF-8; rename it"
+    return None
+
+
+def file_problem(path: Path) -> str | None:
+    """Why path cannot be an image of a collection (None: it can): not UTF-8, not a regular file."""
+    problem = _name_problem(path)
+    if problem:
+        return problem
     try:
         if path.resolve(strict=True).is_file():
             return None
@@ -151,6 +159,16 @@ def _load_csv(csv_path: Path) -> Collection:
     return Collection(csv_path.resolve(), items, skipped)
 
 
+def write_collection_csv(path: Path, items: Sequence[Item]) -> Path:
+    """Writes items as a CSV with columns path,label (absolute paths), the form load_collection reads."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["path", "label"])
+        writer.writerows([str(item.path), item.label] for item in items)
+    return path
+
+
 def _load_list(list_path: Path) -> Collection:
     base = list_path.resolve().parent
     items: list[Item] = []
@@ -173,10 +191,9 @@ def read_image_bytes(path: Path) -> tuple[bytes, str]:
     One open, non-blocking, then fstat: a pipe or device is refused instead of waited on, with no
     extra path lookups per image (this runs for every image of every epoch).
     """
-    try:
-        str(path).encode("utf-8")
-    except UnicodeEncodeError:
-        raise ImageError(path, "its name is not valid UTF-8; rename it") from None
+    problem = _name_problem(Path(path))
+    if problem:
+        raise ImageError(path, problem)
     try:
         with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as handle:
             if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):

@@ -6,13 +6,12 @@ test/ holds classes never seen in training, so the figures are the metric-learni
 
 from __future__ import annotations
 
-import csv
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from index.build import build_index
-from retrieval.data import Collection, load_collection
+from retrieval.data import Collection, load_collection, write_collection_csv
 from retrieval.datasets import icons
 from retrieval.embedders import OnnxEmbedder, PixelEmbedder
 from retrieval.evaluation import evaluate_collection
@@ -62,9 +61,5 @@ def _split(folder: Path, classes: int | None, csv_path: Path) -> Path:
     if classes is None:
         return folder
     collection: Collection = load_collection(folder)
-    keep = sorted(collection.class_counts())[:classes]
-    with csv_path.open("w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["path", "label"])
-        writer.writerows([item.path, item.label] for item in collection.items if item.label in keep)
-    return csv_path
+    keep = set(sorted(collection.class_counts())[:classes])
+    return write_collection_csv(csv_path, [item for item in collection.items if item.label in keep])
