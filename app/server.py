@@ -377,5 +377,7 @@ def serve(
     service = SearchService(run, index_dir, mmap=mmap, allow_write=allow_write)
     try:
         launch(service, host, port, auth, max_upload, max_batch=max_batch)
+    except KeyboardInterrupt:
+        pass  # a stop that came before Gradio's own wait loop could catch it: the same normal stop
     finally:
         service.close()
