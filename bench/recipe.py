@@ -164,9 +164,10 @@ def same_setting(row: dict, epochs: int | None, split: str) -> bool:
 
 
 def summary(rows: list[dict], epochs: int | None, split: str, shown: tuple[str, ...]) -> list[tuple[str, ...]]:
-    """One line per configuration run in this setting: its options, seeds, mean ± half-range of each figure, training time."""
+    """One line per configuration run in this setting, in the order of CONFIGURATIONS: its options, seeds, mean ± half-range of each figure, training time."""
     lines = []
-    for name in dict.fromkeys(row["name"] for row in rows):
+    order = list(CONFIGURATIONS)
+    for name in sorted(dict.fromkeys(row["name"] for row in rows), key=lambda name: order.index(name) if name in order else len(order)):
         runs = [row for row in rows if row["name"] == name and same_setting(row, epochs, split)]
         if not runs:
             continue
