@@ -67,7 +67,7 @@ def test_the_app_and_search_work_on_milvus(demo_run: RunDir, icons_root: Path, t
     uri = str(tmp_path / "gallery.db")
     assert main(["index", str(demo_run.root), str(data), "--index", str(directory), "--backend", "milvus", "--uri", uri, "--milvus-index", "HNSW"]) == 0
     assert "HNSW" in (directory / "manifest.json").read_text()
-    service = SearchService(demo_run, directory, allow_write=True)
+    service = SearchService(demo_run, directory, allow_write=True, cache=tmp_path / "cache")  # its evaluation plots stay out of /tmp
     query = next(iter(service.items.values())).path
     result = service.search(query, k=3)
     assert len(result.hits) == 3 and all(hit.path != str(query) for hit in result.hits)
