@@ -27,9 +27,8 @@ from retrieval.data import load_collection, load_image
 from retrieval.metrics import retrieval_metrics
 from retrieval.preprocess import Preprocessing, resize_and_crop
 from retrieval.runs import RunDir
+from training.augment import WHITE
 from training.train import load_encoder
-
-WHITE = (255, 255, 255)
 
 
 def zoom(image: Image.Image, size: int, factor: float) -> Image.Image:
@@ -56,8 +55,8 @@ VIEWS: dict[str, Callable[[Image.Image, int], list[Image.Image]]] = {
 }
 
 
-def embed(model: torch.nn.Module, preprocessing: Preprocessing, images: list[Image.Image], views: str, batch: int = 64) -> tuple[np.ndarray, float]:
-    """The unit mean embedding of each image's views, and the seconds it took."""
+def embed(model: torch.nn.Module, preprocessing: Preprocessing, images: list[Image.Image], views: str, batch: int = 64) -> tuple[np.ndarray, int, float]:
+    """The unit mean embedding of each image's views, the number of views per image, and the seconds it took."""
     make = VIEWS[views]
     vectors = []
     started = time.perf_counter()
@@ -68,7 +67,7 @@ def embed(model: torch.nn.Module, preprocessing: Preprocessing, images: list[Ima
             inputs = torch.from_numpy(np.stack([preprocessing.normalise(view) for views_of in per_image for view in views_of]))
             embeddings = model(inputs).reshape(len(chunk), len(per_image[0]), -1).mean(dim=1)
             vectors.append(torch.nn.functional.normalize(embeddings, dim=1).numpy())
-    return np.concatenate(vectors), time.perf_counter() - started
+    return np.concatenate(vectors), len(per_image[0]), time.perf_counter() - started
 
 
 def main() -> None:
@@ -87,10 +86,9 @@ def main() -> None:
         labels = [item.label for item in items]
         baseline = None
         for views in VIEWS:
-            vectors, seconds = embed(model, preprocessing, images, views)
+            vectors, count, seconds = embed(model, preprocessing, images, views)
             baseline = baseline or seconds
             metrics = retrieval_metrics(vectors, labels, ks=(1, 5))
-            count = len(VIEWS[views](images[0], preprocessing.image_size))
             table.add_row(Path(source).name, views, str(count), *(f"{metrics[key]:.3f}" for key in ("recall@1", "recall@5", "map@r")), f"{seconds:.1f}", f"{seconds / baseline:.1f}x")
     Console(width=160).print(table)
 
