@@ -1,7 +1,8 @@
 """The Gradio search app over a SearchService, and its launch settings.
 
 API (gradio_client, endpoint names are stable):
-  /search     (image, k, label, depth, only) -> (results, summary)   batched: concurrent queries share one embedding call;
+  /search     (image, k, label, depth, only) -> (results, summary)   batched: concurrent queries share one embedding
+  call;
                                            only: results restricted to the label
   /search_id  (item id, k, depth)      -> (results, summary)
   /labels     ()                        -> table of label, count
@@ -24,6 +25,7 @@ import shutil
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
@@ -35,7 +37,9 @@ from retrieval.runs import RunDir
 MAX_BATCH = 16  # concurrent search requests embedded in one call
 AUTH_VARIABLE = "RETRIEVAL_AUTH"  # user:password, instead of --auth on the command line
 CAPTION_ID = re.compile(r"· id (\d+)$")
-ANALYTICS_EVENTS = 500  # Gradio keeps this many finished events for its monitoring page (its default, 10,000, is ~10 MiB of dicts)
+ANALYTICS_EVENTS = (
+    500  # Gradio keeps this many finished events for its monitoring page (its default, 10,000, is ~10 MiB of dicts)
+)
 TRIM_VARIABLE = "RETRIEVAL_TRIM_SECONDS"  # how often freed heap memory is handed back to the system (0: never)
 TRIM_SECONDS = 10.0
 _trimmer: threading.Thread | None = None  # one per process, however many apps it launches
@@ -58,30 +62,47 @@ class QueryImage(gr.Image):
 
 
 def result_gallery(service: SearchService, result: SearchResult) -> list[tuple[str, str]]:
-    """Gallery entries (thumbnail, caption): hit/miss mark when the query's label is known, rank, similarity, label, file name, id."""
+    """Gallery entries (thumbnail, caption): hit/miss mark when the query's label is known, rank, similarity, label,
+    file name, id."""
     entries = []
     for rank, hit in enumerate(result.hits, 1):
         mark = "" if not result.label else ("HIT · " if hit.label == result.label else "miss · ")
-        entries.append((str(service.thumbnail(hit.path, hit.sha256)), f"{mark}#{rank} · {hit.score:.3f} · {hit.label} · {Path(hit.path).name} · id {hit.id}"))
+        entries.append(
+            (
+                str(service.thumbnail(hit.path, hit.sha256)),
+                f"{mark}#{rank} · {hit.score:.3f} · {hit.label} · {Path(hit.path).name} · id {hit.id}",
+            )
+        )
     return entries
 
 
 def item_gallery(service: SearchService, ids: list[int]) -> list[tuple[str, str]]:
     """Gallery entries (thumbnail, caption) of indexed items: label, file name, id."""
     items = service.items
-    return [(str(thumbnail), f"{items[i].label} · {items[i].path.name} · id {i}") for i, thumbnail in zip(ids, service.thumbnails(ids))]
+    return [
+        (str(thumbnail), f"{items[i].label} · {items[i].path.name} · id {i}")
+        for i, thumbnail in zip(ids, service.thumbnails(ids))
+    ]
 
 
 def metrics_rows(metrics: dict | None) -> list[list[str]]:
     """Returns a metrics dict (metrics.json) as rows of (metric, value) for a table."""
     if not metrics:
         return [["(no metrics yet)", "run `retrieval evaluate RUN IMAGES`, or press Evaluate"]]
-    return [[key, f"{value:.4f}" if isinstance(value, float) else str(value)] for key, value in metrics.items() if not isinstance(value, (dict, list))]
+    return [
+        [key, f"{value:.4f}" if isinstance(value, float) else str(value)]
+        for key, value in metrics.items()
+        if not isinstance(value, (dict, list))
+    ]
 
 
 def run_plots(service: SearchService) -> list[tuple[str, str]]:
     """The run's plots (training curves, evaluation plots), copied into the app's cache: the only folder it serves."""
-    sources = [service.run.loss_plot, *sorted(service.run.plots.glob("*.png"))] if service.run.plots.is_dir() else [service.run.loss_plot]
+    sources = (
+        [service.run.loss_plot, *sorted(service.run.plots.glob("*.png"))]
+        if service.run.plots.is_dir()
+        else [service.run.loss_plot]
+    )
     shown = []
     for source in sources:
         if source.is_file():
@@ -104,42 +125,223 @@ def parse_ids(text: str) -> list[int]:
     """Item ids from text such as "3, 7 12"."""
     words = re.split(r"[\s,;]+", str(text).strip())
     if not words or not all(word.isdigit() for word in words):
-        raise RetrievalError(f"{text!r}: give item ids as numbers separated by commas or spaces (ids are shown in the captions)")
+        raise RetrievalError(
+            f"{text!r}: give item ids as numbers separated by commas or spaces (ids are shown in the captions)"
+        )
     return [int(word) for word in words]
+
+
+@dataclass
+class SearchTab:
+    """The Search tab's components, which the other tabs send their picks to."""
+
+    query: gr.Image
+    query_label: gr.Dropdown
+    only_label: gr.Checkbox
+    k: gr.Slider
+    depth: gr.Number
+    results: gr.Gallery
+    summary: gr.Markdown
+    picker: gr.Gallery
+
+    @property
+    def inputs(self) -> list:
+        return [self.query, self.k, self.query_label, self.depth, self.only_label]
+
+    @property
+    def outputs(self) -> list:
+        return [self.results, self.summary]
 
 
 def build_app(service: SearchService, max_batch: int = MAX_BATCH) -> gr.Blocks:
     """Returns the Gradio interface over a search service; up to max_batch queued searches share one embedding call."""
+    labels = sorted(label for label, _ in service.label_counts() if label)
+    concurrency = max(1, (os.cpu_count() or 1) // service.threads)  # embedding calls that fit the cores side by side
+    on = Handlers(service)
+    searching = {
+        "batch": True,
+        "max_batch_size": max_batch,
+        "concurrency_limit": concurrency,
+        "concurrency_id": "embed",
+    }
+    with gr.Blocks(title="retrieval · image search") as demo:
+        gr.Markdown(
+            "# Image search\nRun "
+            f"`{service.run.root}` · "
+            f"{len(service.index):,} gallery "
+            f"images · {len(labels)} labels · "
+            f"{service.index.manifest.get('index_type', 'Flat')} index"
+            + ("" if service.allow_write else " · read-only")
+        )
+        with gr.Tabs() as tabs:
+            with gr.Tab("Search", id="search"):
+                tab = search_tab(on, labels, searching)
+            with gr.Tab("Browse", id="browse"):
+                browsed = browse_tab(on, labels)
+            with gr.Tab("Metrics", id="metrics"):
+                metrics_tab(on)
+            with gr.Tab("Embedding map", id="map"):
+                map_image, projection = map_tab(on)
+        for gallery in (tab.results, tab.picker, browsed):
+            picked = gallery.select(on.pick, None, [tab.query, tab.query_label, tabs], api_name=False)
+            picked.then(on.search_batch, tab.inputs, tab.outputs, api_name=False, **searching)
+        picked = map_image.select(on.pick_on_map, projection, [tab.query, tab.query_label, tabs], api_name=False)
+        picked.then(on.search_batch, tab.inputs, tab.outputs, api_name=False, **searching)
+    return demo
+
+
+def search_tab(on: Handlers, labels: list[str], searching: dict) -> SearchTab:
+    """The query (image, label, k, depth), the results, and one image per label to start from."""
+    service = on.service
     kind = service.index.kind
     depth_name = {"ivf": "nprobe", "hnsw": "efSearch"}.get(kind, "depth")
-    labels = sorted(label for label, _ in service.label_counts() if label)
+    tuned = service.index.manifest.get("search", {}).get(depth_name, "")
+    with gr.Row():
+        with gr.Column(scale=1):
+            query = QueryImage(
+                label="Query image",
+                type="filepath",
+                sources=["upload", "clipboard"],
+                image_mode=None,
+                height=256,
+                elem_id="query",
+            )
+            query_label = gr.Dropdown(
+                labels, value="", label="Query label (optional: marks hits and misses)", allow_custom_value=True
+            )
+            only_label = gr.Checkbox(False, label="Only gallery items with the query label")
+            k = gr.Slider(1, 50, value=10, step=1, label="k")
+            depth = gr.Number(
+                value=0, precision=0, minimum=0, label=f"{depth_name} (0: the tuned {tuned})", visible=kind != "flat"
+            )
+            button = gr.Button("Search", variant="primary", elem_id="search")
+        with gr.Column(scale=2):
+            summary = gr.Markdown(elem_id="summary")
+            results = gr.Gallery(
+                label="Nearest neighbours (click one to search with it)",
+                columns=5,
+                height=480,
+                object_fit="contain",
+                allow_preview=False,
+                elem_id="results",
+            )
+    picker = gr.Gallery(
+        value=item_gallery(service, service.samples()),
+        label="One image per label (click to search with it)",
+        columns=10,
+        height=300,
+        allow_preview=False,
+    )
+    tab = SearchTab(query, query_label, only_label, k, depth, results, summary, picker)
+    button.click(on.search_batch, tab.inputs, tab.outputs, api_name="search", **searching)
+    query.upload(lambda: "", None, query_label, api_name=False)  # an uploaded image's label is unknown
+    item_id = gr.Number(visible=False, precision=0)
+    gr.Button(visible=False).click(on.search_id, [item_id, k, depth], tab.outputs, api_name="search_id")
+    return tab
 
-    def search(images: list[str | None], ks: list[float], query_labels: list[str | None], depths: list[float | None], only: list[bool]) -> tuple[list, list]:
+
+def browse_tab(on: Handlers, labels: list[str]) -> gr.Gallery:
+    """The labels with their counts, the items of one label, and (with --allow-write) adding and removing; returns
+    the gallery."""
+    service = on.service
+    with gr.Row():
+        with gr.Column(scale=1):
+            counts = gr.Dataframe(on.label_table(), headers=["label", "items"], interactive=False, label="Labels")
+        with gr.Column(scale=2):
+            browse_label = gr.Dropdown(
+                labels, label=f"Label (up to {BROWSE_LIMIT} shown; click an image to search with it)"
+            )
+            browsed = gr.Gallery(label="Items", columns=8, height=420, allow_preview=False)
+    with gr.Group(visible=service.allow_write):
+        gr.Markdown("### Add and remove (started with `--allow-write`)")
+        with gr.Row():
+            uploads = gr.File(file_count="multiple", file_types=["image"], label="Images to add")
+            with gr.Column():
+                new_label = gr.Textbox(label="Their label")
+                add_button = gr.Button("Add to the index")
+                remove_ids = gr.Textbox(label="Ids to remove (from the captions)", placeholder="3, 7, 12")
+                remove_button = gr.Button("Remove from the index", variant="stop")
+        write_message = gr.Markdown()
+    gr.Button(visible=False).click(on.label_table, None, counts, api_name="labels")
+    browse_label.change(on.browse, browse_label, browsed, api_name="browse")
+    if service.allow_write:
+        add_button.click(on.add, [uploads, new_label], [write_message, counts], api_name="add", concurrency_limit=1)
+        remove_button.click(on.remove, remove_ids, [write_message, counts], api_name="remove", concurrency_limit=1)
+    return browsed
+
+
+def metrics_tab(on: Handlers) -> None:
+    """The run's metrics.json and plots, and an evaluation of the index's labeled items on demand."""
+    service = on.service
+    with gr.Row():
+        gr.Dataframe(
+            metrics_rows(service.metrics),
+            headers=["metric", "value"],
+            interactive=False,
+            label="metrics.json of the run",
+        )
+        gr.Gallery(value=run_plots(service), label="Plots of the run", columns=2, height=420)
+    evaluate_button = gr.Button("Evaluate the index's labeled items now (leave-one-out)")
+    with gr.Row():
+        evaluated = gr.Dataframe(headers=["metric", "value"], interactive=False, label="Evaluation of the index")
+        evaluated_plots = gr.Gallery(label="Its plots", columns=2, height=420)
+    evaluate_button.click(on.evaluate, None, [evaluated, evaluated_plots], api_name="evaluate", concurrency_limit=1)
+
+
+def map_tab(on: Handlers) -> tuple[gr.Image, gr.Radio]:
+    """The gallery's embeddings drawn in 2-D; returns the map (a click on it searches) and the projection."""
+    projection = gr.Radio(["pca", "tsne"], value="pca", label="Projection")
+    draw = gr.Button("Draw the map")
+    map_image = gr.Image(
+        label="Gallery embeddings (click a point to search with it)", interactive=False, type="filepath", elem_id="map"
+    )
+    draw.click(on.embedding_map, projection, map_image, api_name="embedding_map", concurrency_limit=1)
+    return map_image, projection
+
+
+class Handlers:
+    """The app's event handlers over one search service: each formats what the service (and index/ beneath it) returns.
+
+    Bound methods, so that Gradio reads their parameters (and SelectData, Progress) from their signatures.
+    """
+
+    def __init__(self, service: SearchService) -> None:
+        self.service = service
+
+    def search_batch(
+        self,
+        images: list[str | None],
+        ks: list[float],
+        query_labels: list[str | None],
+        depths: list[float | None],
+        only: list[bool],
+    ) -> tuple[list, list]:
         """Batched: Gradio hands over the requests that queued up together, one list per input."""
         given = [position for position, image in enumerate(images) if image]
-        results = service.search_images(
+        results = self.service.search_images(
             [images[p] for p in given],  # type: ignore[misc]
             [int(ks[p] or 10) for p in given],
             [query_labels[p] or "" for p in given],
-            [int(depths[p]) if depths[p] else None for p in given],
+            [int(depths[p]) if depths[p] else None for p in given],  # type: ignore[arg-type]
             [(query_labels[p] or None) if only[p] else None for p in given],
         )
         answers: list[tuple[list, str]] = [([], "Upload or paste an image, or click one in a gallery.")] * len(images)
         for position, result in zip(given, results):
-            answers[position] = (result_gallery(service, result), result.summary)
+            answers[position] = (result_gallery(self.service, result), result.summary)
         return [gallery for gallery, _ in answers], [summary for _, summary in answers]
 
-    def search_id(item_id: float, k: float, depth: float | None) -> tuple[list, str]:
+    def search_id(self, item_id: float, k: float, depth: float | None) -> tuple[list, str]:
         try:
-            result = service.search_item(int(item_id), int(k), int(depth) if depth else None)
+            result = self.service.search_item(int(item_id), int(k), int(depth) if depth else None)
         except RetrievalError as error:
             raise gr.Error(str(error)) from None
-        return result_gallery(service, result), result.summary
+        return result_gallery(self.service, result), result.summary
 
-    def choose(item_id: int) -> tuple[str, str]:
-        """The item's own file (a copy in the app's cache: the same bytes, so the search leaves it out) and its label."""
-        item = service.items[item_id]
-        target = service.cache / "queries" / f"{item_id}{item.path.suffix.lower()}"
+    def choose(self, item_id: int) -> tuple[str, str]:
+        """The item's own file (a copy in the app's cache: the same bytes, so the search leaves it out) and its
+        label."""
+        item = self.service.items[item_id]
+        target = self.service.cache / "queries" / f"{item_id}{item.path.suffix.lower()}"
         if not target.is_file():
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
@@ -148,127 +350,52 @@ def build_app(service: SearchService, max_batch: int = MAX_BATCH) -> gr.Blocks:
                 raise gr.Error(f"{item.path}: cannot be read ({error.strerror or error})") from None
         return str(target), item.label
 
-    def pick(event: gr.SelectData) -> tuple[str, str, gr.Tabs]:
-        path, label = choose(caption_id((event.value or {}).get("caption")))
+    def pick(self, event: gr.SelectData) -> tuple[str, str, gr.Tabs]:
+        path, label = self.choose(caption_id((event.value or {}).get("caption")))
         return path, label, gr.Tabs(selected="search")
 
-    def pick_on_map(projection: str, event: gr.SelectData) -> tuple[str, str, gr.Tabs]:
+    def pick_on_map(self, projection: str, event: gr.SelectData) -> tuple[str, str, gr.Tabs]:
         x, y = event.index
-        item_id = service.embedding_map(projection).pick(float(x), float(y))
+        item_id = self.service.embedding_map(projection).pick(float(x), float(y))
         if item_id is None:
             raise gr.Error("no gallery item there: click on a point")
-        path, label = choose(item_id)
+        path, label = self.choose(item_id)
         return path, label, gr.Tabs(selected="search")
 
-    def label_table() -> list[list]:
-        return [[label or "(unlabeled)", count] for label, count in service.label_counts()]
+    def label_table(self) -> list[list]:
+        return [[label or "(unlabeled)", count] for label, count in self.service.label_counts()]
 
-    def browse(label: str | None) -> list[tuple[str, str]]:
-        return item_gallery(service, service.browse(label or None))
+    def browse(self, label: str | None) -> list[tuple[str, str]]:
+        return item_gallery(self.service, self.service.browse(label or None))
 
-    def evaluate(progress: gr.Progress = gr.Progress()) -> tuple[list[list[str]], list[tuple[str, str]]]:
+    def evaluate(self, progress: gr.Progress = gr.Progress()) -> tuple[list[list[str]], list[tuple[str, str]]]:
         try:
-            evaluation, plots = service.evaluate_now(lambda fraction, text: progress(fraction, desc=text))
+            evaluation, plots = self.service.evaluate_now(lambda fraction, text: progress(fraction, desc=text))
         except RetrievalError as error:
             raise gr.Error(str(error)) from None
         return metrics_rows(evaluation.metrics), [(str(path), path.stem.replace("_", " ")) for path in plots]
 
-    def embedding_map(projection: str) -> str:
-        return str(service.embedding_map(projection).image)
+    def embedding_map(self, projection: str) -> str:
+        return str(self.service.embedding_map(projection).image)
 
-    def add(files: list[str] | None, label: str | None) -> tuple[str, list[list]]:
+    def add(self, files: list[str] | None, label: str | None) -> tuple[str, list[list]]:
         if not files:
             raise gr.Error("choose one or more image files to add")
         try:
-            ids, skipped = service.add_images(files, label or "")
+            ids, skipped = self.service.add_images(files, label or "")
         except RetrievalError as error:
             raise gr.Error(str(error)) from None
         message = f"added {len(ids)} image(s)" + (f" (ids {ids[0]}–{ids[-1]})" if ids else "")
         if skipped:
             message += "; left out: " + "; ".join(f"{s.path.name}: {s.reason}" for s in skipped)
-        return message, label_table()
+        return message, self.label_table()
 
-    def remove(ids: str) -> tuple[str, list[list]]:
+    def remove(self, ids: str) -> tuple[str, list[list]]:
         try:
-            removed = service.remove_items(parse_ids(ids))
+            removed = self.service.remove_items(parse_ids(ids))
         except RetrievalError as error:
             raise gr.Error(str(error)) from None
-        return f"removed {removed} item(s)", label_table()
-
-    with gr.Blocks(title="retrieval · image search") as demo:
-        gr.Markdown(
-            f"# Image search\nRun `{service.run.root}` · {len(service.index):,} gallery images · {len(labels)} labels · "
-            f"{service.index.manifest.get('index_type', 'Flat')} index" + ("" if service.allow_write else " · read-only")
-        )
-        with gr.Tabs() as tabs:
-            with gr.Tab("Search", id="search"):
-                with gr.Row():
-                    with gr.Column(scale=1):
-                        query = QueryImage(label="Query image", type="filepath", sources=["upload", "clipboard"], image_mode=None, height=256, elem_id="query")
-                        query_label = gr.Dropdown(labels, value="", label="Query label (optional: marks hits and misses)", allow_custom_value=True)
-                        only_label = gr.Checkbox(False, label="Only gallery items with the query label")
-                        k = gr.Slider(1, 50, value=10, step=1, label="k")
-                        depth = gr.Number(
-                            value=0, precision=0, minimum=0, label=f"{depth_name} (0: the tuned {service.index.manifest.get('search', {}).get(depth_name, '')})", visible=kind != "flat"
-                        )
-                        button = gr.Button("Search", variant="primary", elem_id="search")
-                    with gr.Column(scale=2):
-                        summary = gr.Markdown(elem_id="summary")
-                        results = gr.Gallery(
-                            label="Nearest neighbours (click one to search with it)", columns=5, height=480, object_fit="contain", allow_preview=False, elem_id="results"
-                        )
-                picker = gr.Gallery(
-                    value=item_gallery(service, service.samples()), label="One image per label (click to search with it)", columns=10, height=300, allow_preview=False
-                )
-            with gr.Tab("Browse", id="browse"):
-                with gr.Row():
-                    with gr.Column(scale=1):
-                        counts = gr.Dataframe(label_table(), headers=["label", "items"], interactive=False, label="Labels")
-                    with gr.Column(scale=2):
-                        browse_label = gr.Dropdown(labels, label=f"Label (up to {BROWSE_LIMIT} shown; click an image to search with it)")
-                        browsed = gr.Gallery(label="Items", columns=8, height=420, allow_preview=False)
-                with gr.Group(visible=service.allow_write):
-                    gr.Markdown("### Add and remove (started with `--allow-write`)")
-                    with gr.Row():
-                        uploads = gr.File(file_count="multiple", file_types=["image"], label="Images to add")
-                        with gr.Column():
-                            new_label = gr.Textbox(label="Their label")
-                            add_button = gr.Button("Add to the index")
-                            remove_ids = gr.Textbox(label="Ids to remove (from the captions)", placeholder="3, 7, 12")
-                            remove_button = gr.Button("Remove from the index", variant="stop")
-                    write_message = gr.Markdown()
-            with gr.Tab("Metrics", id="metrics"):
-                with gr.Row():
-                    gr.Dataframe(metrics_rows(service.metrics), headers=["metric", "value"], interactive=False, label="metrics.json of the run")
-                    gr.Gallery(value=run_plots(service), label="Plots of the run", columns=2, height=420)
-                evaluate_button = gr.Button("Evaluate the index's labeled items now (leave-one-out)")
-                with gr.Row():
-                    evaluated = gr.Dataframe(headers=["metric", "value"], interactive=False, label="Evaluation of the index")
-                    evaluated_plots = gr.Gallery(label="Its plots", columns=2, height=420)
-            with gr.Tab("Embedding map", id="map"):
-                projection = gr.Radio(["pca", "tsne"], value="pca", label="Projection")
-                draw = gr.Button("Draw the map")
-                map_image = gr.Image(label="Gallery embeddings (click a point to search with it)", interactive=False, type="filepath", elem_id="map")
-
-        inputs = [query, k, query_label, depth, only_label]
-        outputs = [results, summary]
-        concurrency = max(1, (os.cpu_count() or 1) // service.threads)  # embedding calls that fit the cores side by side
-        search_options = {"batch": True, "max_batch_size": max_batch, "concurrency_limit": concurrency, "concurrency_id": "embed"}
-        button.click(search, inputs, outputs, api_name="search", **search_options)
-        query.upload(lambda: "", None, query_label, api_name=False)  # an uploaded image's label is unknown
-        for gallery in (results, picker, browsed):
-            gallery.select(pick, None, [query, query_label, tabs], api_name=False).then(search, inputs, outputs, api_name=False, **search_options)
-        map_image.select(pick_on_map, projection, [query, query_label, tabs], api_name=False).then(search, inputs, outputs, api_name=False, **search_options)
-        item_id = gr.Number(visible=False, precision=0)
-        gr.Button(visible=False).click(search_id, [item_id, k, depth], outputs, api_name="search_id")
-        gr.Button(visible=False).click(label_table, None, counts, api_name="labels")
-        browse_label.change(browse, browse_label, browsed, api_name="browse")
-        evaluate_button.click(evaluate, None, [evaluated, evaluated_plots], api_name="evaluate", concurrency_limit=1)
-        draw.click(embedding_map, projection, map_image, api_name="embedding_map", concurrency_limit=1)
-        if service.allow_write:
-            add_button.click(add, [uploads, new_label], [write_message, counts], api_name="add", concurrency_limit=1)
-            remove_button.click(remove, remove_ids, [write_message, counts], api_name="remove", concurrency_limit=1)
-    return demo
+        return f"removed {removed} item(s)", self.label_table()
 
 
 def loopback(host: str) -> bool:
@@ -307,7 +434,9 @@ def release_memory_periodically(every: float | None = None) -> threading.Thread 
         try:
             every = float(os.environ.get(TRIM_VARIABLE, TRIM_SECONDS))
         except ValueError:
-            raise RetrievalError(f"{TRIM_VARIABLE}={os.environ[TRIM_VARIABLE]!r}: give a number of seconds (0: never)") from None
+            raise RetrievalError(
+                f"{TRIM_VARIABLE}={os.environ[TRIM_VARIABLE]!r}: give a number of seconds (0: never)"
+            ) from None
     if every <= 0:
         return None
     name = ctypes.util.find_library("c")
@@ -334,10 +463,14 @@ def launch(
     block: bool = True,
     max_batch: int = MAX_BATCH,
 ) -> gr.Blocks:
-    """Starts the app on host:port: authentication required off loopback, uploads capped, only the app's cache served."""
+    """Starts the app on host:port: authentication required off loopback, uploads capped, only the app's cache
+    served."""
     credentials = parse_auth(auth)
     if credentials is None and not loopback(host):
-        raise RetrievalError(f"--host {host} lets other machines reach the app: give --auth user:password (or set {AUTH_VARIABLE}), or bind 127.0.0.1")
+        raise RetrievalError(
+            f"--host {host} lets other machines reach the app: give --auth "
+            f"user:password (or set {AUTH_VARIABLE}), or bind 127.0.0.1"
+        )
     os.environ.setdefault("GRADIO_ANALYTICS_MAX_EVENTS", str(ANALYTICS_EVENTS))  # read when the queue is made
     demo = build_app(service, max_batch)
     release_memory_periodically()
@@ -371,7 +504,8 @@ def serve(
     mmap: bool = False,
     max_batch: int = MAX_BATCH,
 ) -> None:
-    """Starts the app and blocks until interrupted (Ctrl+C, or SIGTERM as from systemd or docker stop); then removes its cache folder."""
+    """Starts the app and blocks until interrupted (Ctrl+C, or SIGTERM as from systemd or docker stop); then removes
+    its cache folder."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, stop_like_ctrl_c)
     service = SearchService(run, index_dir, mmap=mmap, allow_write=allow_write)

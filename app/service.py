@@ -1,16 +1,15 @@
-"""What the app does, without the interface: search by image or by item, browse, add and remove, evaluate, map.
+"""The app's state, without the interface: the encoder, a snapshot of the index, the cache folder.
 
-Everything the app shows as an image is a file in its own cache folder (thumbnails of gallery items,
+Searching, adding and removing are index/'s (index.search, index.edit); this module only keeps the
+snapshot they run on up to date and words their results for people (`SearchResult`). Everything the app shows as an
+image is a file in its own cache folder (thumbnails of gallery items,
 plots, the embedding map), so that this folder is the only one the web server needs to read from.
-The index is reloaded when a writer (this app, or a `retrieval index` job) has replaced it on disk;
-writes hold the index's writer lock around their read-modify-write, so two writers never lose each
-other's changes.
+The index is reloaded when a writer (this app, or a `retrieval index` job) has replaced it on disk.
 """
 
 from __future__ import annotations
 
 import io
-import re
 import shutil
 import tempfile
 import threading
@@ -23,8 +22,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from index.store import MANIFEST, Additions, GalleryIndex, Hit, writer_lock
-from retrieval.data import IMAGE_SUFFIXES, Item, Skipped, decode_image, read_image_bytes
+from index.backends import open_index
+from index.edit import add_images, remove_items
+from index.search import Query, QueryResult, search_images, search_item
+from index.types import MANIFEST, GalleryBackend, Hit
+from retrieval.data import Item, Skipped, decode_image, read_image_bytes
 from retrieval.embedders import OnnxEmbedder
 from retrieval.errors import ImageError, RetrievalError
 from retrieval.evaluation import Evaluation, evaluate_embedded, write_plots
@@ -33,7 +35,6 @@ from retrieval.runs import RunDir, read_json, write_atomic
 THUMBNAIL = 256  # longest side of the thumbnails the app serves, in pixels
 BROWSE_LIMIT = 200  # thumbnails shown for one label
 MAP_POINTS = 5_000  # gallery items drawn on the embedding map (a seeded sample above this)
-WRITE_WAIT = 30.0  # seconds an add or remove waits for another writer
 PICK_RADIUS = 12.0  # pixels around a point of the map that a click picks it from
 
 
@@ -51,7 +52,7 @@ class SearchResult:
 class Snapshot:
     """One version of the index and its items, read together so that they always agree."""
 
-    index: GalleryIndex
+    index: GalleryBackend
     items: dict[int, Item]
     stamp: tuple[int, int]
 
@@ -77,7 +78,13 @@ class SearchService:
     """An ONNX encoder and the gallery index it built, ready to answer image queries."""
 
     def __init__(
-        self, run: RunDir, index_dir: Path | None = None, mmap: bool = False, allow_write: bool = False, threads: int | None = None, cache: Path | None = None
+        self,
+        run: RunDir,
+        index_dir: Path | None = None,
+        mmap: bool = False,
+        allow_write: bool = False,
+        threads: int | None = None,
+        cache: Path | None = None,
     ) -> None:
         self.run = run
         self.index_dir = Path(index_dir or run.index)
@@ -95,7 +102,8 @@ class SearchService:
 
     @property
     def cache(self) -> Path:
-        """The app's own folder (thumbnails, plots, query copies): made on first use, the only one the web server reads."""
+        """The app's own folder (thumbnails, plots, query copies): made on first use, the only one the web server
+        reads."""
         with self._making_cache:
             if self._cache is None:
                 self._cache = Path(tempfile.mkdtemp(prefix="retrieval-app-"))
@@ -103,7 +111,7 @@ class SearchService:
 
     def _load(self) -> Snapshot:
         stamp = _stamp(self.index_dir)
-        index = GalleryIndex.load(self.index_dir, self.embedder.fingerprint, self.embedder.dim, mmap=self.mmap)
+        index = open_index(self.index_dir, self.embedder.fingerprint, self.embedder.dim, mmap=self.mmap)
         return Snapshot(index, index.items(), stamp or (0, 0))
 
     @property
@@ -120,22 +128,25 @@ class SearchService:
         return self._snapshot
 
     @property
-    def index(self) -> GalleryIndex:
+    def index(self) -> GalleryBackend:
         return self.snapshot.index
 
     @property
     def items(self) -> dict[int, Item]:
         return self.snapshot.items
 
-    # searching
+    # searching (index.search), worded for people
 
-    def search(self, image_path: str | Path, k: int = 10, query_label: str = "", depth: int | None = None, only: str | None = None) -> SearchResult:
-        """Embeds the image at image_path and returns its k nearest gallery items (depth: nprobe/efSearch;
-        only: items with this label only).
-
-        Gallery items with the query's exact bytes (the query itself, when picked from the gallery)
-        are left out, as in leave-one-out evaluation.
-        """
+    def search(
+        self,
+        image_path: str | Path,
+        k: int = 10,
+        query_label: str = "",
+        depth: int | None = None,
+        only: str | None = None,
+    ) -> SearchResult:
+        """The k nearest gallery items to the image at image_path (depth: nprobe/efSearch; only: items with this
+        label only)."""
         return self.search_images([image_path], [k], [query_label], [depth], [only])[0]
 
     def search_images(
@@ -146,47 +157,24 @@ class SearchService:
         depths: Sequence[int | None],
         only: Sequence[str | None] | None = None,
     ) -> list[SearchResult]:
-        """Answers a batch of image queries with one embedding call; an unreadable image fails only its own query."""
+        """Answers a batch of image queries with one embedding call (index.search.search_images); labels mark hits."""
         only = list(only) if only is not None else [None] * len(paths)
-        started = time.perf_counter()
-        snapshot = self.snapshot
-        results: list[SearchResult | None] = [None] * len(paths)
-        images, digests, notes, good = [], [], [], []
-        for position, path in enumerate(paths):
-            try:
-                data, digest = read_image_bytes(Path(path))
-                images.append(decode_image(data, Path(path).name))
-            except ImageError as error:
-                results[position] = SearchResult([], f"⚠️ {error}", labels[position], error=True)
-                continue
-            digests.append(digest)
-            notes.append(" (animated: searched with its first frame)" if _animated(data) else "")
-            good.append(position)
-        if good:
-            vectors = self.embedder.embed(images)
-            for depth, label in {(depths[position], only[position]) for position in good}:
-                rows = [row for row, position in enumerate(good) if (depths[position], only[position]) == (depth, label)]
-                found = snapshot.index.search(vectors[rows], max(int(ks[good[row]]) for row in rows) + 1, depth, label=label)
-                for row, hits in zip(rows, found):
-                    position = good[row]
-                    kept = [hit for hit in hits if hit.sha256 != digests[row]][: int(ks[position])]
-                    results[position] = SearchResult(kept, "", labels[position])
-        milliseconds = (time.perf_counter() - started) * 1000
-        for position in good:
-            result = results[position]
-            result.summary = _summary(result.hits, result.label, milliseconds, len(paths)) + notes[good.index(position)]  # type: ignore[union-attr]
-        return results  # type: ignore[return-value]
+        queries = [Query(int(k), depth, label) for k, depth, label in zip(ks, depths, only)]
+        found = search_images(self.snapshot.index, self.embedder, paths, queries)
+        return [worded(result, label, len(paths)) for result, label in zip(found, labels)]
 
     def search_item(self, item_id: int, k: int = 10, depth: int | None = None, only: str | None = None) -> SearchResult:
-        """Returns the k nearest gallery items to an indexed item (itself left out), marked by its label."""
-        started = time.perf_counter()
+        """The k nearest gallery items to an indexed item (itself left out), marked by its label."""
         snapshot = self.snapshot
         item = snapshot.items.get(int(item_id))
         if item is None:
-            raise RetrievalError(f"no item with id {item_id} in {self.index_dir}; pick one of the gallery or see `retrieval index-stats`")
-        hits = snapshot.index.search_items([int(item_id)], k, depth, label=only)[0]
-        summary = _summary(hits, item.label, (time.perf_counter() - started) * 1000, 1)
-        return SearchResult(hits, f"item {item_id} ({item.path.name}): {summary}", item.label)
+            raise RetrievalError(
+                f"no item with id {item_id} in {self.index_dir}; ids are shown "
+                "with every result (`retrieval search`, the app's captions)"
+            )
+        result = worded(search_item(snapshot.index, int(item_id), Query(k, depth, only)), item.label, 1)
+        result.summary = f"item {item_id} ({item.path.name}): {result.summary}"
+        return result
 
     # browsing
 
@@ -206,7 +194,8 @@ class SearchService:
         return list(first.values())[:BROWSE_LIMIT]
 
     def thumbnails(self, ids: Sequence[int]) -> list[Path]:
-        """Small copies of indexed items' images in the app's cache (made on first use; a grey tile when a file is gone)."""
+        """Small copies of indexed items' images in the app's cache (made on first use; a grey tile when a file is
+        gone)."""
         rows = self.snapshot.index.rows(list(ids))
         missing = [item_id for item_id in ids if item_id not in rows]
         if missing:
@@ -230,79 +219,52 @@ class SearchService:
     # writing (only when started with allow_write)
 
     def add_images(self, paths: Sequence[str | Path], label: str = "") -> tuple[list[int], list[Skipped]]:
-        """Copies readable images into the uploads folder and adds them to the index with a label, in one atomic update.
-
-        Returns the new ids and the files left out (unreadable, or already indexed) with the reason.
-        """
+        """Adds readable images to the index with a label (copies kept in the uploads folder); see
+        index.edit.add_images."""
         self._require_write()
-        label = label.strip()
-        added: list[Item] = []
-        images, hashes, skipped = [], [], []
-        with writer_lock(self.index_dir, WRITE_WAIT):
-            base = GalleryIndex.load(self.index_dir, self.embedder.fingerprint, self.embedder.dim)
-            known = {digest: item_id for item_id, (_, _, digest) in base.rows().items()}
-            for path in map(Path, paths):
-                try:
-                    data, digest = read_image_bytes(path)
-                    image = decode_image(data, path.name)
-                except ImageError as error:
-                    skipped.append(Skipped(Path(path.name), error.reason))
-                    continue
-                if digest in known or digest in hashes:
-                    where = f"item {known[digest]}" if digest in known else "another file of this upload"
-                    skipped.append(Skipped(Path(path.name), f"already indexed ({where} has the same content)"))
-                    continue
-                target = self.uploads / _folder_name(label) / f"{digest[:16]}{_suffix(data, path)}"
-                write_atomic(target, data)
-                added.append(Item(target, label))
-                images.append(image)
-                hashes.append(digest)
-            if added:
-                updated = base.update([Additions(self.embedder.embed(images), added, hashes)], [])
-                first = int(updated.manifest["next_id"]) - len(added)
-        return (list(range(first, first + len(added))) if added else []), skipped
+        return add_images(self.index_dir, self.embedder, paths, label, self.uploads)
 
     def remove_items(self, ids: Sequence[int]) -> int:
-        """Removes items from the index in one atomic update (copies this app made in its uploads folder are deleted too)."""
+        """Removes items from the index (copies this app made in its uploads folder are deleted too)."""
         self._require_write()
-        ids = sorted({int(i) for i in ids})
-        if not ids:
-            raise RetrievalError("no item to remove: pick one in the Browse tab or give its id")
-        with writer_lock(self.index_dir, WRITE_WAIT):
-            base = GalleryIndex.load(self.index_dir, self.embedder.fingerprint, self.embedder.dim)
-            rows = base.rows(ids)
-            missing = [i for i in ids if i not in rows]
-            if missing:
-                raise RetrievalError(f"no item with id {', '.join(map(str, missing))} in {self.index_dir}")
-            base.update([], ids)
-        for path, _, _ in rows.values():
-            if Path(path).is_relative_to(self.uploads):
-                Path(path).unlink(missing_ok=True)
-        return len(ids)
+        return remove_items(self.index_dir, self.embedder, ids, self.uploads)
 
     def _require_write(self) -> None:
         if not self.allow_write:
-            raise RetrievalError("this app is read-only; start it with `retrieval serve RUN --allow-write` to add or remove images")
+            raise RetrievalError(
+                "this app is read-only; start it with `retrieval serve RUN --allow-write` to add or remove images"
+            )
 
     # evaluation and the embedding map
 
-    def evaluate_now(self, progress: Callable[[float, str], None] = lambda fraction, text: None) -> tuple[Evaluation, list[Path]]:
-        """Scores leave-one-out retrieval over the index's labeled items with their stored vectors; returns it and its plots."""
+    def evaluate_now(
+        self, progress: Callable[[float, str], None] = lambda fraction, text: None
+    ) -> tuple[Evaluation, list[Path]]:
+        """Scores leave-one-out retrieval over the index's labeled items with their stored vectors; returns it and
+        its plots."""
         snapshot = self.snapshot
         labeled = [(item_id, item) for item_id, item in sorted(snapshot.items.items()) if item.label]
         if len({item.label for _, item in labeled}) < 2:
-            raise RetrievalError(f"{self.index_dir}: evaluation needs labeled items of at least two labels; index a labeled folder or CSV")
+            raise RetrievalError(
+                f"{self.index_dir}: evaluation needs labeled items of "
+                "at least two labels; index a labeled folder or CSV"
+            )
         progress(0.05, f"reading {len(labeled):,} stored vectors")
         vectors = snapshot.index.vectors_of([item_id for item_id, _ in labeled])
         progress(0.3, "scoring every item against the others")
-        protocol = {"protocol": "leave-one-out over the index's labeled items", "images": str(self.index_dir), "encoder": self.embedder.fingerprint}
+        protocol = {
+            "protocol": "leave-one-out over the index's labeled items",
+            "images": str(self.index_dir),
+            "encoder": self.embedder.fingerprint,
+        }
         evaluation = evaluate_embedded(vectors, [item for _, item in labeled], [], protocol)
         progress(0.8, "drawing the plots")
         folder = self.cache / "evaluations" / str(time.time_ns())
         return evaluation, write_plots(evaluation, folder)
 
     def embedding_map(self, method: str = "pca") -> EmbeddingMap:
-        """The gallery (a seeded sample of MAP_POINTS above that) projected to 2-D by PCA or t-SNE and drawn coloured by label."""
+        """The gallery (a seeded sample of MAP_POINTS above that) projected to 2-D by PCA or t-SNE and drawn
+        coloured by label."""
         from retrieval.plots import plot_embedding_map
 
         snapshot = self.snapshot
@@ -313,7 +275,12 @@ class SearchService:
                 ids = np.sort(np.random.default_rng(0).choice(ids, MAP_POINTS, replace=False))
             points = project_2d(snapshot.index.vectors_of(ids.tolist()), method)
             target = self.cache / "maps" / f"{snapshot.stamp[0]}-{snapshot.stamp[1]}-{method}.png"
-            pixels = plot_embedding_map(points, [snapshot.items[int(i)].label for i in ids], target, f"{method.upper()} of {len(ids):,} gallery items")
+            pixels = plot_embedding_map(
+                points,
+                [snapshot.items[int(i)].label for i in ids],
+                target,
+                f"{method.upper()} of {len(ids):,} gallery items",
+            )
             self._maps[key] = EmbeddingMap(target, ids, pixels)
         return self._maps[key]
 
@@ -332,18 +299,30 @@ def project_2d(vectors: np.ndarray, method: str = "pca") -> np.ndarray:
     if method == "tsne":
         from sklearn.manifold import TSNE
 
-        return TSNE(2, perplexity=min(30.0, len(vectors) - 1.0), init="pca", random_state=0).fit_transform(vectors).astype(np.float32)
+        return (
+            TSNE(2, perplexity=min(30.0, len(vectors) - 1.0), init="pca", random_state=0)
+            .fit_transform(vectors)
+            .astype(np.float32)
+        )
     centred = vectors - vectors.mean(axis=0)
     _, _, components = np.linalg.svd(centred, full_matrices=False)
     return (centred @ components[:2].T).astype(np.float32)
 
 
-def _summary(hits: list[Hit], label: str, milliseconds: float, batch: int) -> str:
-    summary = f"{len(hits)} results in {milliseconds:.0f} ms" + (f" (a batch of {batch} queries)" if batch > 1 else "")
+def worded(result: QueryResult, label: str, batch: int) -> SearchResult:
+    """A search result for people: the hits and one line (the error, or counts, time and hits of the query's label)."""
+    if result.error is not None:
+        return SearchResult([], f"⚠️ {result.error}", label, error=True)
+    summary = f"{len(result.hits)} results in {result.seconds * 1000:.0f} ms" + (
+        f" (a batch of {batch} queries)" if batch > 1 else ""
+    )
     if label:
-        first = next((str(rank) for rank, hit in enumerate(hits, 1) if hit.label == label), "none")
-        summary += f" · label **{label}**: {sum(hit.label == label for hit in hits)}/{len(hits)} hits, first hit at rank {first}"
-    return summary
+        first = next((str(rank) for rank, hit in enumerate(result.hits, 1) if hit.label == label), "none")
+        summary += (
+            f" · label **{label}**: {sum(hit.label == label for hit in result.hits)}/{len(result.hits)} "
+            f"hits, first hit at rank {first}"
+        )
+    return SearchResult(result.hits, summary + "".join(f" ({note})" for note in result.notes), label)
 
 
 def _stamp(directory: Path) -> tuple[int, int] | None:
@@ -353,22 +332,3 @@ def _stamp(directory: Path) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return status.st_ino, status.st_mtime_ns
-
-
-def _animated(data: bytes) -> bool:
-    try:
-        return bool(getattr(Image.open(io.BytesIO(data)), "is_animated", False))
-    except Exception:  # decode_image has already accepted the bytes; this is only a note
-        return False
-
-
-def _folder_name(label: str) -> str:
-    """A label as a safe folder name (no separators, no leading dot): the uploads folder cannot be left."""
-    name = re.sub(r"[^\w.-]+", "_", label).lstrip(".")
-    return name or "unlabeled"
-
-
-def _suffix(data: bytes, path: Path) -> str:
-    """The suffix of the image's real format (the uploaded name may lie)."""
-    suffix = f".{(Image.open(io.BytesIO(data)).format or '').lower()}".replace(".jpeg", ".jpg")
-    return suffix if suffix in IMAGE_SUFFIXES else path.suffix.lower()

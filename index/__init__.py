@@ -1,5 +1,29 @@
-"""The gallery index: FAISS vectors with SQLite metadata, saved atomically. Never imports torch."""
+"""The gallery index: build, open, search, add and remove (FAISS + SQLite, or Milvus). Never imports torch.
 
-from index.store import GalleryIndex, Hit
+from index import build_index, open_index, search_images, Query
+"""
 
-__all__ = ["GalleryIndex", "Hit"]
+from index.backends import create_index, open_index
+from index.build import IndexReport, build_index
+from index.edit import add_images, remove_items
+from index.search import Query, QueryResult, search_images, search_item, search_items, search_vectors
+from index.store import GalleryIndex
+from index.types import GalleryBackend, Hit
+
+__all__ = [
+    "GalleryBackend",
+    "GalleryIndex",
+    "Hit",
+    "IndexReport",
+    "Query",
+    "QueryResult",
+    "add_images",
+    "build_index",
+    "create_index",
+    "open_index",
+    "remove_items",
+    "search_images",
+    "search_item",
+    "search_items",
+    "search_vectors",
+]

@@ -6,12 +6,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from index.backends import create_index, open_index
+from index.disk import writer_lock
+from index.edit import commit_changes
 from index.journal import Journal
-from index.milvus import MilvusIndex, MilvusOptions
+from index.milvus import MilvusOptions
 from index.ray_engine import RayOptions, iter_embedded_ray
-from index.store import MANIFEST, Additions, GalleryIndex, writer_lock
+from index.types import MANIFEST, Additions, GalleryBackend
 from retrieval.data import Collection, Item, Skipped, write_skip_report
-from retrieval.embedders import Embedder, OnnxEmbedder, iter_embedded
+from retrieval.embedders import EmbeddedBatch, Embedder, OnnxEmbedder, iter_embedded
 from retrieval.errors import RetrievalError
 
 
@@ -19,7 +22,7 @@ from retrieval.errors import RetrievalError
 class IndexReport:
     """What one indexing job did."""
 
-    index: GalleryIndex
+    index: GalleryBackend
     embedded: int  # embedded by this job (new or changed files)
     resumed: int  # embedded by an interrupted earlier job, taken from its journal
     unchanged: int  # already indexed with the same content
@@ -45,7 +48,11 @@ class _Replay:
 def _current_only(chunks: Iterator[Additions], current: dict[str, str]) -> Iterator[Additions]:
     """Drops journal rows whose file is no longer listed or no longer has the content that was embedded."""
     for chunk in chunks:
-        keep = [i for i, (item, digest) in enumerate(zip(chunk.items, chunk.hashes)) if current.get(str(item.path)) == digest]
+        keep = [
+            i
+            for i, (item, digest) in enumerate(zip(chunk.items, chunk.hashes))
+            if current.get(str(item.path)) == digest
+        ]
         if keep:
             yield Additions(chunk.vectors[keep], [chunk.items[i] for i in keep], [chunk.hashes[i] for i in keep])
 
@@ -75,7 +82,9 @@ def build_index(
     """
     directory = Path(directory)
     with writer_lock(directory):
-        return _build_index(embedder, collection, directory, sync, rebuild, batch_size, progress, factory, memory, ray, milvus)
+        return _build_index(
+            embedder, collection, directory, sync, rebuild, batch_size, progress, factory, memory, ray, milvus
+        )
 
 
 def _build_index(
@@ -91,55 +100,84 @@ def _build_index(
     ray: RayOptions | None,
     milvus: MilvusOptions | None,
 ) -> IndexReport:
-    base = None if rebuild or not (directory / MANIFEST).is_file() else GalleryIndex.load(directory, embedder.fingerprint, embedder.dim)
-    if base is not None and milvus is not None and base.manifest.get("backend") != "milvus":
-        raise RetrievalError(f"{directory} is a FAISS index; add --rebuild to build it anew in Milvus")
-    if base is not None and factory and factory != base.manifest.get("index_type"):
-        raise RetrievalError(f"{directory} is a {base.manifest.get('index_type', 'Flat')} index; add --rebuild to build it anew as --faiss {factory!r}")
+    base = (
+        None
+        if rebuild or not (directory / MANIFEST).is_file()
+        else open_index(directory, embedder.fingerprint, embedder.dim)
+    )
+    _check_kept_type(directory, base, factory, milvus)
     indexed = {path: (item_id, digest) for item_id, (path, _, digest) in (base.rows() if base else {}).items()}
     journal = Journal(journal_path(directory), embedder.fingerprint, embedder.dim)
+    scan = _Scan({path: digest for path, (_, digest) in indexed.items()}, journal.hashes())
     skipped = list(collection.skipped)
     embedded = unchanged_count = 0
-    pending = journal.hashes()
-    # the check runs in the decoding threads: list.append and dict item assignment are atomic
-    from_journal: list[str] = []
-    current: dict[str, str] = {}  # sha256 of every readable listed file, as read by this job
-
-    def unchanged(item: Item, digest: str) -> bool:
-        path = str(item.path)
-        current[path] = digest
-        if pending.get(path) == digest:
-            from_journal.append(path)
-            return True
-        return indexed.get(path, (None, None))[1] == digest
-
-    if ray is None:
-        batches = iter_embedded(embedder, collection.items, batch_size, unchanged, progress=progress)
-    elif isinstance(embedder, OnnxEmbedder):
-        known = {path: digest for path, (_, digest) in indexed.items()} | pending
-        batches = iter_embedded_ray(embedder, collection.items, unchanged, known, directory.with_name(f".{directory.name}.ray"), ray, batch_size, progress)
-    else:
-        raise RetrievalError("--engine ray embeds with an exported model (model.onnx); export the run first")
-    for batch in batches:
+    for batch in _batches(embedder, collection, directory, scan, batch_size, progress, ray):
         if batch.items:
             journal.add(batch.items, batch.hashes, batch.vectors)
         embedded += len(batch.items)
         unchanged_count += batch.unchanged
         skipped += batch.skipped
-
     listed = {str(item.path) for item in collection.items}
-    replaced = {path for path, digest in journal.hashes().items() if current.get(path) == digest}
+    replaced = {path for path, digest in journal.hashes().items() if scan.current.get(path) == digest}
     remove = [item_id for path, (item_id, _) in indexed.items() if path in replaced or (sync and path not in listed)]
-    additions = _Replay(lambda: _current_only(journal.chunks(), current))
+    additions = _Replay(lambda: _current_only(journal.chunks(), scan.current))
     if base is not None and not replaced and not remove:
         index = base  # nothing changed: the index on disk stays as it is
-    elif base is None and milvus is not None:
-        count = sum(len(chunk.items) for chunk in additions)
-        index = MilvusIndex.create(directory, additions, embedder.fingerprint, embedder.dim, milvus.uri, count, memory, milvus.index_type)
     elif base is None:
-        index = GalleryIndex.create(directory, additions, embedder.fingerprint, embedder.dim, factory, memory)
+        index = create_index(directory, additions, embedder.fingerprint, embedder.dim, factory, memory, milvus)
     else:
-        index = base.update(additions, remove)
+        index = commit_changes(base, additions, remove)
     journal.discard()
     write_skip_report(directory / "skipped.json", skipped)
-    return IndexReport(index, embedded, len(from_journal), unchanged_count - len(from_journal), len(remove), skipped)
+    resumed = len(scan.from_journal)
+    return IndexReport(index, embedded, resumed, unchanged_count - resumed, len(remove), skipped)
+
+
+def _check_kept_type(
+    directory: Path, base: GalleryBackend | None, factory: str | None, milvus: MilvusOptions | None
+) -> None:
+    """An existing index keeps its backend and type: asking for another needs --rebuild."""
+    if base is not None and milvus is not None and base.manifest.get("backend") != "milvus":
+        raise RetrievalError(f"{directory} is a FAISS index; add --rebuild to build it anew in Milvus")
+    if base is not None and factory and factory != base.manifest.get("index_type"):
+        kept = base.manifest.get("index_type", "Flat")
+        raise RetrievalError(f"{directory} is a {kept} index; add --rebuild to build it anew as --faiss {factory!r}")
+
+
+class _Scan:
+    """Which listed files need embedding: not when indexed or journaled with the content they have now.
+
+    unchanged runs in the decoding threads: list.append and dict item assignment are atomic.
+    """
+
+    def __init__(self, indexed: dict[str, str], pending: dict[str, str]) -> None:
+        self.indexed, self.pending = indexed, pending
+        self.from_journal: list[str] = []
+        self.current: dict[str, str] = {}  # sha256 of every readable listed file, as read by this job
+
+    def unchanged(self, item: Item, digest: str) -> bool:
+        path = str(item.path)
+        self.current[path] = digest
+        if self.pending.get(path) == digest:
+            self.from_journal.append(path)
+            return True
+        return self.indexed.get(path) == digest
+
+
+def _batches(
+    embedder: Embedder,
+    collection: Collection,
+    directory: Path,
+    scan: _Scan,
+    batch_size: int | None,
+    progress: bool,
+    ray: RayOptions | None,
+) -> Iterator[EmbeddedBatch]:
+    """The embedded batches of the files to index, from this process or from Ray Data."""
+    if ray is None:
+        return iter_embedded(embedder, collection.items, batch_size, scan.unchanged, progress=progress)
+    if not isinstance(embedder, OnnxEmbedder):
+        raise RetrievalError("--engine ray embeds with an exported model (model.onnx); export the run first")
+    known = scan.indexed | scan.pending
+    shards = directory.with_name(f".{directory.name}.ray")
+    return iter_embedded_ray(embedder, collection.items, scan.unchanged, known, shards, ray, batch_size, progress)

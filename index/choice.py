@@ -31,7 +31,18 @@ EXACT_LIMIT = 100_000
 TARGET_RECALL = 0.95
 OVERHEAD = 1.2  # FAISS's lists, centroids and allocator slack over the raw codes and ids
 ID_BYTES = 8
-_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 1e3,
+    "MB": 1e6,
+    "GB": 1e9,
+    "TB": 1e12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 @dataclass(frozen=True)
@@ -71,12 +82,30 @@ def choose_index(count: int, dim: int, memory: int | None = None) -> IndexChoice
         return count * (code_bytes + ID_BYTES) * OVERHEAD
 
     if size(4 * dim) <= budget:
-        return IndexChoice(f"IVF{nlist},Flat", f"{count:,} vectors; the full vectors ({size(4 * dim) / 1e9:.2f} GB) fit in {budget / 1e9:.2f} GB")
+        return IndexChoice(
+            f"IVF{nlist},Flat",
+            f"{count:,} vectors; the full vectors ({size(4 * dim) / 1e9:.2f} GB) fit in {budget / 1e9:.2f} GB",
+        )
     if size(dim) <= budget:
-        return IndexChoice(f"IVF{nlist},SQ8", f"{count:,} vectors; 8-bit codes ({size(dim) / 1e9:.2f} GB) fit in {budget / 1e9:.2f} GB, the full vectors do not")
+        return IndexChoice(
+            f"IVF{nlist},SQ8",
+            (
+                f"{count:,} vectors; 8-bit codes ({size(dim) / 1e9:.2f} GB) "
+                f"fit in {budget / 1e9:.2f} GB, the full vectors do not"
+            ),
+        )
     for m in (64, 32, 16, 8):
         if dim % m == 0 and size(m) <= budget:
-            return IndexChoice(f"OPQ{m},IVF{nlist},PQ{m}", f"{count:,} vectors; {m}-byte product-quantised codes ({size(m) / 1e9:.2f} GB) fit in {budget / 1e9:.2f} GB")
+            return IndexChoice(
+                f"OPQ{m},IVF{nlist},PQ{m}",
+                (
+                    f"{count:,} vectors; {m}-byte product-quantised codes "
+                    f"({size(m) / 1e9:.2f} GB) fit in {budget / 1e9:.2f} GB"
+                ),
+            )
     smallest = next((m for m in (8, 16, 32, 64) if dim % m == 0), None)
     need = f"{size(smallest) / 1e9:.2f} GB" if smallest else "a dimension divisible by 8"
-    raise RetrievalError(f"--memory {budget / 1e9:.2f} GB is too small for {count:,} {dim}-d vectors: the smallest index here needs {need}; raise --memory")
+    raise RetrievalError(
+        f"--memory {budget / 1e9:.2f} GB is too small for {count:,} {dim}-d "
+        f"vectors: the smallest index here needs {need}; raise --memory"
+    )

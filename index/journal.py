@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from index.store import Additions
+from index.types import Additions
 from retrieval.data import Item
 
 
@@ -28,7 +28,10 @@ class Journal:
         self.connection.execute("PRAGMA journal_mode=WAL")
         self.connection.execute("PRAGMA synchronous=NORMAL")
         self.connection.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-        self.connection.execute("CREATE TABLE IF NOT EXISTS pending (path TEXT PRIMARY KEY, label TEXT NOT NULL, sha256 TEXT NOT NULL, vector BLOB NOT NULL)")
+        self.connection.execute(
+            "CREATE TABLE IF NOT EXISTS pending (path TEXT PRIMARY KEY, label "
+            "TEXT NOT NULL, sha256 TEXT NOT NULL, vector BLOB NOT NULL)"
+        )
         owner = self.connection.execute("SELECT value FROM meta WHERE key = 'encoder'").fetchone()
         if owner is None or owner[0] != f"{encoder_sha256}:{dim}":
             # a journal of another encoder cannot be resumed: its vectors live in another space
@@ -42,7 +45,10 @@ class Journal:
 
     def add(self, items: Sequence[Item], hashes: Sequence[str], vectors: np.ndarray) -> None:
         """Stores one embedded batch durably (a later row for the same path replaces the earlier one)."""
-        rows = [(str(item.path), item.label, digest, np.asarray(vector, np.float32).tobytes()) for item, digest, vector in zip(items, hashes, vectors)]
+        rows = [
+            (str(item.path), item.label, digest, np.asarray(vector, np.float32).tobytes())
+            for item, digest, vector in zip(items, hashes, vectors)
+        ]
         self.connection.executemany("INSERT OR REPLACE INTO pending VALUES (?, ?, ?, ?)", rows)
         self.connection.commit()
 

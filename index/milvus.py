@@ -8,7 +8,7 @@ IVFn,Flat → IVF_FLAT, IVFn,SQ8 → IVF_SQ8, OPQm,IVFn,PQm → IVF_PQ, HNSWm �
 forces any type the server has (GPU_CAGRA on a server with GPUs; Milvus Lite has FLAT, IVF_FLAT,
 IVF_SQ8 and HNSW). An update removes, inserts and flushes, then rewrites the manifest atomically; the
 collection is the record of what is indexed (a load counts its rows). One writer at a time, as for
-FAISS (index.store.writer_lock); a Milvus Lite file is opened by one process at a time (serve it with
+FAISS (index.disk.writer_lock); a Milvus Lite file is opened by one process at a time (serve it with
 `milvus-lite server` to share it).
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from index.choice import IndexChoice, choose_index
-from index.store import FORMAT_VERSION, MANIFEST, Additions, Hit
+from index.types import FORMAT_VERSION, MANIFEST, Additions, Hit, index_kind, tuned_depth
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
@@ -53,7 +53,10 @@ def milvus_type(factory: str) -> tuple[str, dict]:
     if links:
         return "HNSW", {"M": int(links.group(1) or 32), "efConstruction": 200}
     if nlist is None:
-        raise RetrievalError(f"{factory!r} has no Milvus counterpart; give --milvus-index (FLAT, IVF_FLAT, IVF_SQ8, IVF_PQ, HNSW, GPU_CAGRA, ...)")
+        raise RetrievalError(
+            f"{factory!r} has no Milvus counterpart; give --milvus-index "
+            "(FLAT, IVF_FLAT, IVF_SQ8, IVF_PQ, HNSW, GPU_CAGRA, ...)"
+        )
     lists = int(nlist.group(1))
     product = re.search(r"PQ(\d+)", factory)
     if product:
@@ -73,12 +76,16 @@ def default_depth(index_type: str, parameters: dict) -> dict:
 def connect(uri: str) -> object:
     """A MilvusClient for uri (one per process and uri)."""
     pymilvus = require("pymilvus", "milvus")
-    logging.getLogger("pymilvus").setLevel(logging.ERROR)  # Milvus Lite lacks a timestamp call pymilvus warns about on every listing
+    logging.getLogger("pymilvus").setLevel(
+        logging.ERROR
+    )  # Milvus Lite lacks a timestamp call pymilvus warns about on every listing
     if uri not in _clients:
         try:
             _clients[uri] = pymilvus.MilvusClient(uri)
         except Exception as error:  # pymilvus raises its own untyped errors for unreachable servers
-            raise RetrievalError(f"--uri {uri}: cannot connect to Milvus ({str(error).splitlines()[0][:200]})") from None
+            raise RetrievalError(
+                f"--uri {uri}: cannot connect to Milvus ({str(error).splitlines()[0][:200]})"
+            ) from None
     return _clients[uri]
 
 
@@ -88,7 +95,7 @@ def resolve_uri(uri: str) -> str:
 
 
 class MilvusIndex:
-    """The gallery index on a Milvus collection, with the interface of index.store.GalleryIndex."""
+    """The gallery index on a Milvus collection (a GalleryBackend, like index.store.GalleryIndex)."""
 
     def __init__(self, directory: Path, manifest: dict) -> None:
         self.directory = directory
@@ -107,8 +114,7 @@ class MilvusIndex:
     @property
     def kind(self) -> str:
         """ivf, hnsw or flat: which search depth (nprobe, efSearch or none) the collection's type has."""
-        index_type = str(self.manifest["index_type"])
-        return "ivf" if index_type.startswith("IVF") else "hnsw" if index_type.startswith("HNSW") else "flat"
+        return index_kind(str(self.manifest["index_type"]))
 
     def __len__(self) -> int:
         return int(self.manifest["count"])
@@ -124,13 +130,16 @@ class MilvusIndex:
         count: int,
         memory: int | None = None,
         index_type: str | None = None,
-    ) -> "MilvusIndex":
+    ) -> MilvusIndex:
         """Creates the collection (dropping one of the same name) for count items, adds them and writes the manifest."""
         pymilvus = require("pymilvus", "milvus")
         uri = resolve_uri(uri)
         client = connect(uri)
-        collection = f"retrieval_{hashlib.sha256(str(Path(directory).resolve()).encode()).hexdigest()[:16]}"  # one per index directory
-        choice = IndexChoice(index_type, "given with --milvus-index") if index_type else choose_index(count, dim, memory)
+        # one per index directory
+        collection = f"retrieval_{hashlib.sha256(str(Path(directory).resolve()).encode()).hexdigest()[:16]}"
+        choice = (
+            IndexChoice(index_type, "given with --milvus-index") if index_type else choose_index(count, dim, memory)
+        )
         milvus_index, parameters = (index_type, {}) if index_type else milvus_type(choice.factory)
         schema = pymilvus.MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
         schema.add_field("id", pymilvus.DataType.INT64, is_primary=True)
@@ -144,7 +153,10 @@ class MilvusIndex:
                 client.drop_collection(collection)
             client.create_collection(collection, schema=schema, index_params=index_params)
         except Exception as error:  # the server's refusal, e.g. an index type it does not have
-            raise RetrievalError(f"Milvus at {uri} refused the collection ({str(error).splitlines()[0][:200]}); try another --milvus-index") from None
+            raise RetrievalError(
+                f"Milvus at {uri} refused the collection "
+                f"({str(error).splitlines()[0][:200]}); try another --milvus-index"
+            ) from None
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -166,16 +178,23 @@ class MilvusIndex:
         return cls(Path(directory), manifest).update(additions, [])
 
     @classmethod
-    def load(cls, directory: Path, manifest: dict) -> "MilvusIndex":
+    def load(cls, directory: Path, manifest: dict) -> MilvusIndex:
         """Opens the collection a manifest names, counting its rows (Milvus is the record of what is indexed)."""
         index = cls(Path(directory), manifest)
         if not index.client.has_collection(index.collection):  # type: ignore[attr-defined]
-            raise RetrievalError(f"{directory}: Milvus at {manifest['uri']} has no collection {index.collection}; rebuild the index with `retrieval index --rebuild`")
+            raise RetrievalError(
+                f"{directory}: Milvus at {manifest['uri']} has no collection "
+                f"{index.collection}; rebuild the index with `retrieval index --rebuild`"
+            )
         rows = index.rows()
-        index.manifest = {**manifest, "count": len(rows), "next_id": max(int(manifest["next_id"]), max(rows, default=0) + 1)}
+        index.manifest = {
+            **manifest,
+            "count": len(rows),
+            "next_id": max(int(manifest["next_id"]), max(rows, default=0) + 1),
+        }
         return index
 
-    def update(self, additions: Iterable[Additions], remove_ids: Sequence[int]) -> "MilvusIndex":
+    def update(self, additions: Iterable[Additions], remove_ids: Sequence[int]) -> MilvusIndex:
         """Removes and adds items, flushes, and saves the manifest; returns the index as it now is."""
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
         next_id = int(self.manifest["next_id"])
@@ -183,8 +202,17 @@ class MilvusIndex:
             self.client.delete(self.collection, ids=[int(i) for i in remove_ids])  # type: ignore[attr-defined]
         for chunk in additions:
             rows = [
-                {"id": next_id + offset, "embedding": vector.tolist(), "path": str(item.path), "label": item.label, "sha256": digest, "added_at": now}
-                for offset, (vector, item, digest) in enumerate(zip(np.asarray(chunk.vectors, np.float32), chunk.items, chunk.hashes))
+                {
+                    "id": next_id + offset,
+                    "embedding": vector.tolist(),
+                    "path": str(item.path),
+                    "label": item.label,
+                    "sha256": digest,
+                    "added_at": now,
+                }
+                for offset, (vector, item, digest) in enumerate(
+                    zip(np.asarray(chunk.vectors, np.float32), chunk.items, chunk.hashes)
+                )
             ]
             if rows:
                 self.client.insert(self.collection, rows)  # type: ignore[attr-defined]
@@ -202,10 +230,22 @@ class MilvusIndex:
         (row,) = self.client.query(self.collection, filter="", output_fields=["count(*)"])  # type: ignore[attr-defined]
         return int(row["count(*)"])
 
-    def search(self, queries: np.ndarray, k: int = 10, depth: int | None = None, rerank: int | None = None, label: str | None = None) -> list[list[Hit]]:
-        """The k nearest items of each query (depth: nprobe or efSearch for this search; label: only items with it)."""
-        depth = depth or next(iter(self.manifest.get("search", {}).values()), None)
-        parameters = {} if depth is None else {"nprobe": int(depth)} if self.kind == "ivf" else {"ef": max(int(depth), k)}
+    def search(
+        self,
+        queries: np.ndarray,
+        k: int = 10,
+        depth: int | None = None,
+        rerank: int | None = None,
+        label: str | None = None,
+    ) -> list[list[Hit]]:
+        """The k nearest items of each query (depth: nprobe or efSearch for this search; label: only items with it).
+
+        Hits are ordered by score, then by the lower id; rerank does not apply (Milvus scores exactly).
+        """
+        depth = depth or tuned_depth(self.manifest)
+        parameters = (
+            {} if depth is None else {"nprobe": int(depth)} if self.kind == "ivf" else {"ef": max(int(depth), k)}
+        )
         found = self.client.search(  # type: ignore[attr-defined]
             self.collection,
             data=np.asarray(queries, np.float32).tolist(),
@@ -214,15 +254,7 @@ class MilvusIndex:
             search_params={"metric_type": "IP", "params": parameters},
             output_fields=["path", "label", "sha256"],
         )
-        return [
-            [Hit(int(hit["id"]), hit["entity"]["path"], hit["entity"]["label"], float(hit["distance"]), hit["entity"]["sha256"]) for hit in hits]
-            for hits in found
-        ]
-
-    def search_items(self, ids: Sequence[int], k: int = 10, depth: int | None = None, label: str | None = None) -> list[list[Hit]]:
-        """The k nearest items of indexed items, each left out of its own results."""
-        found = self.search(self.vectors_of(ids), k + 1, depth, label=label)
-        return [[hit for hit in hits if hit.id != item_id][:k] for item_id, hits in zip(ids, found)]
+        return [sorted((_hit(hit) for hit in hits), key=lambda hit: (-hit.score, hit.id)) for hits in found]
 
     def vectors_of(self, ids: Sequence[int]) -> np.ndarray:
         """The stored vectors of indexed items, in the order of ids."""
@@ -230,18 +262,24 @@ class MilvusIndex:
             return np.zeros((0, self.dim), np.float32)
         rows = {}
         for start in range(0, len(ids), FETCH):
-            for row in self.client.get(self.collection, ids=[int(i) for i in ids[start : start + FETCH]], output_fields=["embedding"]):  # type: ignore[attr-defined]
+            for row in self.client.get(
+                self.collection, ids=[int(i) for i in ids[start : start + FETCH]], output_fields=["embedding"]
+            ):  # type: ignore[attr-defined]
                 rows[int(row["id"])] = row["embedding"]
         missing = [i for i in ids if int(i) not in rows]
         if missing:
-            raise RetrievalError(f"{self.directory}: no item with id(s) {', '.join(map(str, missing))[:200]} in this index")
+            raise RetrievalError(
+                f"{self.directory}: no item with id(s) {', '.join(map(str, missing))[:200]} in this index"
+            )
         return np.asarray([rows[int(i)] for i in ids], np.float32)
 
     def rows(self, ids: Sequence[int] | None = None) -> dict[int, tuple[str, str, str]]:
         """id -> (path, label, sha256) of every item, or of the given ids that exist."""
         fields = ["path", "label", "sha256"]
         if ids is not None:
-            found = self.client.get(self.collection, ids=[int(i) for i in ids], output_fields=fields) if len(ids) else []  # type: ignore[attr-defined]
+            found = (
+                self.client.get(self.collection, ids=[int(i) for i in ids], output_fields=fields) if len(ids) else []
+            )  # type: ignore[attr-defined]
             return {int(row["id"]): (row["path"], row["label"], row["sha256"]) for row in found}
         rows: dict[int, tuple[str, str, str]] = {}
         pages = self.client.query_iterator(self.collection, batch_size=FETCH, filter="id >= 0", output_fields=fields)  # type: ignore[attr-defined]
@@ -253,6 +291,11 @@ class MilvusIndex:
     def items(self) -> dict[int, Item]:
         """Every item, by id."""
         return {item_id: Item(Path(path), label) for item_id, (path, label, _) in self.rows().items()}
+
+
+def _hit(found: dict) -> Hit:
+    entity = found["entity"]
+    return Hit(int(found["id"]), entity["path"], entity["label"], float(found["distance"]), entity["sha256"])
 
 
 def _quoted(text: str) -> str:

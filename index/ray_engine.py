@@ -3,7 +3,8 @@
 Per chunk of the listing: files are read, hashed, decoded and resized in CPU tasks; an actor pool
 embeds them (one ONNX Runtime session per actor, one GPU each when the cluster has GPUs); the results
 (position in the listing, path, label, sha256, reason when skipped, embedding) are written as Parquet
-shards, which the driver reads back in listing order; ids are given when they are merged into the index. From there index.build treats them exactly as the local engine's batches: bad files
+shards, which the driver reads back in listing order; ids are given when they are merged into the index. From there
+index.build treats them exactly as the local engine's batches: bad files
 are skipped and reported, files whose sha256 is already indexed are not decoded, every batch is
 journaled before the next chunk starts, so a killed job resumes and loses at most one chunk, and the
 index is committed the same way.
@@ -26,6 +27,7 @@ from retrieval.embedders import EmbeddedBatch, OnnxEmbedder
 from retrieval.errors import ImageError
 from retrieval.extras import require
 from retrieval.preprocess import Preprocessing
+from retrieval.progress import progress as progress_bar
 
 CHUNK = 8192  # items per Ray job: the work a killed job can lose
 UNCHANGED = "\x00unchanged"  # the reason of a file whose sha256 is the one already indexed
@@ -60,7 +62,12 @@ def _decode(batch: dict[str, np.ndarray], preprocessing: dict, known: dict[str, 
     ok = np.array([reason == "" for reason in reasons], dtype=bool)
     if images:
         pixels[ok] = prepare(images)
-    return {**{key: batch[key] for key in ("position", "path", "label")}, "sha256": np.array(digests), "reason": np.array(reasons), "pixels": pixels}
+    return {
+        **{key: batch[key] for key in ("position", "path", "label")},
+        "sha256": np.array(digests),
+        "reason": np.array(reasons),
+        "pixels": pixels,
+    }
 
 
 class _Encoder:
@@ -80,7 +87,9 @@ class _Encoder:
 def connect(address: str | None) -> object:
     """The ray module, connected to the cluster at address (or to a local one started now when None)."""
     ray = require("ray", "ray")
-    logging.getLogger("ray.data").setLevel(logging.WARNING)  # one line per dataset otherwise; the job has its own progress bar
+    logging.getLogger("ray.data").setLevel(
+        logging.WARNING
+    )  # one line per dataset otherwise; the job has its own progress bar
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
     return ray
@@ -104,8 +113,6 @@ def iter_embedded_ray(
     node can read and write.
     """
     ray = connect(options.address)
-    from tqdm import tqdm
-
     resources = ray.cluster_resources()
     gpus = int(resources.get("GPU", 0))
     pool = options.workers or gpus or max(1, int(resources.get("CPU", 2)) // 2)
@@ -114,17 +121,29 @@ def iter_embedded_ray(
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True
     context.enable_progress_bars = False
-    with tqdm(total=len(items), desc="embedding (ray)", unit="img", disable=not progress) as bar:
+    with progress_bar(total=len(items), desc="embedding (ray)", unit="img", enabled=progress) as bar:
         for start in range(0, len(items), CHUNK):
             chunk = items[start : start + CHUNK]
             shards = scratch / f"chunk-{start:012d}-{time.time_ns()}"
-            rows = ray.data.from_items([{"position": start + offset, "path": str(item.path), "label": item.label} for offset, item in enumerate(chunk)])
+            rows = ray.data.from_items(
+                [
+                    {"position": start + offset, "path": str(item.path), "label": item.label}
+                    for offset, item in enumerate(chunk)
+                ]
+            )
             decoded = rows.map_batches(
-                _decode, fn_kwargs={"preprocessing": embedder.card["preprocessing"], "known": known}, batch_size=size, batch_format="numpy"
+                _decode,
+                fn_kwargs={"preprocessing": embedder.card["preprocessing"], "known": known},
+                batch_size=size,
+                batch_format="numpy",
             )
             embedded = decoded.map_batches(
                 _Encoder,
-                fn_constructor_kwargs={"model_path": str(embedder.model_path), "card": embedder.card, "threads": threads},
+                fn_constructor_kwargs={
+                    "model_path": str(embedder.model_path),
+                    "card": embedder.card,
+                    "threads": threads,
+                },
                 concurrency=pool,
                 num_gpus=1 if gpus else 0,
                 batch_size=size,

@@ -6,9 +6,14 @@ from pathlib import Path
 
 import numpy as np
 
+from index.backends import open_index
+from index.faiss_ops import stored_vectors
 from index.milvus import MilvusIndex
-from index.store import ITEMS, VECTORS, GalleryIndex, faiss, recall_at_10, stored_vectors
+from index.store import GalleryIndex
+from index.tuning import recall_at_10
+from index.types import ITEMS, VECTORS, GalleryBackend
 from retrieval.errors import RetrievalError
+from retrieval.knn import nearest_neighbours
 
 
 def index_stats(directory: Path, sample: int = 1000, mmap: bool = False, seed: int = 0) -> dict:
@@ -18,9 +23,10 @@ def index_stats(directory: Path, sample: int = 1000, mmap: bool = False, seed: i
     compressed types the exact ones kept for re-ranking) queries the index as searches do and,
     exactly, all of them.
     """
-    index = GalleryIndex.load(directory, mmap=mmap)
-    if index.manifest.get("backend") == "milvus":
-        return _milvus_stats(index, sample, seed)  # type: ignore[arg-type]
+    index = open_index(directory, mmap=mmap)
+    if isinstance(index, MilvusIndex):
+        return _milvus_stats(index, sample, seed)
+    assert isinstance(index, GalleryIndex)
     stats: dict = {
         "count": len(index),
         "type": index.manifest.get("index_type", "Flat"),
@@ -47,11 +53,11 @@ def index_stats(directory: Path, sample: int = 1000, mmap: bool = False, seed: i
     return stats
 
 
-def _measured_recall(index: GalleryIndex | MilvusIndex, ids: np.ndarray, vectors: np.ndarray, sample: int, seed: int) -> dict:
+def _measured_recall(index: GalleryBackend, ids: np.ndarray, vectors: np.ndarray, sample: int, seed: int) -> dict:
     """recall@10 of the index for a seeded sample of its own vectors, against exact search over all of them."""
     chosen = np.random.default_rng(seed).choice(len(ids), min(sample, len(ids)), replace=False)
     k = min(10, len(ids))
-    exact = ids[faiss.knn(vectors[chosen], vectors, k, metric=faiss.METRIC_INNER_PRODUCT)[1]]
+    exact = ids[nearest_neighbours(vectors[chosen], vectors, k)[0]]
     found = [[hit.id for hit in hits] for hits in index.search(vectors[chosen], k)]
     return {f"recall@10 (now, {len(chosen):,} own vectors)": recall_at_10(found, exact)}
 

@@ -1,5 +1,5 @@
 import sys
 
-from retrieval.cli import main
+from retrieval.commands import main
 
 sys.exit(main())

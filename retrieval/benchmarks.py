@@ -51,7 +51,10 @@ def _table(path: Path, columns: int, expected: str, skip: int = 0) -> list[list[
             continue
         fields = line.split()
         if len(fields) < columns:
-            raise RetrievalError(f"{path}, line {number}: expected {columns} fields, found {len(fields)} ({line.strip()[:80]!r}); {expected}")
+            raise RetrievalError(
+                f"{path}, line {number}: expected {columns} fields, found "
+                f"{len(fields)} ({line.strip()[:80]!r}); {expected}"
+            )
         rows.append(fields)
     return rows
 
@@ -73,16 +76,27 @@ def _root(root: Path, marker: str, folder: str) -> Path:
 def load_cub(root: Path) -> Benchmark:
     """CUB-200-2011: images.txt, image_class_labels.txt, classes.txt and images/; classes 1-100 train, 101-200 test."""
     root = _root(root, "images.txt", "CUB_200_2011")
-    expected = f"{root} should be the extracted CUB_200_2011 folder, with images.txt, image_class_labels.txt, classes.txt and images/"
+    expected = (
+        f"{root} should be the extracted CUB_200_2011 folder, with "
+        "images.txt, image_class_labels.txt, classes.txt and images/"
+    )
     paths = {_number(image, root / "images.txt"): name for image, name in _table(root / "images.txt", 2, expected)}
     names = {_number(number, root / "classes.txt"): name for number, name in _table(root / "classes.txt", 2, expected)}
     rows: dict[bool, list[tuple[Path, str]]] = {True: [], False: []}
     for image, number in _table(root / "image_class_labels.txt", 2, expected):
-        image_id, class_id = _number(image, root / "image_class_labels.txt"), _number(number, root / "image_class_labels.txt")
+        image_id, class_id = (
+            _number(image, root / "image_class_labels.txt"),
+            _number(number, root / "image_class_labels.txt"),
+        )
         if image_id not in paths or class_id not in names:
-            raise RetrievalError(f"{root / 'image_class_labels.txt'}: image {image_id} or class {class_id} is not in images.txt / classes.txt; {expected}")
+            raise RetrievalError(
+                f"{root / 'image_class_labels.txt'}: image {image_id} or class "
+                f"{class_id} is not in images.txt / classes.txt; {expected}"
+            )
         rows[class_id <= len(names) // 2].append((root / "images" / paths[image_id], names[class_id]))
-    return Benchmark("cub", _collection(root, rows[True], "images.txt"), test=_collection(root, rows[False], "images.txt"))
+    return Benchmark(
+        "cub", _collection(root, rows[True], "images.txt"), test=_collection(root, rows[False], "images.txt")
+    )
 
 
 def load_cars196(root: Path) -> Benchmark:
@@ -91,7 +105,10 @@ def load_cars196(root: Path) -> Benchmark:
     from scipy.io.matlab import MatReadError
 
     annotations = root / "cars_annos.mat"
-    expected = f"{root} should hold cars_annos.mat and the extracted car_ims/ folder (car_ims.tgz) of the Stanford Cars dataset"
+    expected = (
+        f"{root} should hold cars_annos.mat and the extracted "
+        "car_ims/ folder (car_ims.tgz) of the Stanford Cars dataset"
+    )
     if not annotations.is_file():
         raise RetrievalError(f"{annotations}: not found; {expected}")
     try:
@@ -103,15 +120,24 @@ def load_cars196(root: Path) -> Benchmark:
     rows: dict[bool, list[tuple[Path, str]]] = {True: [], False: []}
     for path, class_id in entries:
         if not 1 <= class_id <= len(names):
-            raise RetrievalError(f"{annotations}: class {class_id} of {path} is not among the {len(names)} class_names; {expected}")
+            raise RetrievalError(
+                f"{annotations}: class {class_id} of {path} is not among the {len(names)} class_names; {expected}"
+            )
         rows[class_id <= len(names) // 2].append((root / path, names[class_id - 1]))
-    return Benchmark("cars196", _collection(root, rows[True], annotations.name), test=_collection(root, rows[False], annotations.name))
+    return Benchmark(
+        "cars196",
+        _collection(root, rows[True], annotations.name),
+        test=_collection(root, rows[False], annotations.name),
+    )
 
 
 def load_sop(root: Path) -> Benchmark:
     """Stanford Online Products: Ebay_train.txt and Ebay_test.txt (image_id class_id super_class_id path)."""
     root = _root(root, "Ebay_train.txt", "Stanford_Online_Products")
-    expected = f"{root} should be the extracted Stanford_Online_Products folder, with Ebay_train.txt, Ebay_test.txt and the image folders"
+    expected = (
+        f"{root} should be the extracted Stanford_Online_Products folder, "
+        "with Ebay_train.txt, Ebay_test.txt and the image folders"
+    )
 
     def split(name: str) -> Collection:
         rows = [(root / fields[3], fields[1]) for fields in _table(root / name, 4, expected, skip=1)]
@@ -122,18 +148,35 @@ def load_sop(root: Path) -> Benchmark:
 
 def load_inshop(root: Path) -> Benchmark:
     """In-Shop Clothes: Eval/list_eval_partition.txt (image_name item_id evaluation_status) and img/."""
-    listing = next((path for path in (root / "Eval" / "list_eval_partition.txt", root / "list_eval_partition.txt") if path.is_file()), root / "Eval" / "list_eval_partition.txt")
-    expected = f"{root} should hold Eval/list_eval_partition.txt and the extracted img/ folder (img.zip) of DeepFashion In-shop"
+    listing = next(
+        (
+            path
+            for path in (root / "Eval" / "list_eval_partition.txt", root / "list_eval_partition.txt")
+            if path.is_file()
+        ),
+        root / "Eval" / "list_eval_partition.txt",
+    )
+    expected = (
+        f"{root} should hold Eval/list_eval_partition.txt and the "
+        "extracted img/ folder (img.zip) of DeepFashion In-shop"
+    )
     rows: dict[str, list[tuple[Path, str]]] = {"train": [], "query": [], "gallery": []}
     for name, item, status in (fields[:3] for fields in _table(listing, 3, expected, skip=2)):
         if status not in rows:
-            raise RetrievalError(f"{listing}: evaluation_status {status!r} of {name} is not train, query or gallery; {expected}")
+            raise RetrievalError(
+                f"{listing}: evaluation_status {status!r} of {name} is not train, query or gallery; {expected}"
+            )
         rows[status].append((root / name, item))
     train, query, gallery = (_collection(root, rows[status], listing.name) for status in ("train", "query", "gallery"))
     return Benchmark("inshop", train, query=query, gallery=gallery)
 
 
-BENCHMARKS: dict[str, Callable[[Path], Benchmark]] = {"cub": load_cub, "cars196": load_cars196, "sop": load_sop, "inshop": load_inshop}
+BENCHMARKS: dict[str, Callable[[Path], Benchmark]] = {
+    "cub": load_cub,
+    "cars196": load_cars196,
+    "sop": load_sop,
+    "inshop": load_inshop,
+}
 
 
 def load_benchmark(name: str, root: str | Path) -> Benchmark:
@@ -146,7 +189,10 @@ def load_benchmark(name: str, root: str | Path) -> Benchmark:
     benchmark = BENCHMARKS[name](root.resolve())
     for part in (benchmark.train, benchmark.test, benchmark.query, benchmark.gallery):
         if part is not None and not part.items:
-            raise RetrievalError(f"{root}: none of the images listed for the {name} benchmark were found ({len(part.skipped)} listed); was the image archive extracted here?")
+            raise RetrievalError(
+                f"{root}: none of the images listed for the {name} benchmark were found "
+                f"({len(part.skipped)} listed); was the image archive extracted here?"
+            )
     return benchmark
 
 

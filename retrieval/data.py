@@ -61,7 +61,10 @@ def load_collection(source: str | Path) -> Collection:
     """
     source = Path(source).expanduser()
     if not source.exists():
-        raise RetrievalError(f"{source}: no such file or folder; give an image folder ROOT/<label>/<image> or a CSV with columns path,label")
+        raise RetrievalError(
+            f"{source}: no such file or folder; give an image folder "
+            "ROOT/<label>/<image> or a CSV with columns path,label"
+        )
     if source.is_dir():
         collection = _load_folder(source)
     elif source.suffix.lower() == ".txt":
@@ -84,7 +87,9 @@ def _load_folder(root: Path) -> Collection:
         if any(part.startswith(".") for part in relative.parts):
             continue
         if path.is_symlink() and path.is_dir():
-            skipped.append(Skipped(path, "a link to a folder: not followed (it could loop, or lead out of the collection)"))
+            skipped.append(
+                Skipped(path, "a link to a folder: not followed (it could loop, or lead out of the collection)")
+            )
             continue
         if path.suffix.lower() not in IMAGE_SUFFIXES:
             skipped.append(Skipped(path, f"not an image file type ({path.suffix or 'no suffix'})"))
@@ -132,7 +137,9 @@ def file_problem(path: Path) -> str | None:
 
 def _load_csv(csv_path: Path) -> Collection:
     if csv_path.suffix.lower() != ".csv":
-        raise RetrievalError(f"{csv_path}: expected an image folder, a .csv file with columns path,label or a .txt list of paths")
+        raise RetrievalError(
+            f"{csv_path}: expected an image folder, a .csv file with columns path,label or a .txt list of paths"
+        )
     base = csv_path.resolve().parent
     items: list[Item] = []
     skipped: list[Skipped] = []
@@ -141,7 +148,9 @@ def _load_csv(csv_path: Path) -> Collection:
         reader = csv.DictReader(handle)
         missing = {"path", "label"} - set(reader.fieldnames or [])
         if missing:
-            raise RetrievalError(f"{csv_path}: missing column(s) {', '.join(sorted(missing))}; the header must name path,label")
+            raise RetrievalError(
+                f"{csv_path}: missing column(s) {', '.join(sorted(missing))}; the header must name path,label"
+            )
         for row in reader:
             raw = (row.get("path") or "").strip()
             if not raw:
@@ -150,7 +159,9 @@ def _load_csv(csv_path: Path) -> Collection:
             if not path.exists() and not path.is_symlink():
                 skipped.append(Skipped(path, "listed in the CSV but not found"))
                 continue
-            problem = file_problem(path) or ("listed in the CSV more than once (the first row is used)" if path.resolve() in seen else None)
+            problem = file_problem(path) or (
+                "listed in the CSV more than once (the first row is used)" if path.resolve() in seen else None
+            )
             if problem:
                 skipped.append(Skipped(path, problem))
                 continue
@@ -213,12 +224,16 @@ def decode_image(data: bytes, name: str | Path = "image") -> Image.Image:
         raise ImageError(name, "empty file")
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # Pillow's notes on damaged metadata: the image is used or refused anyway
+            warnings.simplefilter(
+                "ignore", UserWarning
+            )  # Pillow's notes on damaged metadata: the image is used or refused anyway
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
             width, height = image.size
             if width * height > MAX_PIXELS:
-                raise ImageError(name, f"{width}x{height} pixels is over the limit of {MAX_PIXELS:,}; downscale it first")
+                raise ImageError(
+                    name, f"{width}x{height} pixels is over the limit of {MAX_PIXELS:,}; downscale it first"
+                )
             image.load()
             image = ImageOps.exif_transpose(image)
             return _to_rgb(image)

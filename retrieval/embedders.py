@@ -13,12 +13,12 @@ from typing import Protocol
 
 import numpy as np
 from PIL import Image
-from tqdm import tqdm
 
 from retrieval.data import Item, Skipped, decode_image, read_image_bytes
 from retrieval.errors import ImageError, RetrievalError
 from retrieval.extras import require
 from retrieval.preprocess import Preprocessing
+from retrieval.progress import progress as progress_bar
 from retrieval.runs import RunDir, read_json
 
 
@@ -75,18 +75,23 @@ class OnnxEmbedder(Embedder):
         try:
             self.session = ort.InferenceSession(str(model_path), options, providers=providers)
         except Exception as error:  # onnxruntime raises its own untyped errors for bad files
-            raise RetrievalError(f"{model_path}: ONNX Runtime cannot load it ({error}); re-export with `retrieval export`") from None
+            raise RetrievalError(
+                f"{model_path}: ONNX Runtime cannot load it ({error}); re-export with `retrieval export`"
+            ) from None
         self.input_name = self.session.get_inputs()[0].name
         self.batch_size = 256 if "CUDAExecutionProvider" in self.session.get_providers() else 64
 
     @classmethod
-    def from_run(cls, run: RunDir, threads: int | None = None, spinning: bool = True) -> "OnnxEmbedder":
+    def from_run(cls, run: RunDir, threads: int | None = None, spinning: bool = True) -> OnnxEmbedder:
         """Loads the run's exported model, checking it against the sha256 in its model card."""
         model_path = run.require_model()
         card = read_json(run.model_card)
         digest = hashlib.sha256(model_path.read_bytes()).hexdigest()
         if digest != card.get("sha256"):
-            raise RetrievalError(f"{model_path}: sha256 {digest[:12]}… does not match model.json ({str(card.get('sha256'))[:12]}…); re-export with `retrieval export {run.root}`")
+            raise RetrievalError(
+                f"{model_path}: sha256 {digest[:12]}… does not match model.json "
+                f"({str(card.get('sha256'))[:12]}…); re-export with `retrieval export {run.root}`"
+            )
         return cls(model_path, card, threads, spinning)
 
     def prepare(self, images: Sequence[Image.Image]) -> np.ndarray:
@@ -109,7 +114,10 @@ class PixelEmbedder(Embedder):
         self.batch_size = 256
 
     def prepare(self, images: Sequence[Image.Image]) -> np.ndarray:
-        rows = [np.asarray(image.convert("L").resize((self.size, self.size), Image.Resampling.BILINEAR), np.float32).ravel() for image in images]
+        rows = [
+            np.asarray(image.convert("L").resize((self.size, self.size), Image.Resampling.BILINEAR), np.float32).ravel()
+            for image in images
+        ]
         return np.stack(rows) if rows else np.zeros((0, self.dim), np.float32)
 
     def embed_prepared(self, batch: np.ndarray) -> np.ndarray:
@@ -161,9 +169,10 @@ def iter_embedded(
             batch.hashes.append(digest)
         return (embedder.prepare(images) if images else np.zeros((0,), np.float32)), batch
 
-    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="decode") as pool, tqdm(
-        total=len(items), desc="embedding", unit="img", disable=not progress
-    ) as bar:
+    with (
+        ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="decode") as pool,
+        progress_bar(total=len(items), desc="embedding", unit="img", enabled=progress) as bar,
+    ):
         pending = deque(pool.submit(load, chunk) for chunk in chunks[: workers + 1])
         following = len(pending)
         while pending:
@@ -187,7 +196,9 @@ class Embedded:
     skipped: list[Skipped]
 
 
-def embed_items(embedder: Embedder, items: Sequence[Item], batch_size: int | None = None, progress: bool = True) -> Embedded:
+def embed_items(
+    embedder: Embedder, items: Sequence[Item], batch_size: int | None = None, progress: bool = True
+) -> Embedded:
     """Embeds all items into one matrix; files that cannot be decoded are skipped and reported."""
     batches = list(iter_embedded(embedder, items, batch_size, progress=progress))
     vectors = [batch.vectors for batch in batches if len(batch.vectors)]

@@ -22,7 +22,8 @@ WORST_CLASSES = 10  # classes listed in metrics.json, lowest recall@1 first
 
 @dataclass
 class Evaluation:
-    """Metrics of one embedder on one protocol, the per-query scores and embeddings they came from, and the files left out."""
+    """Metrics of one embedder on one protocol, the per-query scores and embeddings they came from, and the files
+    left out."""
 
     metrics: dict
     skipped: list[Skipped]
@@ -54,7 +55,9 @@ def class_recall(scores: QueryScores, labels: Sequence[str]) -> dict[str, tuple[
     return {str(label): (float(mean), int(count)) for label, mean, count in zip(classes, means, counts)}
 
 
-def _embed_labeled(embedder: Embedder, collection: Collection, progress: bool) -> tuple[np.ndarray, list[Item], list[Skipped]]:
+def _embed_labeled(
+    embedder: Embedder, collection: Collection, progress: bool
+) -> tuple[np.ndarray, list[Item], list[Skipped]]:
     """Embeds the labeled items of a collection; unlabeled and unreadable ones are returned as skipped."""
     labeled = [item for item in collection.items if item.label]
     skipped = collection.skipped + [Skipped(item.path, "no label") for item in collection.items if not item.label]
@@ -65,7 +68,12 @@ def _embed_labeled(embedder: Embedder, collection: Collection, progress: bool) -
 
 
 def evaluate_collection(
-    embedder: Embedder, collection: Collection, ks: Sequence[int] = (1, 5, 10), progress: bool = True, split_classes: float = 0.0, seed: int = 0
+    embedder: Embedder,
+    collection: Collection,
+    ks: Sequence[int] = (1, 5, 10),
+    progress: bool = True,
+    split_classes: float = 0.0,
+    seed: int = 0,
 ) -> Evaluation:
     """Scores leave-one-out retrieval over a labeled collection (or over a seeded held-out fraction of its
     classes), with NMI/AMI and the embedding diagnostics."""
@@ -76,31 +84,59 @@ def evaluate_collection(
         protocol = f"leave-one-out on {split_classes:g} of the classes (seed {seed})"
         collection = replace(collection, items=held_out)
     if len({item.label for item in collection.items if item.label}) < 2:
-        raise RetrievalError(f"{collection.source}: evaluation needs at least two labeled classes (ROOT/<label>/<image> or a CSV with labels)")
+        raise RetrievalError(
+            f"{collection.source}: evaluation needs at least two labeled "
+            "classes (ROOT/<label>/<image> or a CSV with labels)"
+        )
     vectors, items, skipped = _embed_labeled(embedder, collection, progress)
-    return evaluate_embedded(vectors, items, skipped, {"protocol": protocol, "images": str(collection.source), "encoder": embedder.fingerprint}, ks)
+    return evaluate_embedded(
+        vectors,
+        items,
+        skipped,
+        {"protocol": protocol, "images": str(collection.source), "encoder": embedder.fingerprint},
+        ks,
+    )
 
 
-def evaluate_embedded(vectors: np.ndarray, items: list[Item], skipped: list[Skipped], described: dict, ks: Sequence[int] = (1, 5, 10)) -> Evaluation:
+def evaluate_embedded(
+    vectors: np.ndarray, items: list[Item], skipped: list[Skipped], described: dict, ks: Sequence[int] = (1, 5, 10)
+) -> Evaluation:
     """Scores leave-one-out retrieval over embeddings already made (of labeled items, in their order),
     e.g. the vectors an index stores; described (protocol, images, encoder) goes into the metrics."""
     labels = [item.label for item in items]
     if len(set(labels)) < 2:
-        raise RetrievalError(f"{described.get('images', 'the collection')}: fewer than two classes have readable images")
+        raise RetrievalError(
+            f"{described.get('images', 'the collection')}: fewer than two classes have readable images"
+        )
     scores = score_queries(vectors, labels, ks=ks)
     return _evaluation(scores, vectors, items, items, skipped, described)
 
 
-def evaluate_query_gallery(embedder: Embedder, queries: Collection, gallery: Collection, ks: Sequence[int] = (1, 5, 10), progress: bool = True) -> Evaluation:
+def evaluate_query_gallery(
+    embedder: Embedder, queries: Collection, gallery: Collection, ks: Sequence[int] = (1, 5, 10), progress: bool = True
+) -> Evaluation:
     """Scores each query against a separate gallery (neither contains the other's items)."""
     query_vectors, query_items, skipped = _embed_labeled(embedder, queries, progress)
     gallery_vectors, gallery_items, gallery_skipped = _embed_labeled(embedder, gallery, progress)
-    scores = score_queries(query_vectors, [item.label for item in query_items], gallery_vectors, [item.label for item in gallery_items], ks=ks)
+    scores = score_queries(
+        query_vectors,
+        [item.label for item in query_items],
+        gallery_vectors,
+        [item.label for item in gallery_items],
+        ks=ks,
+    )
     described = {"queries": str(queries.source), "gallery": str(gallery.source), "encoder": embedder.fingerprint}
     return _evaluation(scores, query_vectors, query_items, gallery_items, skipped + gallery_skipped, described)
 
 
-def _evaluation(scores: QueryScores, vectors: np.ndarray, queries: list[Item], gallery: list[Item], skipped: list[Skipped], described: dict) -> Evaluation:
+def _evaluation(
+    scores: QueryScores,
+    vectors: np.ndarray,
+    queries: list[Item],
+    gallery: list[Item],
+    skipped: list[Skipped],
+    described: dict,
+) -> Evaluation:
     """The metric set of one protocol: the scores' summary, NMI/AMI and the diagnostics of the queries
     (when they hold two classes or more), the classes with the lowest recall@1, and the description."""
     labels = [item.label for item in queries]
@@ -108,7 +144,9 @@ def _evaluation(scores: QueryScores, vectors: np.ndarray, queries: list[Item], g
     if len(set(labels)) >= 2:
         metrics.update({**clustering_metrics(vectors, labels), **embedding_diagnostics(vectors, labels)})
     worst = sorted(class_recall(scores, labels).items(), key=lambda entry: (entry[1][0], entry[0]))[:WORST_CLASSES]
-    metrics["worst_classes"] = [{"label": label, "recall@1": value, "queries": count} for label, (value, count) in worst]
+    metrics["worst_classes"] = [
+        {"label": label, "recall@1": value, "queries": count} for label, (value, count) in worst
+    ]
     return Evaluation({**metrics, **described}, skipped, vectors, queries, gallery, scores)
 
 
@@ -116,16 +154,33 @@ def write_plots(evaluation: Evaluation, folder: Path, worst: int = 8, shown: int
     """Writes the recall@k curve, the similarity histograms, the per-class recall@1 distribution, the
     grid of the worst queries with their top results and (with two labels or more) the embedding
     diagnostics into folder; returns the files."""
-    from retrieval.plots import plot_class_recall, plot_diagnostics, plot_recall_curves, plot_similarity_histograms, plot_worst_queries
+    from retrieval.plots import (
+        plot_class_recall,
+        plot_diagnostics,
+        plot_recall_curves,
+        plot_similarity_histograms,
+        plot_worst_queries,
+    )
 
     rows = []
     for position in evaluation.worst_queries(worst):
-        results = [(evaluation.gallery[index], float(score)) for index, score in zip(evaluation.scores.neighbours[position, :shown], evaluation.scores.similarities[position, :shown])]
+        results = [
+            (evaluation.gallery[index], float(score))
+            for index, score in zip(
+                evaluation.scores.neighbours[position, :shown], evaluation.scores.similarities[position, :shown]
+            )
+        ]
         rows.append((evaluation.queries[evaluation.scores.queries[position]], results))
     return [
-        plot_recall_curves({"": evaluation.metrics["cmc"]}, folder / "recall_at_k.png", f"recall@k ({evaluation.metrics['protocol']})"),
+        plot_recall_curves(
+            {"": evaluation.metrics["cmc"]}, folder / "recall_at_k.png", f"recall@k ({evaluation.metrics['protocol']})"
+        ),
         plot_similarity_histograms(evaluation.vectors, evaluation.labels, folder / "similarities.png"),
         plot_class_recall(evaluation.class_recall(), folder / "class_recall.png"),
         plot_worst_queries(rows, folder / "worst_queries.png"),
-        *([plot_diagnostics(evaluation.metrics, folder / "diagnostics.png")] if "tolerance" in evaluation.metrics else []),
+        *(
+            [plot_diagnostics(evaluation.metrics, folder / "diagnostics.png")]
+            if "tolerance" in evaluation.metrics
+            else []
+        ),
     ]

@@ -13,4 +13,6 @@ def require(module: str, extra: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as error:
-        raise RetrievalError(f"{module} is not installed ({error}); install it with: pip install 'retrieval[{extra}]'") from None
+        raise RetrievalError(
+            f"{module} is not installed ({error}); install it with: pip install 'retrieval[{extra}]'"
+        ) from None

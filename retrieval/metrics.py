@@ -12,8 +12,9 @@ gallery items (same label, itself excluded),
 
 Each is averaged over the queries that have at least one relevant item; the others are counted in
 `num_skipped_queries`. Neighbours come from FAISS (exact inner product, cosine for unit rows),
-queries in blocks so that memory stays bounded; in leave-one-out, a query's own item is removed by
-its index, not by its distance; ties are broken by the lower gallery index.
+queries in blocks so that memory stays bounded (retrieval.knn); in leave-one-out, a query's own item
+is removed by its index, not by its distance; ties are broken by the lower gallery index, however
+many items share a score.
 """
 
 from __future__ import annotations
@@ -25,48 +26,18 @@ import numpy as np
 
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
+from retrieval.knn import QUERY_BLOCK, flat_index, search_flat
 
-QUERY_BLOCK = 2048
 FULL_RANKING_LIMIT = 10_000  # gallery size up to which mAP over the full ranking is computed by default
 # FAISS k-means: 20 iterations (as pytorch-metric-learning runs it), the best of 5 seeded starts (one
 # start splits even four far-apart classes wrongly now and then), every point used
-KMEANS_SETTINGS = {"niter": 20, "nredo": 5, "verbose": False, "min_points_per_centroid": 1, "max_points_per_centroid": 1 << 30}
-_TIE_MARGIN = 8  # extra candidates fetched so that ties at the k-th place are ordered by id
-
-
-def nearest_neighbours(queries: np.ndarray, gallery: np.ndarray, k: int, exclude_self: bool = False, block: int = QUERY_BLOCK) -> tuple[np.ndarray, np.ndarray]:
-    """Returns (indices [Q, k], similarities [Q, k]) of the k most similar gallery rows by inner product.
-
-    With exclude_self, query i is gallery item i (leave-one-out) and is never its own neighbour.
-    """
-    queries = np.ascontiguousarray(queries, np.float32)
-    index = flat_index(gallery)
-    k = min(k, index.ntotal - (1 if exclude_self else 0))
-    indices = np.zeros((len(queries), k), np.int64)
-    scores = np.zeros((len(queries), k), np.float32)
-    for start in range(0, len(queries), block):
-        rows = np.arange(start, min(start + block, len(queries)))
-        indices[rows], scores[rows] = search(index, queries[rows], k, rows if exclude_self else None)
-    return indices, scores
-
-
-def flat_index(vectors: np.ndarray) -> object:
-    """An exact inner-product FAISS index holding vectors (row i has id i)."""
-    faiss = require("faiss", "cpu")
-    vectors = np.ascontiguousarray(vectors, np.float32)
-    index = faiss.IndexFlatIP(vectors.shape[1])
-    index.add(vectors)
-    return index
-
-
-def search(index: object, queries: np.ndarray, k: int, own: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The k nearest ids and scores of each query in index, never a query's own id (own[i]); ties by the lower id."""
-    wanted = min(index.ntotal, k + (1 if own is not None else 0) + _TIE_MARGIN)  # type: ignore[attr-defined]
-    found_scores, found = index.search(np.ascontiguousarray(queries, np.float32), wanted)  # type: ignore[attr-defined]
-    if own is not None:
-        found_scores = np.where(found == own[:, None], -np.inf, found_scores)
-    order = np.lexsort((found, -found_scores), axis=1)[:, :k]  # by score, then by the lower id
-    return np.take_along_axis(found, order, axis=1), np.take_along_axis(found_scores, order, axis=1)
+KMEANS_SETTINGS = {
+    "niter": 20,
+    "nredo": 5,
+    "verbose": False,
+    "min_points_per_centroid": 1,
+    "max_points_per_centroid": 1 << 30,
+}
 
 
 def recall_at_k(hits: np.ndarray, k: int) -> np.ndarray:
@@ -169,11 +140,16 @@ def score_queries(
     queries = np.ascontiguousarray(query_embeddings, np.float32)
     gallery = np.ascontiguousarray(gallery_embeddings, np.float32)
     query_codes, gallery_codes = _encode_labels(query_labels, gallery_labels)
-    counts = np.bincount(gallery_codes, minlength=int(max(query_codes.max(initial=0), gallery_codes.max(initial=0))) + 1)
+    counts = np.bincount(
+        gallery_codes, minlength=int(max(query_codes.max(initial=0), gallery_codes.max(initial=0))) + 1
+    )
     relevant = counts[query_codes] - (1 if leave_one_out else 0)
     chosen = np.flatnonzero(relevant > 0)
     if not len(chosen):
-        raise RetrievalError("no query has a relevant item in the gallery: every label needs at least two images (leave-one-out) or a match in the gallery")
+        raise RetrievalError(
+            "no query has a relevant item in the gallery: every label needs "
+            "at least two images (leave-one-out) or a match in the gallery"
+        )
     ks = sorted(set(ks))
     depth = min(int(max(ks[-1], relevant.max())), len(gallery) - (1 if leave_one_out else 0))
     shown = min(ks[-1], depth)
@@ -184,7 +160,7 @@ def score_queries(
     first_hits, neighbour_blocks, similarity_blocks = [], [], []
     for start in range(0, len(chosen), QUERY_BLOCK):
         block = chosen[start : start + QUERY_BLOCK]
-        neighbours, scores = search(index, queries[block], depth, block if leave_one_out else None)
+        neighbours, scores = search_flat(index, queries[block], depth, block if leave_one_out else None)
         hits = gallery_codes[neighbours] == query_codes[block, None]
         block_relevant = relevant[block]
         values = {f"recall@{k}": recall_at_k(hits, k) for k in ks}
@@ -215,20 +191,28 @@ def score_queries(
     )
 
 
-def clustering_metrics(embeddings: np.ndarray, labels: Sequence[str], seed: int = 0, kmeans: object = None) -> dict[str, float]:
+def clustering_metrics(
+    embeddings: np.ndarray, labels: Sequence[str], seed: int = 0, kmeans: object = None
+) -> dict[str, float]:
     """NMI and AMI between the labels and a k-means clustering of the embeddings into as many clusters.
 
     k-means is FAISS's (KMEANS_SETTINGS: 20 iterations, best of 5 seeded starts); NMI is the
     arithmetic-mean normalisation, as in scikit-learn and pytorch-metric-learning.
     kmeans(embeddings, k) -> cluster ids may replace it.
     """
-    from sklearn.metrics import adjusted_mutual_info_score, normalized_mutual_info_score  # imported here: slow to import
+    from sklearn.metrics import (
+        adjusted_mutual_info_score,
+        normalized_mutual_info_score,
+    )  # imported here: slow to import
 
     vectors = np.ascontiguousarray(embeddings, np.float32)
     codes = np.unique(np.asarray(labels), return_inverse=True)[1]
     clusters = int(codes.max()) + 1
     if clusters < 2 or len(vectors) < clusters:
-        raise RetrievalError(f"clustering metrics need at least two classes and as many embeddings as classes, got {clusters} and {len(vectors)}")
+        raise RetrievalError(
+            "clustering metrics need at least two classes and as many "
+            f"embeddings as classes, got {clusters} and {len(vectors)}"
+        )
     assignment = faiss_kmeans(vectors, clusters, seed) if kmeans is None else kmeans(vectors, clusters)  # type: ignore[operator]
     return {
         "nmi": float(normalized_mutual_info_score(codes, assignment)),
@@ -247,10 +231,15 @@ def faiss_kmeans(vectors: np.ndarray, clusters: int, seed: int = 0) -> np.ndarra
 
 def _encode_labels(query_labels: Sequence[str], gallery_labels: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     vocabulary = {label: code for code, label in enumerate(sorted(set(query_labels) | set(gallery_labels)))}
-    return (np.array([vocabulary[label] for label in query_labels], np.int64), np.array([vocabulary[label] for label in gallery_labels], np.int64))
+    return (
+        np.array([vocabulary[label] for label in query_labels], np.int64),
+        np.array([vocabulary[label] for label in gallery_labels], np.int64),
+    )
 
 
-def embedding_diagnostics(embeddings: np.ndarray, labels: Sequence[str], max_points: int = 10_000, seed: int = 0, block: int = 1024) -> dict[str, float]:
+def embedding_diagnostics(
+    embeddings: np.ndarray, labels: Sequence[str], max_points: int = 10_000, seed: int = 0, block: int = 1024
+) -> dict[str, float]:
     """Returns alignment, uniformity (Wang & Isola 2020) and tolerance (Wang & Liu 2021) of unit embeddings.
 
     - alignment = mean over same-label pairs of ||x - y||^2 = 2 - 2 * tolerance (lower: positives closer);
@@ -265,7 +254,14 @@ def embedding_diagnostics(embeddings: np.ndarray, labels: Sequence[str], max_poi
     codes = np.unique(np.asarray(labels), return_inverse=True)[1]
     if len(z) < 2:
         raise RetrievalError("embedding diagnostics need at least two embeddings")
-    result = {"uniformity": _uniformity(z if len(z) <= max_points else z[np.sort(np.random.default_rng(seed).choice(len(z), max_points, replace=False))], block)}
+    result = {
+        "uniformity": _uniformity(
+            z
+            if len(z) <= max_points
+            else z[np.sort(np.random.default_rng(seed).choice(len(z), max_points, replace=False))],
+            block,
+        )
+    }
     class_sizes = np.bincount(codes)
     pairs = float((class_sizes * (class_sizes - 1)).sum())  # ordered same-label pairs
     if pairs:

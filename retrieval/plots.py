@@ -25,7 +25,9 @@ def plot_training_log(log: Path, target: Path) -> Path:
     validated = all("val_map@r" in entry for entry in entries)
     figure, axes = plt.subplots(1, 2 if validated else 1, figsize=(11 if validated else 6, 3.5), dpi=120, squeeze=False)
     loss_axis = axes[0][0]
-    loss_axis.plot(epochs, [entry["loss"] for entry in entries], marker="o", markersize=3, color="tab:blue", label="loss")
+    loss_axis.plot(
+        epochs, [entry["loss"] for entry in entries], marker="o", markersize=3, color="tab:blue", label="loss"
+    )
     loss_axis.set_xlabel("epoch")
     loss_axis.set_ylabel("training loss", color="tab:blue")
     rate_axis = loss_axis.twinx()
@@ -49,16 +51,38 @@ def plot_temperature_sweep(rows: list[dict], target: Path) -> Path:
     tolerance: dashed) and of the projections the loss sees (loss_uniformity, loss_tolerance: solid).
     """
     figure, axes = plt.subplots(1, 3, figsize=(15, 4), dpi=120)
-    panels = [("uniformity", "uniformity (lower: more spread out)"), ("tolerance", "tolerance (higher: classes kept together)"), ("recall@1", "recall@1")]
-    for colour, loss in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], dict.fromkeys(row["loss"] for row in rows)):
+    panels = [
+        ("uniformity", "uniformity (lower: more spread out)"),
+        ("tolerance", "tolerance (higher: classes kept together)"),
+        ("recall@1", "recall@1"),
+    ]
+    for colour, loss in zip(
+        plt.rcParams["axes.prop_cycle"].by_key()["color"], dict.fromkeys(row["loss"] for row in rows)
+    ):
         mine = sorted((row for row in rows if row["loss"] == loss), key=lambda row: row["temperature"])
         temperatures = [row["temperature"] for row in mine]
         for axis, (key, _) in zip(axes, panels):
             if key == "recall@1":
                 axis.plot(temperatures, [row[key] for row in mine], marker="o", markersize=4, color=colour, label=loss)
                 continue
-            axis.plot(temperatures, [row[f"loss_{key}"] for row in mine], marker="o", markersize=4, color=colour, label=f"{loss}: loss space")
-            axis.plot(temperatures, [row[key] for row in mine], marker="s", markersize=3, linestyle="--", color=colour, alpha=0.7, label=f"{loss}: embedding")
+            axis.plot(
+                temperatures,
+                [row[f"loss_{key}"] for row in mine],
+                marker="o",
+                markersize=4,
+                color=colour,
+                label=f"{loss}: loss space",
+            )
+            axis.plot(
+                temperatures,
+                [row[key] for row in mine],
+                marker="s",
+                markersize=3,
+                linestyle="--",
+                color=colour,
+                alpha=0.7,
+                label=f"{loss}: embedding",
+            )
     for axis, (_, title) in zip(axes, panels):
         axis.set_xscale("log")
         axis.set_xlabel("temperature")
@@ -69,7 +93,8 @@ def plot_temperature_sweep(rows: list[dict], target: Path) -> Path:
 
 
 def plot_recall_curves(curves: dict[str, list[float]], target: Path, title: str) -> Path:
-    """Draws recall@k against k (CMC curves), one line per named run (a single unnamed one needs no legend), into a PNG."""
+    """Draws recall@k against k (CMC curves), one line per named run (a single unnamed one needs no legend), into a
+    PNG."""
     figure, axis = plt.subplots(figsize=(6, 4), dpi=120)
     for name, cmc in curves.items():
         axis.plot(range(1, len(cmc) + 1), cmc, marker="o", markersize=3, label=name or None)
@@ -98,7 +123,9 @@ def plot_class_recall(class_recall: dict[str, tuple[float, int]], target: Path, 
     spread.legend()
     lowest = sorted(class_recall.items(), key=lambda entry: (entry[1][0], entry[0]))[:listed][::-1]
     bars = worst.barh([_shorten(label) for label, _ in lowest], [value for _, (value, _) in lowest], color="tab:orange")
-    worst.bar_label(bars, labels=[f"{value:.2f} of {count} queries" for _, (value, count) in lowest], padding=3, fontsize=7)
+    worst.bar_label(
+        bars, labels=[f"{value:.2f} of {count} queries" for _, (value, count) in lowest], padding=3, fontsize=7
+    )
     worst.set_xlim(0, 1.2)
     worst.set_xlabel("recall@1")
     worst.set_title(f"the {len(lowest)} lowest classes")
@@ -106,16 +133,26 @@ def plot_class_recall(class_recall: dict[str, tuple[float, int]], target: Path, 
     return _save(figure, target)
 
 
-def plot_worst_queries(rows: Sequence[tuple[Item, Sequence[tuple[Item, float]]]], target: Path, thumbnail: int = 96) -> Path:
+def plot_worst_queries(
+    rows: Sequence[tuple[Item, Sequence[tuple[Item, float]]]], target: Path, thumbnail: int = 96
+) -> Path:
     """Draws one row per query: its image, then its top results framed green (same label) or red, into a PNG."""
     columns = 1 + max((len(results) for _, results in rows), default=0)
-    figure, axes = plt.subplots(max(len(rows), 1), columns, figsize=(1.6 * columns, 1.8 * max(len(rows), 1)), dpi=100, squeeze=False)
+    figure, axes = plt.subplots(
+        max(len(rows), 1), columns, figsize=(1.6 * columns, 1.8 * max(len(rows), 1)), dpi=100, squeeze=False
+    )
     for axis in axes.flat:
         axis.axis("off")
     for row, (query, results) in zip(axes, rows):
         _show(row[0], query, thumbnail, f"query\n{_shorten(query.label)}", "black")
         for axis, (item, similarity) in zip(row[1:], results):
-            _show(axis, item, thumbnail, f"{similarity:.3f} {_shorten(item.label)}", "tab:green" if item.label == query.label else "tab:red")
+            _show(
+                axis,
+                item,
+                thumbnail,
+                f"{similarity:.3f} {_shorten(item.label)}",
+                "tab:green" if item.label == query.label else "tab:red",
+            )
     figure.suptitle("worst queries (lowest MAP@R) and their top results: green = same label, red = other label")
     return _save(figure, target)
 
@@ -142,7 +179,9 @@ def _shorten(label: str, width: int = 18) -> str:
     return label if len(label) <= width else label[: width - 1] + "…"
 
 
-def plot_similarity_histograms(vectors: np.ndarray, labels: Sequence[str], target: Path, max_points: int = 3000, seed: int = 0) -> Path:
+def plot_similarity_histograms(
+    vectors: np.ndarray, labels: Sequence[str], target: Path, max_points: int = 3000, seed: int = 0
+) -> Path:
     """Draws the histograms of same-label and different-label cosine similarities into a PNG.
 
     With more than max_points rows, a seeded random subset is used.
@@ -158,7 +197,9 @@ def plot_similarity_histograms(vectors: np.ndarray, labels: Sequence[str], targe
     bins = np.linspace(-1, 1, 81)
     for pairs, name in ((upper & ~same, "different label"), (same, "same label")):
         if pairs.any():  # e.g. a query set with one image per label has no same-label pair
-            axis.hist(similarity[pairs], bins=bins, density=True, alpha=0.6, label=f"{name} ({int(pairs.sum()):,} pairs)")
+            axis.hist(
+                similarity[pairs], bins=bins, density=True, alpha=0.6, label=f"{name} ({int(pairs.sum()):,} pairs)"
+            )
     axis.set_xlabel("cosine similarity")
     axis.set_ylabel("density")
     axis.legend()
@@ -186,7 +227,9 @@ def plot_diagnostics(metrics: dict, target: Path) -> Path:
     return _save(figure, target)
 
 
-def plot_embedding_map(points: np.ndarray, labels: Sequence[str], target: Path, title: str, legend_limit: int = 20) -> np.ndarray:
+def plot_embedding_map(
+    points: np.ndarray, labels: Sequence[str], target: Path, title: str, legend_limit: int = 20
+) -> np.ndarray:
     """Draws 2-D points coloured by label (a legend up to legend_limit labels) and returns each point's
     position in the PNG's pixels (x right, y down), so that a click on the image can be mapped to a point.
 
@@ -203,7 +246,9 @@ def plot_embedding_map(points: np.ndarray, labels: Sequence[str], target: Path, 
     axis.scatter(points[:, 0], points[:, 1], c=colours, s=14, linewidths=0)
     if len(names) <= legend_limit:
         for code, name in enumerate(names):
-            axis.scatter([], [], color=matplotlib.colormaps["tab20"](code % 20), label=_shorten(name or "(unlabeled)"), s=14)
+            axis.scatter(
+                [], [], color=matplotlib.colormaps["tab20"](code % 20), label=_shorten(name or "(unlabeled)"), s=14
+            )
         axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     axis.set_title(f"{title} · {len(names)} labels · click a point to search with it", fontsize=9)
     axis.set_xticks([])

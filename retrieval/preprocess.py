@@ -25,7 +25,7 @@ class Preprocessing:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "Preprocessing":
+    def from_dict(cls, values: dict) -> Preprocessing:
         return cls(
             image_size=int(values["image_size"]),
             mean=tuple(float(v) for v in values["mean"]),

@@ -72,15 +72,22 @@ class RunDir:
         if self.best_checkpoint.is_file():
             return self.best_checkpoint
         if not self.last_checkpoint.is_file():
-            raise RetrievalError(f"{self.root}: no trained checkpoint ({self.last_checkpoint.name}); run `retrieval train DATA --run {self.root}` first")
+            raise RetrievalError(
+                f"{self.root}: no trained checkpoint ({self.last_checkpoint.name}); "
+                f"run `retrieval train DATA --run {self.root}` first"
+            )
         return self.last_checkpoint
 
     def require_model(self) -> Path:
         """Returns the exported ONNX model, or says to export first."""
         if not self.root.is_dir():
-            raise RetrievalError(f"{self.root}: no such run directory; train one with `retrieval train DATA --run {self.root}`")
+            raise RetrievalError(
+                f"{self.root}: no such run directory; train one with `retrieval train DATA --run {self.root}`"
+            )
         if not self.model.is_file() or not self.model_card.is_file():
-            raise RetrievalError(f"{self.root}: no exported model (model.onnx + model.json); run `retrieval export {self.root}` first")
+            raise RetrievalError(
+                f"{self.root}: no exported model (model.onnx + model.json); run `retrieval export {self.root}` first"
+            )
         return self.model
 
 
@@ -93,7 +100,9 @@ def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as error:
-        raise RetrievalError(f"{path}: cannot be written ({error.strerror or error}); the previous version is kept") from None
+        raise RetrievalError(
+            f"{path}: cannot be written ({error.strerror or error}); the previous version is kept"
+        ) from None
     try:
         with os.fdopen(handle, "wb") as file:
             file.write(data)
@@ -106,7 +115,9 @@ def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
     except BaseException as error:
         Path(temporary).unlink(missing_ok=True)
         if isinstance(error, OSError):  # disk full, quota, read-only file system
-            raise RetrievalError(f"{path}: cannot be written ({error.strerror or error}); the previous version is kept") from None
+            raise RetrievalError(
+                f"{path}: cannot be written ({error.strerror or error}); the previous version is kept"
+            ) from None
         raise
 
 
@@ -131,7 +142,9 @@ def read_json(path: Path) -> Any:
     if isinstance(value, dict) and CHECKSUM in value:
         expected = value.pop(CHECKSUM)
         if expected != _json_digest(value):
-            raise RetrievalError(f"{path}: its content does not match its checksum (the file was damaged or edited by hand); recreate it")
+            raise RetrievalError(
+                f"{path}: its content does not match its checksum (the file was damaged or edited by hand); recreate it"
+            )
     return value
 
 

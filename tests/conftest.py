@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from retrieval.cli import main
+from retrieval.commands import main
 from retrieval.datasets import icons
 from retrieval.runs import RunDir
 

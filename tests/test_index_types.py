@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 from index import choice
+from index.faiss_ops import stored_vectors
+from index.search import Query, search_items
 from index.stats import index_stats
-from index.store import Additions, GalleryIndex, stored_vectors
-from retrieval.cli import main
+from index.store import Additions, GalleryIndex
+from retrieval.commands import main
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir
@@ -33,7 +35,11 @@ def clustered(n: int = 6000, dim: int = 32, classes: int = 60, seed: int = 0) ->
 
 def chunks(vectors: np.ndarray, size: int = 1000) -> list[Additions]:
     return [
-        Additions(vectors[start : start + size], [Item(Path(f"/gallery/{i}.png"), f"c{i % 7}") for i in range(start, min(start + size, len(vectors)))], [f"h{i}" for i in range(start, min(start + size, len(vectors)))])
+        Additions(
+            vectors[start : start + size],
+            [Item(Path(f"/gallery/{i}.png"), f"c{i % 7}") for i in range(start, min(start + size, len(vectors)))],
+            [f"h{i}" for i in range(start, min(start + size, len(vectors)))],
+        )
         for start in range(0, len(vectors), size)
     ]
 
@@ -48,10 +54,16 @@ def test_the_choice_follows_size_and_memory() -> None:
     assert choice.choose_index(1_000_000, 128, 400 * 10**6).factory == "IVF4096,SQ8"  # full vectors need 624 MB
     assert choice.choose_index(1_000_000, 128, 100 * 10**6).factory == "OPQ64,IVF4096,PQ64"
     assert choice.choose_index(1_000_000, 128, 30 * 10**6).factory == "OPQ16,IVF4096,PQ16"
-    with pytest.raises(RetrievalError, match="too small for 1,000,000 128-d vectors: the smallest index here needs 0.02 GB"):
+    with pytest.raises(
+        RetrievalError, match="too small for 1,000,000 128-d vectors: the smallest index here needs 0.02 GB"
+    ):
         choice.choose_index(1_000_000, 128, 10 * 10**6)
     assert [choice.nlist_for(n) for n in (150_000, 1_000_000, 10**8)] == [2048, 4096, 32768]
-    assert choice.parse_memory("4GB") == 4 * 10**9 and choice.parse_memory("512MiB") == 512 * 2**20 and choice.parse_memory("2e9") == 2 * 10**9
+    assert (
+        choice.parse_memory("4GB") == 4 * 10**9
+        and choice.parse_memory("512MiB") == 512 * 2**20
+        and choice.parse_memory("2e9") == 2 * 10**9
+    )
     with pytest.raises(RetrievalError, match="give a size such as 4GB"):
         choice.parse_memory("lots")
 
@@ -84,17 +96,36 @@ def test_every_type_builds_searches_removes_and_reopens(tmp_path: Path, factory:
 def test_compressed_codes_are_re_ranked_with_the_exact_vectors(tmp_path: Path) -> None:
     vectors = clustered()
     index = GalleryIndex.create(tmp_path / "index", chunks(vectors), "enc", 32, factory="OPQ8,IVF32,PQ8")
-    truth = [{hit.id for hit in row} for row in GalleryIndex.create(tmp_path / "flat", chunks(vectors), "enc", 32, factory="Flat").search(vectors[:300], 10)]
+    truth = [
+        {hit.id for hit in row}
+        for row in GalleryIndex.create(tmp_path / "flat", chunks(vectors), "enc", 32, factory="Flat").search(
+            vectors[:300], 10
+        )
+    ]
 
     def recall(rerank: int | None) -> float:
-        return float(np.mean([len({hit.id for hit in row} & best) / 10 for row, best in zip(index.search(vectors[:300], 10, rerank=rerank), truth)]))
+        return float(
+            np.mean(
+                [
+                    len({hit.id for hit in row} & best) / 10
+                    for row, best in zip(index.search(vectors[:300], 10, rerank=rerank), truth)
+                ]
+            )
+        )
 
     assert recall(0) < 0.7 < choice.TARGET_RECALL <= recall(None)  # 8 bytes for 32 floats: the codes alone are coarse
     exact_scores = [hit.score for hit in index.search(vectors[:1], 5)[0]]
-    np.testing.assert_allclose(exact_scores, np.sort(vectors[[hit.id - 1 for hit in index.search(vectors[:1], 5)[0]]] @ vectors[0])[::-1], rtol=1e-5)
+    np.testing.assert_allclose(
+        exact_scores,
+        np.sort(vectors[[hit.id - 1 for hit in index.search(vectors[:1], 5)[0]]] @ vectors[0])[::-1],
+        rtol=1e-5,
+    )
     np.testing.assert_array_equal(index.vectors_of([7]), vectors[[6]])  # the exact vector, not its code
     stats = index_stats(tmp_path / "index", sample=300)
-    assert stats["re-ranked candidates per result"] == 8 and stats["recall@10 (now, 300 own vectors)"] >= choice.TARGET_RECALL
+    assert (
+        stats["re-ranked candidates per result"] == 8
+        and stats["recall@10 (now, 300 own vectors)"] >= choice.TARGET_RECALL
+    )
     raw = tmp_path / "index" / "raw.f32"
     raw.write_bytes(raw.read_bytes()[:-4])
     with pytest.raises(RetrievalError, match="raw.f32: missing, or its bytes do not match the manifest's sha256"):
@@ -119,12 +150,21 @@ def test_search_depth_vectors_by_id_and_mistakes(tmp_path: Path) -> None:
     truth = [{hit.id for hit in row} for row in exact.search(vectors[:300], 10)]
 
     def recall(depth: int) -> float:
-        return float(np.mean([len({hit.id for hit in row} & best) / 10 for row, best in zip(ivf.search(vectors[:300], 10, depth=depth), truth)]))
+        return float(
+            np.mean(
+                [
+                    len({hit.id for hit in row} & best) / 10
+                    for row, best in zip(ivf.search(vectors[:300], 10, depth=depth), truth)
+                ]
+            )
+        )
 
     assert recall(1) < recall(64) == 1.0  # probing every list is exact
     np.testing.assert_allclose(ivf.vectors_of([5, 9]), vectors[[4, 8]], atol=1e-6)
-    by_id = ivf.search_items([5, 9], 4, depth=64)
-    assert [[hit.id for hit in row] for row in by_id] == [[hit.id for hit in row if hit.id != own][:4] for row, own in zip(exact.search(vectors[[4, 8]], 5), (5, 9))]
+    by_id = search_items(ivf, [5, 9], Query(4, depth=64))
+    assert [[hit.id for hit in row] for row in by_id] == [
+        [hit.id for hit in row if hit.id != own][:4] for row, own in zip(exact.search(vectors[[4, 8]], 5), (5, 9))
+    ]
     with pytest.raises(RetrievalError, match="does not apply to this Flat index"):
         exact.search(vectors[:1], 5, depth=4)
     with pytest.raises(RetrievalError, match="no item with id"):
@@ -135,7 +175,9 @@ def test_search_depth_vectors_by_id_and_mistakes(tmp_path: Path) -> None:
         GalleryIndex.create(tmp_path / "small", chunks(vectors[:500]), "enc", 32, factory="IVF4096,Flat")
 
 
-def test_cli_index_choice_stats_and_depth(demo_run: RunDir, icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_index_choice_stats_and_depth(
+    demo_run: RunDir, icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     images = icons_root / "test"
     directory = tmp_path / "index"
     assert main(["index", str(demo_run.root), str(images), "--index", str(directory), "--faiss", "HNSW16"]) == 0
@@ -182,7 +224,12 @@ def test_a_killed_writer_leaves_ids_and_metadata_agreeing(tmp_path: Path, factor
     GalleryIndex.create(directory, chunks(clustered()), "enc", 32, factory=factory)
     rng = np.random.default_rng(0)
     for attempt in range(3):
-        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(directory), str(ROOT)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        writer = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(directory), str(ROOT)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         assert writer.stdout is not None
         writer.stdout.readline()  # one update done: the next is under way
         time.sleep(float(rng.uniform(0, 0.3)))
@@ -195,11 +242,14 @@ def test_a_killed_writer_leaves_ids_and_metadata_agreeing(tmp_path: Path, factor
     assert [path.name for path in tmp_path.iterdir()] == ["index"]  # what killed writers left is cleared
 
 
-def test_with_gpus_the_lists_train_and_searches_run_on_a_sharded_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GPU wiring, with FAISS's cloner replaced by a CPU copy (no GPU here): what moves, sharded, and the fallback."""
+def test_with_gpus_the_lists_train_and_searches_run_on_a_sharded_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU wiring, with FAISS's cloner replaced by a CPU copy (no GPU here): what moves, sharded, and the
+    fallback."""
     import faiss
 
-    from index import store
+    from index import faiss_ops
 
     moved: list[tuple[str, bool]] = []
 
@@ -210,11 +260,11 @@ def test_with_gpus_the_lists_train_and_searches_run_on_a_sharded_copy(tmp_path: 
         moved.append((type(index).__name__, co.shard))
         return faiss.clone_index(index)
 
-    monkeypatch.setattr(store, "gpu_count", lambda: 2)
+    monkeypatch.setattr(faiss_ops, "gpu_count", lambda: 2)
     monkeypatch.setattr(faiss, "GpuMultipleClonerOptions", Options, raising=False)
     monkeypatch.setattr(faiss, "index_cpu_to_all_gpus", to_all_gpus, raising=False)
     vectors = clustered()
-    index = GalleryIndex.create(tmp_path / "ivf", chunks(vectors), "enc", 32, factory="IVF32,Flat")
+    GalleryIndex.create(tmp_path / "ivf", chunks(vectors), "enc", 32, factory="IVF32,Flat")
     assert moved == [("IndexFlatIP", True)]  # the k-means of the lists
     reopened = GalleryIndex.load(tmp_path / "ivf")
     found = [[hit.id for hit in row] for row in reopened.search(vectors[:50], 5)]
@@ -240,7 +290,9 @@ def test_a_label_filter_keeps_the_order_of_the_unfiltered_search(factory: str, t
     vectors = rng.standard_normal((3000, 32)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     items = [Item(Path(f"/gallery/{row}.png"), f"c{row % 7}") for row in range(len(vectors))]
-    index = GalleryIndex.create(tmp_path / "index", [Additions(vectors, items, ["0" * 64] * len(items))], "encoder", 32, factory)
+    index = GalleryIndex.create(
+        tmp_path / "index", [Additions(vectors, items, ["0" * 64] * len(items))], "encoder", 32, factory
+    )
     filtered = index.search(vectors[:5], 10, label="c3")
     unfiltered = index.search(vectors[:5], 200)
     for only, every in zip(filtered, unfiltered):

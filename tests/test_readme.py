@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
-from retrieval.cli import main
+from retrieval.commands import main
 from retrieval.runs import RunDir
 
 ROOT = Path(__file__).parents[1]
@@ -75,7 +75,12 @@ def test_the_api_example_runs(demo_run: RunDir) -> None:
     query = next(iter(service.items.values())).path
     try:
         names: dict = {}
-        exec(code.replace("http://127.0.0.1:7860/", f"http://127.0.0.1:{port}/").replace('"query.jpg"', repr(str(query))), names)  # noqa: S102
+        exec(
+            code.replace("http://127.0.0.1:7860/", f"http://127.0.0.1:{port}/").replace(
+                '"query.jpg"', repr(str(query))
+            ),
+            names,
+        )  # noqa: S102
         assert len(names["results"]) == 10 and names["summary"].startswith("10 results")
     finally:
         demo.close()

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from tqdm import tqdm
-
 from retrieval.plots import plot_temperature_sweep
+from retrieval.progress import progress as progress_bar
+from retrieval.progress import say
 from retrieval.runs import RunDir, write_json
 from training.config import TrainConfig
 from training.train import train
@@ -25,7 +25,13 @@ SWEEP_TEMPERATURES = (0.05, 0.1, 0.2, 0.5, 1.0)
 SWEEP_LOSSES = ("supcon", "hard")
 
 
-def temperature_sweep(base: TrainConfig, out: Path, temperatures: Sequence[float] = SWEEP_TEMPERATURES, losses: Sequence[str] = SWEEP_LOSSES, progress: bool = True) -> list[dict]:
+def temperature_sweep(
+    base: TrainConfig,
+    out: Path,
+    temperatures: Sequence[float] = SWEEP_TEMPERATURES,
+    losses: Sequence[str] = SWEEP_LOSSES,
+    progress: bool = True,
+) -> list[dict]:
     """Trains base once per loss and temperature, writes out/temperature_sweep.{json,png}; returns the rows.
 
     Each row has the final epoch's validation scores on the held-out classes of base.val_classes:
@@ -36,7 +42,7 @@ def temperature_sweep(base: TrainConfig, out: Path, temperatures: Sequence[float
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     runs = [(loss, t) for loss in losses for t in temperatures]
-    for loss, temperature in tqdm(runs, desc="temperature sweep", unit="run", disable=not progress):
+    for loss, temperature in progress_bar(runs, desc="temperature sweep", unit="run", enabled=progress):
         run = RunDir(out / "runs" / f"{loss}-t{temperature:g}")
         train(replace(base, loss=loss, temperature=temperature), run, progress=False)
         last = json.loads(run.train_log.read_text(encoding="utf-8").splitlines()[-1])
@@ -44,7 +50,10 @@ def temperature_sweep(base: TrainConfig, out: Path, temperatures: Sequence[float
         row.update({name.removeprefix("val_"): value for name, value in last.items() if name.startswith("val_")})
         rows.append(row)
         if progress:
-            tqdm.write(f"{loss:>7} t={temperature:<5g} loss space: uniformity {row['loss_uniformity']:.3f} tolerance {row['loss_tolerance']:.3f}  recall@1 {row['recall@1']:.3f}")
+            say(
+                f"{loss:>7} t={temperature:<5g} loss space: uniformity {row['loss_uniformity']:.3f} "
+                f"tolerance {row['loss_tolerance']:.3f}  recall@1 {row['recall@1']:.3f}"
+            )
     write_json(out / "temperature_sweep.json", {"config": base.to_dict(), "rows": rows})
     plot_temperature_sweep(rows, out / "temperature_sweep.png")
     return rows

@@ -72,4 +72,3 @@ def make_augmentation(text: str, preprocessing: Preprocessing) -> Callable[[Imag
         return erase(tensor) if erase is not None else tensor
 
     return augment
-

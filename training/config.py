@@ -10,7 +10,6 @@ from training.augment import DEFAULT_AUGMENT, parse_augment
 from training.losses import DEFAULT_TEMPERATURES
 from training.model import STEMS
 
-
 OPTIMIZERS = ("adamw", "sgd")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 QUEUE_LOSSES = ("supcon", "infonce")
@@ -90,7 +89,7 @@ class TrainConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "TrainConfig":
+    def from_dict(cls, values: dict) -> TrainConfig:
         """Rebuilds a config, refusing keys it does not know (rather than silently dropping them)."""
         known = {f.name for f in fields(cls)}
         unknown = set(values) - known

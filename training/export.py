@@ -19,9 +19,9 @@ from retrieval.benchmarks import load_training_data
 from retrieval.data import load_image
 from retrieval.embedders import OnnxEmbedder
 from retrieval.errors import ImageError, RetrievalError
-from retrieval.metrics import nearest_neighbours
+from retrieval.knn import nearest_neighbours
 from retrieval.runs import RunDir, write_atomic, write_json
-from training.train import load_encoder
+from training.checkpoints import load_encoder
 
 OPSET = 18
 PARITY_BATCH_SIZES = (1, 2, 7, 64, 256)  # 64 and 256: the batch sizes OnnxEmbedder uses on CPU and CUDA
@@ -31,7 +31,15 @@ MIN_COSINE_FLOAT16 = 0.999
 NEIGHBOURS = 10
 # Layers that stay in float32 in a float16 export: normalisations (BatchNorm is folded into the
 # convolutions by the exporter) and the final L2 normalisation (ReduceL2, Clip of its epsilon, Div).
-FLOAT32_OPS = ["BatchNormalization", "LayerNormalization", "InstanceNormalization", "GroupNormalization", "ReduceL2", "Clip", "Div"]
+FLOAT32_OPS = [
+    "BatchNormalization",
+    "LayerNormalization",
+    "InstanceNormalization",
+    "GroupNormalization",
+    "ReduceL2",
+    "Clip",
+    "Div",
+]
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,10 @@ class Parity:
         if self.precision == "float16":
             return f"min cosine {self.min_cosine:.6f} (limit {MIN_COSINE_FLOAT16})"
         return (
-            f"max |Δ| {self.max_abs_difference:.2e} (limit {MAX_ABS_DIFFERENCE:.0e}), min cosine {self.min_cosine:.6f} (limit {MIN_COSINE}), "
+            f"max |Δ| {self.max_abs_difference:.2e} "
+            f"(limit {MAX_ABS_DIFFERENCE:.0e}), "
+            f"min cosine {self.min_cosine:.6f} "
+            f"(limit {MIN_COSINE}), "
             f"top-{NEIGHBOURS} neighbours {'identical' if self.same_neighbours else 'DIFFERENT'}"
         )
 
@@ -83,7 +94,12 @@ def export(run: RunDir, parity_images: Sequence[Path] = (), float16: bool = Fals
             "format": "onnx",
             "opset": OPSET,
             "precision": "float16" if float16 else "float32",
-            "input": {"name": "images", "shape": ["batch", 3, size, size], "dtype": "float32", "colour": "RGB, alpha composited over white"},
+            "input": {
+                "name": "images",
+                "shape": ["batch", 3, size, size],
+                "dtype": "float32",
+                "colour": "RGB, alpha composited over white",
+            },
             "output": {"name": "embeddings", "shape": ["batch", model.embedding_dim], "l2_normalised": True},
             "preprocessing": preprocessing.to_dict(),
             "embedding_dim": model.embedding_dim,
@@ -94,13 +110,19 @@ def export(run: RunDir, parity_images: Sequence[Path] = (), float16: bool = Fals
             "exported": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
         embedder = OnnxEmbedder(candidate, card)
-        inputs = [np.random.default_rng(n).standard_normal((n, 3, size, size)).astype(np.float32) for n in PARITY_BATCH_SIZES]
-        real = _real_images(parity_images or _training_images(config.data, config.benchmark), limit=max(PARITY_BATCH_SIZES))
+        inputs = [
+            np.random.default_rng(n).standard_normal((n, 3, size, size)).astype(np.float32) for n in PARITY_BATCH_SIZES
+        ]
+        real = _real_images(
+            parity_images or _training_images(config.data, config.benchmark), limit=max(PARITY_BATCH_SIZES)
+        )
         if real:
             inputs.append(preprocessing(real))
         parity = measure_parity(model, embedder, inputs, card["precision"])
         if not parity.ok:
-            raise RetrievalError(f"ONNX export of {run.root} failed its parity check: {parity.describe()}; no model.onnx was written")
+            raise RetrievalError(
+                f"ONNX export of {run.root} failed its parity check: {parity.describe()}; no model.onnx was written"
+            )
         card["parity"] = {
             "max_abs_difference": parity.max_abs_difference,
             "min_cosine": parity.min_cosine,
@@ -112,7 +134,9 @@ def export(run: RunDir, parity_images: Sequence[Path] = (), float16: bool = Fals
     return parity
 
 
-def measure_parity(model: torch.nn.Module, embedder: OnnxEmbedder, inputs: Sequence[np.ndarray], precision: str = "float32") -> Parity:
+def measure_parity(
+    model: torch.nn.Module, embedder: OnnxEmbedder, inputs: Sequence[np.ndarray], precision: str = "float32"
+) -> Parity:
     """Compares the torch model and the ONNX session on the same preprocessed batches.
 
     The neighbour check ranks all checked images against each other (leave-one-out) with both
@@ -138,7 +162,9 @@ def _convert_to_float16(path: Path) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # it warns for every weight below float16's smallest normal number
-        converted = float16.convert_float_to_float16(onnx.load(str(path)), keep_io_types=True, op_block_list=FLOAT32_OPS)
+        converted = float16.convert_float_to_float16(
+            onnx.load(str(path)), keep_io_types=True, op_block_list=FLOAT32_OPS
+        )
     onnx.save(converted, str(path))
 
 

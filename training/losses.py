@@ -32,7 +32,13 @@ class SupConLoss(nn.Module):
         _check_temperature(temperature)
         self.temperature = temperature
 
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, queue: torch.Tensor | None = None, queue_labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        embeddings: torch.Tensor,
+        labels: torch.Tensor,
+        queue: torch.Tensor | None = None,
+        queue_labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         z = F.normalize(embeddings.float(), dim=1)
         keys, key_labels = _queue_keys(queue, queue_labels, z, "SupConLoss")
         all_labels = torch.cat([labels, key_labels]) if len(keys) else labels
@@ -40,7 +46,9 @@ class SupConLoss(nn.Module):
         # mean over positives of log p(p | i) = (sum_p s_ip / t) / |P(i)| - logsumexp_{a != i} s_ia / t, and
         # sum_p z_i.z_p = z_i.(sum of i's class over batch and queue - z_i): no N x N mask is ever built
         members = torch.cat([z, keys]) if len(keys) else z
-        class_sums = torch.zeros(int(codes.max()) + 1, z.shape[1], dtype=z.dtype, device=z.device).index_add(0, codes, members)
+        class_sums = torch.zeros(int(codes.max()) + 1, z.shape[1], dtype=z.dtype, device=z.device).index_add(
+            0, codes, members
+        )
         counts = torch.bincount(codes)[codes[: len(labels)]] - 1  # positives of each anchor
         codes = codes[: len(labels)]
         anchors = counts > 0
@@ -76,11 +84,15 @@ class _ContrastLogSumExp(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
         z, members, exponentials, totals = ctx.saved_tensors
         with torch.autocast(z.device.type, enabled=False):
-            weights = exponentials * (grad[:, None] / (ctx.temperature * totals))  # softmax rows times the incoming gradient
+            weights = exponentials * (
+                grad[:, None] / (ctx.temperature * totals)
+            )  # softmax rows times the incoming gradient
             return weights @ members, weights.T @ z, None
 
 
-def _queue_keys(queue: torch.Tensor | None, queue_labels: torch.Tensor | None, z: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _queue_keys(
+    queue: torch.Tensor | None, queue_labels: torch.Tensor | None, z: torch.Tensor, name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns the unit queue keys and their labels (empty when there is no queue)."""
     if queue is None:
         return z.new_zeros(0, z.shape[1]), torch.zeros(0, dtype=torch.long, device=z.device)
@@ -95,10 +107,14 @@ def _check_temperature(temperature: float) -> None:
 
 
 def _no_positive_pair(name: str) -> RetrievalError:
-    return RetrievalError(f"{name}: the batch has no positive pair; sample at least two images per class (class-balanced batches)")
+    return RetrievalError(
+        f"{name}: the batch has no positive pair; sample at least two images per class (class-balanced batches)"
+    )
 
 
-def _normalised_pairs(embeddings: torch.Tensor, labels: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _normalised_pairs(
+    embeddings: torch.Tensor, labels: torch.Tensor, name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns unit embeddings and the masks of positive pairs (same label, not self) and negative pairs."""
     same = labels[:, None] == labels[None, :]
     positives = same & ~torch.eye(len(labels), dtype=torch.bool, device=labels.device)
@@ -124,13 +140,21 @@ class InfoNCELoss(nn.Module):
         _check_temperature(temperature)
         self.temperature = temperature
 
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, queue: torch.Tensor | None = None, queue_labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        embeddings: torch.Tensor,
+        labels: torch.Tensor,
+        queue: torch.Tensor | None = None,
+        queue_labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         z, positives, negatives = _normalised_pairs(embeddings, labels, "InfoNCELoss")
         logits = z @ z.T / self.temperature
         negative_logits = logits.masked_fill(~negatives, float("-inf"))
         keys, key_labels = _queue_keys(queue, queue_labels, z, "InfoNCELoss")
         if len(keys):
-            queue_logits = (z @ keys.T / self.temperature).masked_fill(labels[:, None] == key_labels[None, :], float("-inf"))
+            queue_logits = (z @ keys.T / self.temperature).masked_fill(
+                labels[:, None] == key_labels[None, :], float("-inf")
+            )
             negative_logits = torch.cat([negative_logits, queue_logits], dim=1)
         log_negatives = torch.logsumexp(negative_logits, dim=1, keepdim=True)  # -inf where an anchor has none
         log_denominator = torch.logaddexp(logits, log_negatives)
@@ -162,7 +186,9 @@ class NPairLoss(nn.Module):
         first = torch.ones_like(sorted_labels, dtype=torch.bool)
         first[1:] = sorted_labels[1:] != sorted_labels[:-1]
         starts = torch.nonzero(first).squeeze(1)
-        has_pair = (starts + 1 < len(labels)) & (sorted_labels[(starts + 1).clamp(max=len(labels) - 1)] == sorted_labels[starts])
+        has_pair = (starts + 1 < len(labels)) & (
+            sorted_labels[(starts + 1).clamp(max=len(labels) - 1)] == sorted_labels[starts]
+        )
         starts = starts[has_pair]
         if len(starts) == 0:
             raise _no_positive_pair("NPairLoss")
@@ -183,7 +209,8 @@ class HCLLoss(nn.Module):
         l(i, p) = -log( exp(s_ip / t) / (exp(s_ip / t) + Ng_i) )
 
     averaged over positive pairs; with labels, the negatives are the other classes. Computed in log
-    space. At beta=0 and tau_plus=0 it equals NT-Xent. Defaults: temperature=0.5, beta=1.0, tau_plus=0.1.
+    space. At beta=0 and tau_plus=0 it equals NT-Xent; like NT-Xent, a batch of one label (no
+    negatives) gives 0. Defaults: temperature=0.5, beta=1.0, tau_plus=0.1.
     """
 
     def __init__(self, temperature: float = 0.5, beta: float = 1.0, tau_plus: float = 0.1) -> None:
@@ -197,12 +224,25 @@ class HCLLoss(nn.Module):
         z, positives, negatives = _normalised_pairs(embeddings, labels, "HCLLoss")
         t = self.temperature
         logits = z @ z.T / t
+        if not negatives.any():  # one label in the batch: no negative, so every term is -log(1) = 0, as for NT-Xent
+            return logits[positives].sum() * 0.0
         count = negatives.sum(dim=1, keepdim=True).float()
-        weighted = torch.logsumexp(((1 + self.beta) * logits).masked_fill(~negatives, float("-inf")), dim=1, keepdim=True)
-        mean_weight = torch.logsumexp((self.beta * logits).masked_fill(~negatives, float("-inf")), dim=1, keepdim=True) - count.log()
+        weighted = torch.logsumexp(
+            ((1 + self.beta) * logits).masked_fill(~negatives, float("-inf")), dim=1, keepdim=True
+        )
+        mean_weight = (
+            torch.logsumexp((self.beta * logits).masked_fill(~negatives, float("-inf")), dim=1, keepdim=True)
+            - count.log()
+        )
         log_reweighted = weighted - mean_weight  # log sum_n w_in exp(s_in / t)
-        log_debias = math.log(self.tau_plus) + count.log() + logits if self.tau_plus > 0 else torch.full_like(logits, float("-inf"))
-        gap = (log_debias - log_reweighted).clamp(max=0.0)  # where the debiasing term exceeds the sum, the clamp below decides
+        log_debias = (
+            math.log(self.tau_plus) + count.log() + logits
+            if self.tau_plus > 0
+            else torch.full_like(logits, float("-inf"))
+        )
+        gap = (log_debias - log_reweighted).clamp(
+            max=0.0
+        )  # where the debiasing term exceeds the sum, the clamp below decides
         log_ng = torch.where(
             log_debias < log_reweighted,
             log_reweighted + torch.log1p(-torch.exp(gap).clamp(max=1 - 1e-7)) - math.log(1 - self.tau_plus),
@@ -210,7 +250,7 @@ class HCLLoss(nn.Module):
         )
         log_ng = torch.maximum(log_ng, count.log() - 1.0 / t)
         loss = -(logits - torch.logaddexp(logits, log_ng))
-        return loss[positives & (count > 0)].mean()
+        return loss[positives].mean()
 
 
 class HardContrastiveLoss(nn.Module):

@@ -52,7 +52,10 @@ class MemoryQueue:
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         """Returns the queue's tensors and counters a resumed run needs (the key encoder is a module of its own)."""
-        return {"keys": self.keys.cpu(), "labels": self.labels.cpu()}, {"filled": self.filled, "position": self.position}
+        return {"keys": self.keys.cpu(), "labels": self.labels.cpu()}, {
+            "filled": self.filled,
+            "position": self.position,
+        }
 
     def load_state(self, tensors: dict[str, torch.Tensor], counters: dict[str, int]) -> None:
         """Restores what state() returned."""

@@ -36,14 +36,21 @@ class Encoder(nn.Module):
     """
 
     def __init__(
-        self, backbone: str = "resnet18", embedding_dim: int | None = None, pretrained: bool = False, image_size: int = 224, stem: str = "imagenet"
+        self,
+        backbone: str = "resnet18",
+        embedding_dim: int | None = None,
+        pretrained: bool = False,
+        image_size: int = 224,
+        stem: str = "imagenet",
     ) -> None:
         super().__init__()
         self.backbone, width = make_backbone(backbone, pretrained, image_size, stem)
         self.embedding_dim = embedding_dim or width
         self.embedding = nn.Identity() if self.embedding_dim == width else nn.Linear(width, self.embedding_dim)
         self.projection = nn.Sequential(
-            nn.Linear(self.embedding_dim, self.embedding_dim), nn.ReLU(inplace=True), nn.Linear(self.embedding_dim, PROJECTION_DIM)
+            nn.Linear(self.embedding_dim, self.embedding_dim),
+            nn.ReLU(inplace=True),
+            nn.Linear(self.embedding_dim, PROJECTION_DIM),
         )
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -74,22 +81,33 @@ def make_backbone(name: str, pretrained: bool, image_size: int = 224, stem: str 
     if stem == "small" and not name.startswith("resnet"):
         raise RetrievalError(f"--stem small is for the resnet backbones, not {name!r}")
     if stem == "small" and pretrained:
-        raise RetrievalError("--stem small replaces the first convolution, so it cannot start from pretrained weights; drop one of them")
+        raise RetrievalError(
+            "--stem small replaces the first convolution, so it cannot start from pretrained weights; drop one of them"
+        )
     if name.startswith(TIMM_PREFIX):
         return _timm_backbone(name.removeprefix(TIMM_PREFIX), pretrained)
     if name not in BACKBONES:
-        raise RetrievalError(f"unknown backbone {name!r}; choose one of {', '.join(BACKBONES)}, or timm:<model> with timm installed")
+        raise RetrievalError(
+            f"unknown backbone {name!r}; choose one of {', '.join(BACKBONES)}, or timm:<model> with timm installed"
+        )
     options: dict = {}
     if name.startswith("vit_"):
         if image_size % 16:
-            raise RetrievalError(f"{name} cuts images into 16-pixel patches; --image-size must be a multiple of 16, got {image_size}")
+            raise RetrievalError(
+                f"{name} cuts images into 16-pixel patches; --image-size must be a multiple of 16, got {image_size}"
+            )
         if pretrained and image_size != 224:
-            raise RetrievalError(f"{name}'s pretrained weights are for 224-pixel images; use --image-size 224 or train without --pretrained")
+            raise RetrievalError(
+                f"{name}'s pretrained weights are for 224-pixel images; "
+                "use --image-size 224 or train without --pretrained"
+            )
         options["image_size"] = image_size
     try:
         model = torchvision.models.get_model(name, weights="DEFAULT" if pretrained else None, **options)
     except (OSError, RuntimeError) as error:  # urllib errors are OSErrors
-        raise RetrievalError(f"cannot load pretrained weights for {name} ({error}); check the network or train without --pretrained") from None
+        raise RetrievalError(
+            f"cannot load pretrained weights for {name} ({error}); check the network or train without --pretrained"
+        ) from None
     if name.startswith("resnet"):
         width = model.fc.in_features
         model.fc = nn.Identity()
@@ -114,5 +132,8 @@ def _timm_backbone(name: str, pretrained: bool) -> tuple[nn.Module, int]:
     try:
         model = timm.create_model(name, pretrained=pretrained, num_classes=0)
     except Exception as error:  # timm and huggingface_hub raise many error types when weights cannot be fetched
-        raise RetrievalError(f"cannot build timm model {name!r} ({str(error).splitlines()[0]}); check the network or train without --pretrained") from None
+        raise RetrievalError(
+            f"cannot build timm model {name!r} ({str(error).splitlines()[0]}); "
+            "check the network or train without --pretrained"
+        ) from None
     return model, model.num_features

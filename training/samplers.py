@@ -21,7 +21,13 @@ class ClassBalancedBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(
-        self, labels: Sequence[str], batch_size: int, images_per_class: int = 4, seed: int = 0, rank: int = 0, world_size: int = 1
+        self,
+        labels: Sequence[str],
+        batch_size: int,
+        images_per_class: int = 4,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         if images_per_class < 2:
             raise RetrievalError(f"images per class must be at least 2 for positive pairs, got {images_per_class}")
@@ -40,7 +46,8 @@ class ClassBalancedBatchSampler(Sampler[list[int]]):
         self.epoch = self.skip = 0
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
-        """Makes the next iteration yield the batches of this epoch after its first `skip` (deterministic given the seed)."""
+        """Makes the next iteration yield the batches of this epoch after its first `skip` (deterministic given the
+        seed)."""
         self.epoch, self.skip = epoch, skip
 
     def __len__(self) -> int:

@@ -38,12 +38,17 @@ def icons(root: Path | None = None) -> Path:
         with (staging / "MANIFEST.csv").open(newline="", encoding="utf-8") as handle:
             for row in csv.DictReader(handle):
                 if hashlib.sha256((staging / row["path"]).read_bytes()).hexdigest() != row["sha256"]:
-                    raise RetrievalError(f"{ICONS_ARCHIVE}: {row['path']} does not match MANIFEST.csv; the package is damaged, reinstall it")
+                    raise RetrievalError(
+                        f"{ICONS_ARCHIVE}: {row['path']} does not match "
+                        "MANIFEST.csv; the package is damaged, reinstall it"
+                    )
         staging.rename(target)
     except OSError as error:
         if (target / "MANIFEST.csv").is_file():
             return target  # another process unpacked it first
-        raise RetrievalError(f"cannot unpack the icons dataset into {target.parent} ({error}); set RETRIEVAL_CACHE to a writable folder") from None
+        raise RetrievalError(
+            f"cannot unpack the icons dataset into {target.parent} ({error}); set RETRIEVAL_CACHE to a writable folder"
+        ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target

@@ -1,6 +1,6 @@
-"""The main job on the embedded icons dataset: train on train/, export, index and evaluate test/.
+"""`retrieval demo`: the main job on the embedded icons dataset (train on train/, export, index and evaluate test/,
+serve).
 
-Like the command line, this module composes every stage (it is imported only by `retrieval demo`).
 test/ holds classes never seen in training, so the figures are the metric-learning protocol's.
 """
 
@@ -9,16 +9,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
-from index.build import build_index
+import typer
+
+from retrieval.commands.output import console, metrics_table
+from retrieval.commands.serve import serve
 from retrieval.data import Collection, load_collection, write_collection_csv
 from retrieval.datasets import icons
 from retrieval.embedders import OnnxEmbedder, PixelEmbedder
 from retrieval.evaluation import evaluate_collection
+from retrieval.extras import require
 from retrieval.runs import RunDir, write_json
-from training.config import TrainConfig
-from training.export import export
-from training.train import train
 
 
 @dataclass
@@ -31,18 +33,46 @@ class DemoOutcome:
     total_seconds: float
 
 
+def demo(
+    run: Annotated[Path, typer.Option("--run", help="Run directory for the demo.")] = Path("runs/demo"),
+    serve_app: Annotated[bool, typer.Option("--serve/--no-serve", help="Serve the app at the end.")] = True,
+    epochs: Annotated[int | None, typer.Option(help="Training epochs (default: those of `retrieval train`).")] = None,
+    classes: Annotated[
+        int | None, typer.Option(help="Use only the first N classes of each split (a quicker look).")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to bind the app to.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port of the app.")] = 7860,
+) -> None:
+    """Train on the embedded icons dataset, export, index and evaluate its unseen test classes, then serve."""
+    require("torch", "train")
+    outcome = run_demo(RunDir(run), epochs=epochs, classes=classes)
+    console.print(
+        metrics_table({"trained model": outcome.model_metrics, "raw pixels 16x16 gray": outcome.baseline_metrics})
+    )
+    console.print(f"run directory: {run}  (train {outcome.train_seconds:.0f}s, total {outcome.total_seconds:.0f}s)")
+    if serve_app:
+        console.print(f"serving the search app at http://{host}:{port}  (Ctrl+C to stop)")
+        serve(run, host, port)
+
+
 def run_demo(run: RunDir, epochs: int | None = None, classes: int | None = None, progress: bool = True) -> DemoOutcome:
     """Runs train -> export -> index -> evaluate on the icons dataset and the raw-pixel baseline.
 
     Training uses the default recipe of `retrieval train`; epochs and classes shorten the demo.
     """
+    from index.build import build_index
+    from training.config import TrainConfig
+    from training.export import export
+    from training.train import train
+
     started = time.perf_counter()
     dataset = icons()
     run.root.mkdir(parents=True, exist_ok=True)
     train_source = _split(dataset / "train", classes, run.root / "demo-train.csv")
     test_source = _split(dataset / "test", classes, run.root / "demo-test.csv")
-
-    config = TrainConfig(data=str(train_source)) if epochs is None else TrainConfig(data=str(train_source), epochs=epochs)
+    config = (
+        TrainConfig(data=str(train_source)) if epochs is None else TrainConfig(data=str(train_source), epochs=epochs)
+    )
     train(config, run, progress=progress)
     train_seconds = time.perf_counter() - started
     export(run)

@@ -1,0 +1,129 @@
+"""The index directory on disk: its writer lock, the atomic swap of a new version, SQLite and raw vectors.
+
+A save writes a complete temporary sibling directory, fsyncs it and renames it into place, so a
+crash leaves the old index or the new one. Writers go one at a time: `writer_lock` (an flock on the
+sibling file `.NAME.lock`) is held by `retrieval index` and by the app's add/remove around their
+read-modify-write, across processes; readers need no lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import shutil
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from index.types import FORMAT_VERSION, MANIFEST, RAW
+from retrieval.errors import RetrievalError
+from retrieval.runs import fsync_dir, read_json
+
+
+@contextmanager
+def writer_lock(directory: Path, timeout: float = 600.0) -> Iterator[None]:
+    """Holds the writer lock of the index at directory (one writer at a time, across processes), waiting up to
+    timeout seconds."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    path = directory.with_name(f".{directory.name}.lock")
+    deadline = time.monotonic() + timeout
+    with open(path, "a") as handle:
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RetrievalError(
+                        f"{directory}: another writer (a `retrieval index` job, or an app started with --allow-write) "
+                        f"has held {path.name} for over {timeout:.0f} s; try again when it has finished"
+                    ) from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def staging_directory(directory: Path) -> Path:
+    """A new, empty temporary sibling of directory, after removing those a killed writer left behind."""
+    for leftover in [
+        *directory.parent.glob(f".{directory.name}.tmp-*"),
+        *directory.parent.glob(f".{directory.name}.old-*"),
+    ]:
+        shutil.rmtree(leftover, ignore_errors=True)  # writers go one at a time: nobody else is using them
+    staging = directory.with_name(f".{directory.name}.tmp-{time.time_ns()}")
+    staging.mkdir(parents=True)
+    return staging
+
+
+def swap_into_place(staging: Path, directory: Path) -> None:
+    """Renames staging to directory, moving any previous index aside first and removing it after."""
+    previous = directory.with_name(f".{directory.name}.old-{time.time_ns()}")
+    if directory.exists():
+        directory.rename(previous)
+    staging.rename(directory)
+    fsync_dir(directory.parent)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def read_only(path: Path) -> closing[sqlite3.Connection]:
+    """A read-only SQLite connection to the items file (usable from the server's threads)."""
+    return closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False))
+
+
+def create_items(path: Path) -> None:
+    """Creates an empty items table (id, path, label, sha256, added_at)."""
+    with closing(sqlite3.connect(path)) as connection:
+        connection.execute(
+            "CREATE TABLE items (id INTEGER PRIMARY KEY, path TEXT NOT NULL, label TEXT NOT NULL, "
+            "sha256 TEXT NOT NULL, added_at TEXT NOT NULL)"
+        )
+        connection.commit()
+
+
+def open_raw(directory: Path, rows: int, dim: int) -> np.ndarray:
+    """The exact vectors file of a compressed index, memory-mapped read-only, checked for its size."""
+    path = directory / RAW
+    expected = rows * dim * 4
+    if not path.is_file() or path.stat().st_size != expected:
+        found = f"{path.stat().st_size:,} bytes" if path.is_file() else "missing"
+        raise RetrievalError(
+            f"{path}: {found}, expected {expected:,} bytes ({rows:,} vectors of {dim} floats); rebuild the index"
+        )
+    return np.memmap(path, np.float32, "r", shape=(rows, dim)) if rows else np.zeros((0, dim), np.float32)
+
+
+MANIFEST_KEYS = {"format_version", "dim", "count", "next_id", "encoder_sha256", "created"}
+
+
+def read_manifest(directory: Path, encoder_sha256: str | None = None, dim: int | None = None) -> dict:
+    """The manifest of an index directory, refused when incomplete, of another format, or of another encoder."""
+    if not (directory / MANIFEST).is_file():
+        raise RetrievalError(f"{directory}: not an index (no {MANIFEST}); build one with `retrieval index RUN IMAGES`")
+    manifest = read_json(directory / MANIFEST)
+    missing = MANIFEST_KEYS - set(manifest)
+    if missing:
+        raise RetrievalError(
+            f"{directory / MANIFEST}: lacks {', '.join(sorted(missing))}; "
+            "rebuild the index with `retrieval index --rebuild`"
+        )
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise RetrievalError(
+            f"{directory}: index format {manifest.get('format_version')} "
+            f"is not {FORMAT_VERSION}; rebuild it with `retrieval index`"
+        )
+    if encoder_sha256 is not None and manifest.get("encoder_sha256") != encoder_sha256:
+        raise RetrievalError(
+            f"{directory}: built with encoder {str(manifest.get('encoder_sha256'))[:12]}…, not with this model "
+            f"({encoder_sha256[:12]}…); rebuild it with `retrieval index RUN IMAGES`"
+        )
+    if dim is not None and manifest.get("dim") != dim:
+        raise RetrievalError(
+            f"{directory}: holds {manifest.get('dim')}-dimensional vectors, the encoder makes {dim}; rebuild the index"
+        )
+    return manifest

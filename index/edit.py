@@ -1,0 +1,104 @@
+"""Adding image files to an index and removing items from it, one atomic update each, under the writer lock.
+
+`retrieval index` (index.build) commits its additions and removals with `commit_changes`; the app's
+add and remove go through `add_images` and `remove_items`, which call it too. Every write holds the
+index's writer lock around its read-modify-write, so two writers never lose each other's changes.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from PIL import Image
+
+from index.backends import open_index
+from index.disk import writer_lock
+from index.types import Additions, GalleryBackend
+from retrieval.data import IMAGE_SUFFIXES, Item, Skipped, decode_image, read_image_bytes
+from retrieval.embedders import Embedder
+from retrieval.errors import ImageError, RetrievalError
+from retrieval.runs import write_atomic
+
+WRITE_WAIT = 30.0  # seconds an add or remove waits for another writer
+
+
+def commit_changes(base: GalleryBackend, additions: Iterable[Additions], removals: Sequence[int]) -> GalleryBackend:
+    """base saved with removals and additions, refusing ids it does not hold; the caller holds the writer lock."""
+    removals = sorted({int(i) for i in removals})
+    missing = sorted(set(removals) - set(base.rows(removals)))
+    if missing:
+        raise RetrievalError(f"no item with id {', '.join(map(str, missing))} in {base.directory}")
+    return base.update(additions, removals)
+
+
+def add_images(
+    directory: Path,
+    embedder: Embedder,
+    paths: Sequence[str | Path],
+    label: str,
+    uploads: Path,
+    wait: float = WRITE_WAIT,
+) -> tuple[list[int], list[Skipped]]:
+    """Copies readable images into uploads/<label>/ and adds them to the index with label, in one atomic update.
+
+    Returns the new ids and the files left out (unreadable, or already indexed) with the reason.
+    """
+    label = label.strip()
+    added: list[Item] = []
+    images, hashes, skipped = [], [], []
+    with writer_lock(directory, wait):
+        base = open_index(directory, embedder.fingerprint, embedder.dim)
+        known = {digest: item_id for item_id, (_, _, digest) in base.rows().items()}
+        for path in map(Path, paths):
+            try:
+                data, digest = read_image_bytes(path)
+                image = decode_image(data, path.name)
+            except ImageError as error:
+                skipped.append(Skipped(Path(path.name), error.reason))
+                continue
+            if digest in known or digest in hashes:
+                where = f"item {known[digest]}" if digest in known else "another file of this upload"
+                skipped.append(Skipped(Path(path.name), f"already indexed ({where} has the same content)"))
+                continue
+            target = uploads / folder_name(label) / f"{digest[:16]}{_suffix(data, path)}"
+            write_atomic(target, data)
+            added.append(Item(target, label))
+            images.append(image)
+            hashes.append(digest)
+        if not added:
+            return [], skipped
+        updated = commit_changes(base, [Additions(embedder.embed(images), added, hashes)], [])
+    first = int(updated.manifest["next_id"]) - len(added)
+    return list(range(first, first + len(added))), skipped
+
+
+def remove_items(
+    directory: Path, embedder: Embedder, ids: Sequence[int], uploads: Path | None = None, wait: float = WRITE_WAIT
+) -> int:
+    """Removes items from the index in one atomic update; their files are deleted only where they lie in uploads."""
+    ids = sorted({int(i) for i in ids})
+    if not ids:
+        raise RetrievalError("no item to remove: pick one in the Browse tab or give its id")
+    with writer_lock(directory, wait):
+        base = open_index(directory, embedder.fingerprint, embedder.dim)
+        rows = base.rows(ids)
+        commit_changes(base, [], ids)
+    for path, _, _ in rows.values():
+        if uploads is not None and Path(path).is_relative_to(uploads):
+            Path(path).unlink(missing_ok=True)
+    return len(ids)
+
+
+def folder_name(label: str) -> str:
+    """A label as a safe folder name (no separators, no leading dot): the uploads folder cannot be left."""
+    name = re.sub(r"[^\w.-]+", "_", label).lstrip(".")
+    return name or "unlabeled"
+
+
+def _suffix(data: bytes, path: Path) -> str:
+    """The suffix of the image's real format (the uploaded name may lie)."""
+    suffix = f".{(Image.open(io.BytesIO(data)).format or '').lower()}".replace(".jpeg", ".jpg")
+    return suffix if suffix in IMAGE_SUFFIXES else path.suffix.lower()

@@ -1,0 +1,196 @@
+"""FAISS operations of the store: make and train an index, remove from it, read its vectors back, search it.
+
+Searches order their candidates with retrieval.knn.ranked: by score, then by the lower id, for any
+size of tie group. Compressed types (SQ, PQ) re-score rerank × k candidates with the exact vectors.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from index.types import index_kind
+from retrieval.errors import RetrievalError
+from retrieval.extras import require
+from retrieval.knn import ranked
+
+faiss = require("faiss", "cpu")  # or the gpu extra: faiss-gpu provides the same module
+
+TRAIN_PER_LIST = 40  # IVF training vectors per inverted list (FAISS warns below 39)
+PQ_TRAIN = 16_384  # at least 64 vectors for each of PQ's 256 centroids
+
+
+def compressed(factory: str) -> bool:
+    """Whether the type stores lossy codes (SQ, PQ) rather than the vectors."""
+    return "PQ" in factory or "SQ" in factory
+
+
+def new_index(factory: str, dim: int, sample: np.ndarray) -> faiss.Index:
+    """An empty FAISS index of the factory type, trained on sample when the type needs training.
+
+    IVF types keep the ids they are given (with a hash table from id to vector, so items can be
+    found by id); the others are wrapped in IDMap2.
+    """
+    try:
+        index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as error:
+        raise RetrievalError(
+            f"--faiss {factory!r}: FAISS cannot build it "
+            f"({first_line(error)}); see the FAISS index factory documentation"
+        ) from None
+    ivf = faiss.extract_index_ivf(index) if index_kind(factory) == "ivf" else None
+    if ivf is not None:
+        ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
+        needed, wanted = ivf.nlist, max(TRAIN_PER_LIST * ivf.nlist, PQ_TRAIN if "PQ" in factory else 0)
+    else:
+        index = faiss.IndexIDMap2(index)
+        needed, wanted = 256, PQ_TRAIN
+    if not index.is_trained:
+        if len(sample) < needed:
+            raise RetrievalError(
+                f"--faiss {factory!r} needs at least {needed:,} vectors to train on, the gallery has {len(sample):,}; "
+                "use a smaller type (e.g. Flat)"
+            )
+        if ivf is not None and gpu_count():  # k-means of the inverted lists on the GPUs; the index stays a CPU one
+            ivf.clustering_index = on_gpus(faiss.IndexFlatIP(dim), "flat")
+        index.train(sample[:wanted])
+    return index
+
+
+def remove_ids(vectors: faiss.Index, ids: np.ndarray, kind: str) -> faiss.Index:
+    """vectors without ids: natively, or for HNSW (which cannot remove) by rebuilding from its stored vectors."""
+    if kind != "hnsw":
+        vectors.remove_ids(ids)
+        return vectors
+    stored_ids, stored = stored_vectors(vectors)
+    keep = ~np.isin(stored_ids, ids)
+    graph = faiss.clone_index(faiss.downcast_index(vectors.index))
+    graph.reset()
+    rebuilt = faiss.IndexIDMap2(graph)
+    rebuilt.add_with_ids(stored[keep], stored_ids[keep])
+    return rebuilt
+
+
+def stored_vectors(vectors: faiss.Index) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, vectors) held by an index whose codes are the vectors themselves (Flat, HNSW over Flat, IVF-Flat).
+
+    Raises RetrievalError for compressed codes (SQ, PQ), which only approximate the vectors.
+    """
+    if isinstance(vectors, faiss.IndexIDMap2):
+        inner = faiss.downcast_index(vectors.index)
+        storage = faiss.downcast_index(inner.storage) if isinstance(inner, faiss.IndexHNSW) else inner
+        if isinstance(storage, faiss.IndexFlat):
+            ids = faiss.vector_to_array(vectors.id_map).astype(np.int64)
+            return ids, numpy_call(inner, "reconstruct_n", 0, inner.ntotal)  # type: ignore[return-value]
+    elif isinstance(vectors, faiss.IndexIVFFlat):  # the codes of each inverted list are its float vectors
+        return _inverted_lists(vectors)
+    raise RetrievalError("this index stores compressed codes, not the vectors themselves")
+
+
+def _inverted_lists(vectors: faiss.IndexIVFFlat) -> tuple[np.ndarray, np.ndarray]:
+    lists = vectors.invlists
+    ids, rows = [np.zeros(0, np.int64)], [np.zeros((0, vectors.d), np.float32)]
+    for number in range(vectors.nlist):
+        size = lists.list_size(number)
+        if size:
+            ids.append(faiss.rev_swig_ptr(lists.get_ids(number), size).copy())
+            codes = faiss.rev_swig_ptr(lists.get_codes(number), size * lists.code_size)
+            rows.append(codes.view(np.float32).reshape(size, vectors.d).copy())
+    return np.concatenate(ids), np.concatenate(rows)
+
+
+def search_ids(
+    index: faiss.Index,
+    queries: np.ndarray,
+    k: int,
+    params: object | None,
+    raw: np.ndarray | None,
+    rerank: int,
+    total: int | None = None,
+    block: int = 1024,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, ids) of the k best items for each query, by score, then by the lower id.
+
+    With exact vectors (raw, row id - 1) and rerank > 1, the rerank × k best by the index's codes are
+    re-scored exactly and the k best kept. total: how many items the search can reach (default: all).
+    """
+    total = int(index.ntotal) if total is None else total
+
+    def fetch(rows: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        return faiss_search(index, rows, n, params)
+
+    if raw is None or rerank <= 1:
+        ids, scores = ranked(fetch, queries, k, total)
+        return scores, ids
+    scores = np.full((len(queries), k), -np.inf, np.float32)
+    ids = np.full((len(queries), k), -1, np.int64)
+    for start in range(0, len(queries), block):
+        rows = slice(start, start + block)
+        candidates = faiss_search(index, queries[rows], min(k * rerank, total), params)[1]
+        exact = np.einsum("qcd,qd->qc", np.asarray(raw[np.maximum(candidates, 1) - 1], np.float32), queries[rows])
+        exact[candidates < 0] = -np.inf
+        best = np.lexsort((candidates, candidates < 0, -exact), axis=1)[:, :k]
+        scores[rows, : best.shape[1]] = np.take_along_axis(exact, best, axis=1)
+        ids[rows, : best.shape[1]] = np.where(
+            scores[rows, : best.shape[1]] > -np.inf, np.take_along_axis(candidates, best, axis=1), -1
+        )
+    return scores, ids
+
+
+def numpy_call(index: faiss.Index, method: str, *args: object, **options: object) -> object:
+    """Calls FAISS's numpy method, also when faiss.contrib.torch_utils (imported by
+    pytorch-metric-learning, for one) has replaced it by one that returns torch tensors or takes no
+    search parameters; the numpy originals are then kept as <method>_numpy."""
+    return getattr(index, f"{method}_numpy", getattr(index, method))(*args, **options)
+
+
+def faiss_search(
+    index: faiss.Index, queries: np.ndarray, k: int, params: object | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """index.search with per-call search parameters (see numpy_call)."""
+    return numpy_call(index, "search", queries, k, params=params)  # type: ignore[return-value]
+
+
+def gpu_count() -> int:
+    """GPUs FAISS can use here (0 with faiss-cpu, or with faiss-gpu on a machine without one)."""
+    if hasattr(faiss, "get_num_gpus") and hasattr(faiss, "GpuMultipleClonerOptions"):
+        return int(faiss.get_num_gpus())
+    return 0
+
+
+def on_gpus(vectors: faiss.Index, kind: str) -> faiss.Index:
+    """vectors copied to all GPUs, sharded (each holds a part), or vectors itself without GPUs.
+
+    HNSW has no GPU version and stays on the CPU; a type the GPU cloner refuses stays there too,
+    with a warning that says why.
+    """
+    if kind == "hnsw" or gpu_count() == 0:
+        return vectors
+    options = faiss.GpuMultipleClonerOptions()
+    options.shard = True
+    try:
+        return faiss.index_cpu_to_all_gpus(vectors, co=options)
+    except RuntimeError as error:
+        warnings.warn(
+            f"searching on the CPU: FAISS cannot move this index to the GPU ({first_line(error)})", stacklevel=2
+        )
+        return vectors
+
+
+def search_parameters(kind: str, depth: int | None, selector: object | None = None) -> object | None:
+    """FAISS per-call search parameters: nprobe for IVF, efSearch for HNSW, and an ID selector (None: the index's
+    own)."""
+    options: dict = {} if selector is None else {"sel": selector}
+    if kind != "flat" and depth is not None:
+        options["nprobe" if kind == "ivf" else "efSearch"] = int(depth)
+    if not options:
+        return None
+    return {"ivf": faiss.SearchParametersIVF, "hnsw": faiss.SearchParametersHNSW}.get(kind, faiss.SearchParameters)(
+        **options
+    )
+
+
+def first_line(error: BaseException, limit: int = 200) -> str:
+    """The first line of an error's message, cut to limit characters (FAISS's are C++ stack dumps)."""
+    return (str(error).splitlines() or [""])[0][:limit]

@@ -1,0 +1,120 @@
+"""The one search path: images, vectors or indexed items in, typed hits out, for every caller.
+
+`retrieval search`, the app, its API and evaluation on a deployed index all call these functions.
+Each query says how many hits it wants, how deep to search and which label to keep (`Query`); a
+batch of image queries is decoded one by one and embedded in one call; an image that cannot be read
+fails only its own query, with the reason as a value (`QueryResult.error`). The query itself is
+left out of its results: an indexed item by its id, an image by its bytes (a gallery file with the
+same sha256 is the query). Works with any backend (index.types.GalleryBackend).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from index.types import GalleryBackend, Hit
+from retrieval.data import decode_image, read_image_bytes
+from retrieval.embedders import Embedder
+from retrieval.errors import ImageError, RetrievalError
+
+
+@dataclass(frozen=True)
+class Query:
+    """How one query is answered: k hits, at a search depth (None: the tuned one), of one label only (None: any)."""
+
+    k: int = 10
+    depth: int | None = None
+    label: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise RetrievalError(f"k must be at least 1, got {self.k}")
+
+
+@dataclass
+class QueryResult:
+    """The hits of one query, best first, or why it failed (error), with what else is worth saying (notes)."""
+
+    hits: list[Hit] = field(default_factory=list)
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0  # the whole batch's time, decoding and embedding included
+
+
+def search_vectors(index: GalleryBackend, vectors: np.ndarray, queries: Sequence[Query]) -> list[list[Hit]]:
+    """The hits of each row of vectors, answered together for queries that share a depth and a label."""
+    found: list[list[Hit]] = [[] for _ in queries]
+    vectors = np.atleast_2d(np.asarray(vectors, np.float32))
+    for (depth, label), rows in _groups(queries).items():
+        k = max(queries[row].k for row in rows)
+        for row, hits in zip(rows, index.search(vectors[rows], k, depth, label=label)):
+            found[row] = hits[: queries[row].k]
+    return found
+
+
+def search_items(index: GalleryBackend, ids: Sequence[int], query: Query = Query()) -> list[list[Hit]]:
+    """The hits of items already indexed, by their stored vectors, each item itself left out."""
+    wider = Query(query.k + 1, query.depth, query.label)
+    found = search_vectors(index, index.vectors_of(ids), [wider] * len(ids))
+    return [[hit for hit in hits if hit.id != item][: query.k] for hits, item in zip(found, ids)]
+
+
+def search_item(index: GalleryBackend, item_id: int, query: Query = Query()) -> QueryResult:
+    """The hits of one indexed item (itself left out), or an error naming the id when the index lacks it."""
+    started = time.perf_counter()
+    if item_id not in index.rows([item_id]):
+        return QueryResult(error=f"no item with id {item_id} in {index.directory}")
+    hits = search_items(index, [item_id], query)[0]
+    return QueryResult(hits, seconds=time.perf_counter() - started)
+
+
+def search_images(
+    index: GalleryBackend, embedder: Embedder, images: Sequence[str | Path], queries: Sequence[Query]
+) -> list[QueryResult]:
+    """The hits of each image file, embedded in one call; a gallery item with an image's exact bytes is left out."""
+    if len(images) != len(queries):
+        raise RetrievalError(f"{len(images)} images for {len(queries)} queries")
+    started = time.perf_counter()
+    results = [QueryResult() for _ in images]
+    decoded, digests, good = [], [], []
+    for position, path in enumerate(images):
+        try:
+            data, digest = read_image_bytes(Path(path))
+            decoded.append(decode_image(data, Path(path).name))
+        except ImageError as error:
+            results[position].error = str(error)
+            continue
+        if _animated(data):
+            results[position].notes.append("animated: searched with its first frame")
+        digests.append(digest)
+        good.append(position)
+    if good:
+        wider = [Query(queries[p].k + 1, queries[p].depth, queries[p].label) for p in good]
+        found = search_vectors(index, embedder.embed(decoded), wider)
+        for position, digest, hits in zip(good, digests, found):
+            results[position].hits = [hit for hit in hits if hit.sha256 != digest][: queries[position].k]
+    for result in results:
+        result.seconds = time.perf_counter() - started
+    return results
+
+
+def _groups(queries: Sequence[Query]) -> dict[tuple[int | None, str | None], list[int]]:
+    """Query positions by (depth, label): each group is one search call."""
+    groups: dict[tuple[int | None, str | None], list[int]] = {}
+    for position, query in enumerate(queries):
+        groups.setdefault((query.depth, query.label), []).append(position)
+    return groups
+
+
+def _animated(data: bytes) -> bool:
+    try:
+        return bool(getattr(Image.open(io.BytesIO(data)), "is_animated", False))
+    except Exception:  # decode_image has already accepted the bytes; this is only a note
+        return False

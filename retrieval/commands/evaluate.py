@@ -1,0 +1,115 @@
+"""`retrieval evaluate`: retrieval metrics of the run's exported model on labeled images, with plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from retrieval.commands.output import BenchmarkOption, RunArg, console, metrics_table, parse_ks, report_skipped
+from retrieval.data import Collection
+from retrieval.errors import RetrievalError
+from retrieval.runs import RunDir, write_json
+
+IMAGES_HELP = (
+    "A labeled collection to score leave-one-out, or with --benchmark "
+    "the extracted archive (omit it with --query/--gallery)."
+)
+SPLIT_HELP = "Score only a seeded, class-disjoint fraction of the classes of IMAGES (0: all)."
+COMPARE_HELP = "A second run directory, scored on the same protocol and shown side by side."
+
+
+def evaluate(
+    run: RunArg,
+    images: Annotated[Path | None, typer.Argument(help=IMAGES_HELP, show_default=False)] = None,
+    k: Annotated[
+        str, typer.Option("-k", "--k", help="Comma-separated k values for recall@k and precision@k.")
+    ] = "1,5,10",
+    query: Annotated[
+        Path | None, typer.Option("--query", help="Query images, scored against --gallery (the In-Shop protocol).")
+    ] = None,
+    gallery: Annotated[Path | None, typer.Option("--gallery", help="Gallery images for --query.")] = None,
+    split_classes: Annotated[float, typer.Option(help=SPLIT_HELP)] = 0.0,
+    seed: Annotated[int, typer.Option(help="Seed of --split-classes.")] = 0,
+    benchmark: BenchmarkOption = None,
+    compare: Annotated[Path | None, typer.Option("--compare", help=COMPARE_HELP, show_default=False)] = None,
+) -> None:
+    """Score retrieval on labeled images; writes RUN/metrics.json and plots in RUN/plots/ (with --compare, also
+    RUN/comparison.json)."""
+    from retrieval.evaluation import write_plots
+
+    ks = parse_ks(k)
+    sources = _sources(images, query, gallery, split_classes, benchmark)
+    run_dir = RunDir(run)
+    evaluation = _score(run, sources, ks, split_classes, seed)
+    if benchmark:
+        evaluation.metrics["benchmark"] = benchmark
+    write_json(run_dir.metrics, evaluation.metrics)
+    write_plots(evaluation, run_dir.plots)
+    report_skipped(evaluation.skipped, None)
+    columns = {run_dir.root.name: evaluation.metrics}
+    if compare is not None:
+        columns = _compared(
+            run_dir, compare, evaluation.metrics, _score(compare, sources, ks, split_classes, seed).metrics
+        )
+    console.print(metrics_table(columns))
+    console.print(
+        f"wrote {run_dir.metrics}{' and comparison.json' if compare else ''} and the plots in {run_dir.plots}"
+    )
+
+
+def _sources(
+    images: Path | None, query: Path | None, gallery: Path | None, split_classes: float, benchmark: str | None
+) -> tuple[Collection | None, Collection | None, Collection | None]:
+    """(test, queries, gallery): a collection scored leave-one-out, or queries against a gallery."""
+    from retrieval.data import load_collection
+
+    if (query is None) != (gallery is None):
+        raise RetrievalError("--query and --gallery go together: give both (or neither, with IMAGES)")
+    if (images is None) == (query is None):
+        raise RetrievalError("give either IMAGES (leave-one-out) or --query Q --gallery G, not both or neither")
+    if split_classes and images is None:
+        raise RetrievalError("--split-classes splits IMAGES; it does not apply to --query/--gallery")
+    if benchmark and (images is None or split_classes):
+        raise RetrievalError(
+            "--benchmark reads IMAGES as the extracted archive and scores its own test protocol; "
+            "give IMAGES, without --query/--gallery or --split-classes"
+        )
+    if benchmark:
+        from retrieval.benchmarks import load_benchmark
+
+        chosen = load_benchmark(benchmark, images)  # type: ignore[arg-type]
+        return chosen.test, chosen.query, chosen.gallery
+    if images is not None:
+        return load_collection(images), None, None
+    return None, load_collection(query), load_collection(gallery)  # type: ignore[arg-type]
+
+
+def _score(run: Path, sources: tuple, ks: list[int], split_classes: float, seed: int) -> object:
+    """The evaluation of one run's exported model on the sources."""
+    from retrieval.embedders import OnnxEmbedder
+    from retrieval.evaluation import evaluate_collection, evaluate_query_gallery
+
+    test, queries, pool = sources
+    embedder = OnnxEmbedder.from_run(RunDir(run))
+    if test is not None:
+        return evaluate_collection(embedder, test, ks, split_classes=split_classes, seed=seed)
+    return evaluate_query_gallery(embedder, queries, pool, ks)
+
+
+def _compared(run_dir: RunDir, compare: Path, ours: dict, theirs: dict) -> dict[str, dict]:
+    """Both runs' metrics and their differences as table columns; writes comparison.json and the recall curves."""
+    from retrieval.plots import plot_recall_curves
+
+    names = (
+        (run_dir.root.name, compare.name) if compare.name != run_dir.root.name else (str(run_dir.root), str(compare))
+    )
+    columns = {names[0]: ours, names[1]: theirs}
+    runs = {str(run_dir.root): ours, str(compare): theirs}
+    write_json(run_dir.root / "comparison.json", {"protocol": ours["protocol"], "runs": runs})
+    curves = {label: metrics["cmc"] for label, metrics in columns.items()}
+    plot_recall_curves(curves, run_dir.plots / "compare_recall_at_k.png", f"recall@k ({ours['protocol']})")
+    numbers = [key for key, value in ours.items() if isinstance(value, float) and isinstance(theirs.get(key), float)]
+    columns[f"{names[1]} - {names[0]}"] = {key: theirs[key] - ours[key] for key in numbers}
+    return columns

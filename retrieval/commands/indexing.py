@@ -1,0 +1,130 @@
+"""`retrieval index` and `retrieval index-stats`: embed a gallery into its index; show what an index holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from retrieval.commands.output import IndexOption, RunArg, console, format_value, report_skipped
+from retrieval.data import load_collection
+from retrieval.errors import RetrievalError
+from retrieval.extras import require
+from retrieval.runs import RunDir
+
+IMAGES_HELP = (
+    "Images to index: a folder (labels from ROOT/<label>/ when present), a CSV path,label, or a .txt list of paths."
+)
+FAISS_HELP = (
+    'FAISS factory string for a new index, e.g. "HNSW32", "IVF4096,Flat", "OPQ32,IVF4096,PQ32" '
+    "(default: chosen from the size and --memory)."
+)
+MEMORY_HELP = "Memory budget of a new index, e.g. 4GB or 512MiB (default: half of this machine's memory)."
+ENGINE_HELP = "Where to embed: local (this process) or ray (Ray Data: CPU decoding tasks, an actor pool of encoders)."
+BACKEND_HELP = "Where a new index lives: faiss (files in the index directory) or milvus (a collection at --uri)."
+URI_HELP = "With --backend milvus: http://host:19530, or a file for Milvus Lite (e.g. gallery.db)."
+MILVUS_INDEX_HELP = (
+    "With --backend milvus: force a Milvus index type (FLAT, IVF_FLAT, IVF_SQ8, IVF_PQ, HNSW, GPU_CAGRA)."
+)
+NO_DEFAULT = {"show_default": False}
+
+
+def index(
+    run: RunArg,
+    images: Annotated[Path, typer.Argument(help=IMAGES_HELP, show_default=False)],
+    index_dir: IndexOption = None,
+    sync: Annotated[
+        bool, typer.Option("--sync", help="Also remove entries whose files are no longer in IMAGES.")
+    ] = False,
+    rebuild: Annotated[bool, typer.Option("--rebuild", help="Ignore the existing index and build it anew.")] = False,
+    batch_size: Annotated[
+        int | None, typer.Option(help="Images per encoder call (default: 64 on CPU, 256 on CUDA).")
+    ] = None,
+    threads: Annotated[int | None, typer.Option(help="ONNX Runtime intra-op threads (default: all cores).")] = None,
+    faiss_type: Annotated[str | None, typer.Option("--faiss", help=FAISS_HELP, **NO_DEFAULT)] = None,
+    memory: Annotated[str | None, typer.Option("--memory", help=MEMORY_HELP, **NO_DEFAULT)] = None,
+    engine: Annotated[str, typer.Option(help=ENGINE_HELP)] = "local",
+    address: Annotated[
+        str | None,
+        typer.Option(help="With --engine ray: the cluster's address (default: start a local Ray).", **NO_DEFAULT),
+    ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="With --engine ray: encoder actors (default: one per GPU, else one per two CPUs).", **NO_DEFAULT
+        ),
+    ] = None,
+    backend: Annotated[str, typer.Option(help=BACKEND_HELP)] = "faiss",
+    uri: Annotated[str | None, typer.Option(help=URI_HELP, **NO_DEFAULT)] = None,
+    milvus_index: Annotated[str | None, typer.Option("--milvus-index", help=MILVUS_INDEX_HELP, **NO_DEFAULT)] = None,
+) -> None:
+    """Embed a gallery with the run's ONNX model and add it to its FAISS index (incremental and resumable).
+
+    A new index is exact (Flat) up to 100,000 images, then IVF-Flat, IVF-SQ8 or OPQ+IVF-PQ as the
+    memory budget allows, with its search depth tuned to recall@10 >= 0.95 (see `retrieval index-stats`).
+    """
+    from index.build import build_index
+    from index.choice import parse_memory
+    from index.milvus import MilvusOptions
+    from index.ray_engine import RayOptions
+    from retrieval.embedders import OnnxEmbedder
+
+    run_dir = RunDir(run)
+    budget = parse_memory(memory) if memory else None
+    embedder = OnnxEmbedder.from_run(run_dir, threads)
+    target = index_dir or run_dir.index
+    if engine not in ("local", "ray"):
+        raise RetrievalError(f"--engine {engine!r}: use local or ray")
+    ray = RayOptions(address, workers) if engine == "ray" else None
+    if ray is not None:
+        require("ray", "ray")
+    if backend not in ("faiss", "milvus") or (backend == "milvus") != (uri is not None):
+        raise RetrievalError(
+            f"--backend {backend!r}: use faiss, or milvus with --uri (a Milvus address, or a file for Milvus Lite)"
+        )
+    milvus = MilvusOptions(uri, milvus_index) if uri is not None else None
+    if milvus is not None:
+        require("pymilvus", "milvus")
+    options = {
+        "sync": sync,
+        "rebuild": rebuild,
+        "batch_size": batch_size,
+        "factory": faiss_type,
+        "memory": budget,
+        "ray": ray,
+        "milvus": milvus,
+    }
+    report = build_index(embedder, load_collection(images), target, **options)
+    report_skipped(report.skipped, target / "skipped.json")
+    console.print(
+        f"index {target}: {len(report.index)} images · embedded {report.embedded} · resumed {report.resumed} · "
+        f"unchanged {report.unchanged} · removed {report.removed} · skipped {len(report.skipped)}"
+    )
+
+
+def index_stats(
+    index_dir: Annotated[
+        Path, typer.Argument(help="An index directory, or a run directory holding index/.", show_default=False)
+    ],
+    sample: Annotated[
+        int, typer.Option(help="Own vectors used as queries to measure recall@10 against exact search.")
+    ] = 1000,
+    mmap: Annotated[bool, typer.Option("--mmap", help="Open the index memory-mapped.")] = False,
+) -> None:
+    """Show an index's size, type, parameters and memory, and measure its recall@10 against exact search."""
+    from index.stats import index_stats as measure
+
+    directory = index_dir / "index" if (index_dir / "index" / "manifest.json").is_file() else index_dir
+    table = Table(title=f"index {directory}")
+    table.add_column("")
+    table.add_column("", overflow="fold")
+    for key, value in measure(directory, sample, mmap).items():
+        shown = (
+            (", ".join(f"{name}={setting}" for name, setting in value.items()) or "none")
+            if isinstance(value, dict)
+            else format_value(value)
+        )
+        table.add_row(key, shown)
+    console.print(table)

@@ -1,0 +1,72 @@
+"""What the commands print: tables of metrics, the files skipped, the common arguments and parsing of k."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from retrieval.data import Skipped
+from retrieval.errors import RetrievalError
+
+console = Console()
+errors = Console(stderr=True)
+
+RUN_HELP = "Run directory (holds config, checkpoints, model.onnx, index/)."
+DATA_HELP = (
+    "An image folder ROOT/<label>/<image>, a CSV with columns path,label, or with --benchmark the extracted archive."
+)
+BENCHMARK_HELP = (
+    "Read DATA as a standard benchmark's extracted archive: cub, cars196, sop or inshop "
+    "(train: its training split; evaluate: its test protocol)."
+)
+INDEX_HELP = "Index directory (default: RUN/index)."
+
+RunArg = Annotated[Path, typer.Argument(help=RUN_HELP, show_default=False)]
+DataArg = Annotated[Path, typer.Argument(help=DATA_HELP, show_default=False)]
+BenchmarkOption = Annotated[str | None, typer.Option(help=BENCHMARK_HELP, show_default=False)]
+IndexOption = Annotated[Path | None, typer.Option("--index", help=INDEX_HELP)]
+
+
+def parse_ks(text: str) -> list[int]:
+    """Parses "1,5,10" into [1, 5, 10]."""
+    try:
+        ks = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise RetrievalError(f"-k {text!r}: give whole numbers separated by commas, e.g. 1,5,10") from None
+    if not ks or ks[0] < 1:
+        raise RetrievalError(f"-k {text!r}: every k must be at least 1")
+    return ks
+
+
+def metrics_table(columns: dict[str, dict]) -> Table:
+    """Returns a table with one row per metric and one column per evaluated model."""
+    table = Table(title="retrieval metrics")
+    table.add_column("metric")
+    for name in columns:
+        table.add_column(name, justify="right")
+    first = next(iter(columns.values()))
+    for key, value in first.items():
+        if isinstance(value, (int, float)):
+            table.add_row(key, *(format_value(metrics.get(key)) for metrics in columns.values()))
+    return table
+
+
+def format_value(value: object) -> str:
+    """A metric's value as a table shows it: three decimals for floats."""
+    return f"{value:.3f}" if isinstance(value, float) else "" if value is None else str(value)
+
+
+def report_skipped(skipped: list[Skipped], report: Path | None) -> None:
+    """Tells how many files were skipped and where the list is (or prints the first few)."""
+    if not skipped:
+        return
+    where = f"; the list is in {report}" if report else ""
+    errors.print(f"skipped {len(skipped)} file(s){where}", soft_wrap=True)
+    for entry in skipped[:5]:
+        errors.print(f"  {entry.path}: {entry.reason}", highlight=False, soft_wrap=True, markup=False)
+    if len(skipped) > 5:
+        errors.print(f"  … and {len(skipped) - 5} more")

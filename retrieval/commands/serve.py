@@ -1,0 +1,32 @@
+"""`retrieval serve`: the search app in the browser (the only command that imports app/)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from retrieval.commands.output import IndexOption, RunArg
+from retrieval.runs import RunDir
+
+HOST_HELP = "Address to bind; 127.0.0.1 keeps the app on this machine (any other address needs --auth)."
+WRITE_HELP = "Let users add images (kept in the index's sibling uploads/ folder) and remove items."
+AUTH_HELP = "user:password required to use the app (or set RETRIEVAL_AUTH); needed off loopback."
+
+
+def serve(
+    run: RunArg,
+    host: Annotated[str, typer.Option(help=HOST_HELP)] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port.")] = 7860,
+    index_dir: IndexOption = None,
+    allow_write: Annotated[bool, typer.Option("--allow-write", help=WRITE_HELP)] = False,
+    auth: Annotated[str | None, typer.Option(help=AUTH_HELP)] = None,
+    max_upload: Annotated[str, typer.Option(help="Largest upload accepted, e.g. 20MB.")] = "20MB",
+    mmap: Annotated[bool, typer.Option("--mmap", help="Leave the index vectors on disk (memory-mapped).")] = False,
+    max_batch: Annotated[int, typer.Option(min=1, help="Queued searches embedded together in one call.")] = 16,
+) -> None:
+    """Serve the search app for the run's index in the browser: search, browse, metrics, embedding map and an API."""
+    from app.server import serve as run_server
+
+    options = {"allow_write": allow_write, "auth": auth, "max_upload": max_upload, "mmap": mmap, "max_batch": max_batch}
+    run_server(RunDir(run), host, port, index_dir, **options)
