@@ -75,11 +75,7 @@ def prepare(work: Path, images: int) -> tuple[Path, Path, list[Path]]:
     """The run, its 10,000-image index and the query images (made once, reused by later runs)."""
     run, index = work / "run", work / f"index-{images}"
     if not (run / "model.onnx").is_file():
-        subprocess.run(
-            [RETRIEVAL, "demo", "--no-serve", "--run", str(run), "--classes", "8", "--epochs", "2"],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
+        subprocess.run([RETRIEVAL, "demo", "--no-serve", "--run", str(run), "--classes", "8", "--epochs", "2"], check=True, stdout=subprocess.DEVNULL)
     sources = sorted((icons() / "train").rglob("*.png")) + sorted((icons() / "test").rglob("*.png"))
     gallery, queries = work / f"gallery-{images}", work / "queries"
     if not gallery.is_dir():
@@ -87,9 +83,7 @@ def prepare(work: Path, images: int) -> tuple[Path, Path, list[Path]]:
     if not queries.is_dir():
         variants(sources[::7], 100, queries, seed=2)
     if not (index / "manifest.json").is_file():
-        subprocess.run(
-            [RETRIEVAL, "index", str(run), str(gallery), "--index", str(index)], check=True, stdout=subprocess.DEVNULL
-        )
+        subprocess.run([RETRIEVAL, "index", str(run), str(gallery), "--index", str(index)], check=True, stdout=subprocess.DEVNULL)
     return run, index, sorted(queries.rglob("*.png"))
 
 
@@ -99,9 +93,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def serve(
-    run: Path, index: Path, max_batch: int, environment: dict[str, str] | None = None
-) -> tuple[subprocess.Popen, str]:
+def serve(run: Path, index: Path, max_batch: int, environment: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """Starts `retrieval serve` (with these extra environment variables) and waits until it answers."""
     port = free_port()
     server = subprocess.Popen(
@@ -122,11 +114,8 @@ def serve(
     raise SystemExit(f"retrieval serve did not answer on {url} within 120 s")
 
 
-def user(
-    url: str, seconds: float, think: float, queries: list[Path], seed: int, answers: multiprocessing.Queue
-) -> None:
-    """One user in a process of its own (a client's CPU time would otherwise queue on one GIL): searches until the
-    time is up."""
+def user(url: str, seconds: float, think: float, queries: list[Path], seed: int, answers: multiprocessing.Queue) -> None:
+    """One user in a process of its own (a client's CPU time would otherwise queue on one GIL): searches until the time is up."""
     from gradio_client import Client, handle_file
 
     client = Client(url, verbose=False, download_files=False)  # results are URLs, as a browser gets them
@@ -147,15 +136,7 @@ def user(
     answers.put((latencies, errors))
 
 
-def mixed_user(
-    url: str,
-    seconds: float,
-    good: list[Path],
-    bad: list[Path],
-    bad_share: float,
-    seed: int,
-    answers: multiprocessing.Queue,
-) -> None:
+def mixed_user(url: str, seconds: float, good: list[Path], bad: list[Path], bad_share: float, seed: int, answers: multiprocessing.Queue) -> None:
     """One user of --mixed: good or bad uploads at random; counts what went wrong for each kind."""
     from gradio_client import Client, handle_file
 
@@ -168,9 +149,7 @@ def mixed_user(
         is_bad = rng.random() < bad_share
         counts["bad" if is_bad else "good"] += 1
         try:
-            gallery, summary = client.predict(
-                handle_file(str(rng.choice(bad if is_bad else good))), 10, "", 0, api_name="/search"
-            )
+            gallery, summary = client.predict(handle_file(str(rng.choice(bad if is_bad else good))), 10, "", 0, api_name="/search")
         except Exception:  # noqa: BLE001 - an exception is a failure of either kind
             counts["bad without a message" if is_bad else "failed good"] += 1
             continue
@@ -189,15 +168,10 @@ def resident_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
-def mixed_load(
-    url: str, server_pid: int, users: int, seconds: float, good: list[Path], bad: list[Path], bad_share: float
-) -> dict:
+def mixed_load(url: str, server_pid: int, users: int, seconds: float, good: list[Path], bad: list[Path], bad_share: float) -> dict:
     """Runs --mixed: users processes for seconds; returns the counts, the memory samples and their growth."""
     answers: multiprocessing.Queue = multiprocessing.Queue()
-    processes = [
-        multiprocessing.Process(target=mixed_user, args=(url, seconds, good, bad, bad_share, seed, answers))
-        for seed in range(users)
-    ]
+    processes = [multiprocessing.Process(target=mixed_user, args=(url, seconds, good, bad, bad_share, seed, answers)) for seed in range(users)]
     for process in processes:
         process.start()
     ready = [answers.get() for _ in range(users)]
@@ -211,12 +185,7 @@ def mixed_load(
         process.join()
     quarter = max(1, len(samples) // 4)
     totals = {key: sum(count[key] for count in counts) for key in counts[0]}
-    return {
-        **totals,
-        "rss_first_mib": float(np.median(samples[:quarter])),
-        "rss_last_mib": float(np.median(samples[-quarter:])),
-        "rss_samples": samples,
-    }
+    return {**totals, "rss_first_mib": float(np.median(samples[:quarter])), "rss_last_mib": float(np.median(samples[-quarter:])), "rss_samples": samples}
 
 
 def bad_uploads(work: Path) -> list[Path]:
@@ -226,11 +195,7 @@ def bad_uploads(work: Path) -> list[Path]:
 
     shutil.rmtree(work / "adversarial", ignore_errors=True)
     corpus = write_corpus(work / "adversarial")
-    return sorted(
-        path
-        for path in corpus.bad.values()
-        if path.is_file() and not path.is_symlink() and os.access(path, os.R_OK) and str(path).isprintable()
-    )
+    return sorted(path for path in corpus.bad.values() if path.is_file() and not path.is_symlink() and os.access(path, os.R_OK) and str(path).isprintable())
 
 
 def load(url: str, users: int, seconds: float, think: float, queries: list[Path]) -> tuple[list[float], int]:
@@ -241,10 +206,7 @@ def load(url: str, users: int, seconds: float, think: float, queries: list[Path]
     for query in queries:  # the thumbnails of the results are made once, as in a server that has been up a while
         warm.predict(handle_file(str(query)), 10, "", 0, api_name="/search")
     answers: multiprocessing.Queue = multiprocessing.Queue()
-    processes = [
-        multiprocessing.Process(target=user, args=(url, seconds, think, queries, seed, answers))
-        for seed in range(users)
-    ]
+    processes = [multiprocessing.Process(target=user, args=(url, seconds, think, queries, seed, answers)) for seed in range(users)]
     for process in processes:
         process.start()
     results = [answers.get() for _ in range(2 * users)]
@@ -256,38 +218,17 @@ def load(url: str, users: int, seconds: float, think: float, queries: list[Path]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--users",
-        default=None,
-        help="numbers of concurrent users, separated by commas (default 1,4,16; with --mixed one number, default 32)",
-    )
+    parser.add_argument("--users", default=None, help="numbers of concurrent users, separated by commas (default 1,4,16; with --mixed one number, default 32)")
     parser.add_argument("--seconds", type=float, default=30.0)
-    parser.add_argument(
-        "--think",
-        type=float,
-        default=1.0,
-        help="mean pause of a user between queries, in the last row (uniform 0.5-1.5x)",
-    )
+    parser.add_argument("--think", type=float, default=1.0, help="mean pause of a user between queries, in the last row (uniform 0.5-1.5x)")
     parser.add_argument("--images", type=int, default=10_000)
     parser.add_argument("--work", type=Path, default=Path("/tmp/app_load"))
-    parser.add_argument(
-        "--mixed", action="store_true", help="good and bad uploads from --users users (default 32); memory sampled"
-    )
+    parser.add_argument("--mixed", action="store_true", help="good and bad uploads from --users users (default 32); memory sampled")
     parser.add_argument("--bad-share", type=float, default=0.25, help="with --mixed: the share of bad uploads")
-    parser.add_argument(
-        "--warmup", type=float, default=0.0, help="with --mixed: seconds of the same load before the measured run"
-    )
-    parser.add_argument(
-        "--baseline",
-        action="store_true",
-        help="with --mixed: also a server with the app's memory settings off, side by side",
-    )
+    parser.add_argument("--warmup", type=float, default=0.0, help="with --mixed: seconds of the same load before the measured run")
+    parser.add_argument("--baseline", action="store_true", help="with --mixed: also a server with the app's memory settings off, side by side")
     parser.add_argument("--json", type=Path, default=None, help="with --mixed: also write the figures here")
-    parser.add_argument(
-        "--service-only",
-        action="store_true",
-        help="the --mixed queries on the search service in this process, no server",
-    )
+    parser.add_argument("--service-only", action="store_true", help="the --mixed queries on the search service in this process, no server")
     parser.add_argument("--queries", type=int, default=4800, help="with --service-only: how many")
     args = parser.parse_args()
     console = Console(width=150)
@@ -301,24 +242,8 @@ def main() -> None:
     args.users = args.users or "1,4,16"
     most = max(int(users) for users in args.users.split(","))
     settings = [(int(users), 16, 0.0) for users in args.users.split(",")] + [(most, 1, 0.0), (most, 16, args.think)]
-    table = Table(
-        title=(
-            f"retrieval serve, {args.images:,}-image Flat index, "
-            f"{args.seconds:.0f} s per row, each query uploaded, k=10"
-        )
-    )
-    for column in (
-        "users",
-        "think s",
-        "max batch",
-        "queries",
-        "queries/s",
-        "p50 ms",
-        "p95 ms",
-        "p99 ms",
-        "errors",
-        f"queries/s vs {most} unbatched",
-    ):
+    table = Table(title=f"retrieval serve, {args.images:,}-image Flat index, {args.seconds:.0f} s per row, each query uploaded, k=10")
+    for column in ("users", "think s", "max batch", "queries", "queries/s", "p50 ms", "p95 ms", "p99 ms", "errors", f"queries/s vs {most} unbatched"):
         table.add_column(column, justify="right")
     rows = []
     for users, max_batch, think in settings:
@@ -329,41 +254,16 @@ def main() -> None:
             server.terminate()
             server.wait()
         milliseconds = np.asarray(latencies or [float("nan")]) * 1000
-        rows.append(
-            (
-                users,
-                think,
-                max_batch,
-                len(latencies),
-                len(latencies) / args.seconds,
-                *np.percentile(milliseconds, [50, 95, 99]),
-                errors,
-            )
-        )
-        console.print(
-            f"{users} users, think {think:g} s, max batch {max_batch}: "
-            f"{rows[-1][4]:.1f} queries/s, p95 {rows[-1][6]:.0f} ms"
-        )
+        rows.append((users, think, max_batch, len(latencies), len(latencies) / args.seconds, *np.percentile(milliseconds, [50, 95, 99]), errors))
+        console.print(f"{users} users, think {think:g} s, max batch {max_batch}: {rows[-1][4]:.1f} queries/s, p95 {rows[-1][6]:.0f} ms")
     unbatched = rows[len(settings) - 2][4]
     for users, think, max_batch, count, qps, p50, p95, p99, errors in rows:
-        table.add_row(
-            str(users),
-            f"{think:g}",
-            str(max_batch),
-            f"{count:,}",
-            f"{qps:.1f}",
-            f"{p50:.0f}",
-            f"{p95:.0f}",
-            f"{p99:.0f}",
-            str(errors),
-            f"{qps / unbatched:.2f}x",
-        )
+        table.add_row(str(users), f"{think:g}", str(max_batch), f"{count:,}", f"{qps:.1f}", f"{p50:.0f}", f"{p95:.0f}", f"{p99:.0f}", str(errors), f"{qps / unbatched:.2f}x")
     console.print(table)
 
 
 def mixed(args: argparse.Namespace, users: int, run: Path, index: Path, queries: list[Path], console: Console) -> None:
-    """The --mixed setting: good and bad uploads under load, with the server's memory (and --baseline's, side by
-    side)."""
+    """The --mixed setting: good and bad uploads under load, with the server's memory (and --baseline's, side by side)."""
     bad = bad_uploads(args.work)
     settings = {"as shipped": {}}
     if args.baseline:
@@ -380,59 +280,25 @@ def mixed(args: argparse.Namespace, users: int, run: Path, index: Path, queries:
             server.wait()
         rows[name]["growth_mib"] = rows[name]["rss_last_mib"] - rows[name]["rss_first_mib"]
     table = Table(
-        title=f"retrieval serve, {args.images:,}-image "
-        f"index, {users} users, "
-        f"{args.warmup:.0f} s warm-up then "
-        f"{args.seconds:.0f} s measured, "
+        title=f"retrieval serve, {args.images:,}-image index, {users} users, {args.warmup:.0f} s warm-up then {args.seconds:.0f} s measured, "
         f"{args.bad_share:.0%} bad uploads ({len(bad)} kinds)"
     )
-    columns = (
-        "server",
-        "good queries",
-        "failed good",
-        "bad uploads",
-        "bad without a message",
-        "RSS first quarter MiB",
-        "last quarter MiB",
-        "min-max MiB",
-        "growth MiB",
-    )
+    columns = ("server", "good queries", "failed good", "bad uploads", "bad without a message", "RSS first quarter MiB", "last quarter MiB", "min-max MiB", "growth MiB")
     for column in columns:
         table.add_column(column, justify="right")
     for name, figures in rows.items():
         samples = figures["rss_samples"]
         table.add_row(
-            name,
-            f"{figures['good']:,}",
-            str(figures["failed good"]),
-            f"{figures['bad']:,}",
-            str(figures["bad without a message"]),
-            f"{figures['rss_first_mib']:.0f}",
-            f"{figures['rss_last_mib']:.0f}",
-            f"{min(samples):.0f}-{max(samples):.0f}",
-            f"{figures['growth_mib']:+.0f}",
+            name, f"{figures['good']:,}", str(figures["failed good"]), f"{figures['bad']:,}", str(figures["bad without a message"]),
+            f"{figures['rss_first_mib']:.0f}", f"{figures['rss_last_mib']:.0f}", f"{min(samples):.0f}-{max(samples):.0f}", f"{figures['growth_mib']:+.0f}",
         )
     console.print(table)
     if args.json:
         shipped = rows["as shipped"]
-        args.json.write_text(
-            json.dumps(
-                {**shipped, "users": users, "seconds": args.seconds, "warmup": args.warmup, "rows": rows}, indent=1
-            )
-            + "\n"
-        )
+        args.json.write_text(json.dumps({**shipped, "users": users, "seconds": args.seconds, "warmup": args.warmup, "rows": rows}, indent=1) + "\n")
 
 
-def service_only(
-    run: Path,
-    index: Path,
-    good: list[Path],
-    bad: list[Path],
-    bad_share: float,
-    count: int,
-    work: Path,
-    console: Console,
-) -> None:
+def service_only(run: Path, index: Path, good: list[Path], bad: list[Path], bad_share: float, count: int, work: Path, console: Console) -> None:
     """The --mixed queries on app.service.SearchService in this process: its memory before and after."""
     from app.service import SearchService
     from retrieval.runs import RunDir
@@ -444,10 +310,7 @@ def service_only(
         batch = [rng.choice(bad if rng.random() < bad_share else good) for _ in range(4)]
         for result in service.search_images(batch, [10] * 4, [""] * 4, [None] * 4):
             service.thumbnails([hit.id for hit in result.hits])
-    console.print(
-        f"search service alone, {count:,} queries ({bad_share:.0%} bad) with thumbnails: "
-        f"resident memory {before:.0f} → {resident_mib(os.getpid()):.0f} MiB"
-    )
+    console.print(f"search service alone, {count:,} queries ({bad_share:.0%} bad) with thumbnails: resident memory {before:.0f} → {resident_mib(os.getpid()):.0f} MiB")
 
 
 if __name__ == "__main__":

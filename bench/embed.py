@@ -24,8 +24,8 @@ from pathlib import Path
 # run as `python bench/embed.py`, bench/index.py would hide the `index` package
 sys.path = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
-import numpy as np
-import torch
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 from rich.console import Console
 from rich.table import Table
 
@@ -34,10 +34,10 @@ from retrieval.data import load_collection, load_image
 from retrieval.datasets import icons
 from retrieval.embedders import OnnxEmbedder
 from retrieval.runs import RunDir, write_json
-from training.checkpoints import save_checkpoint
 from training.config import TrainConfig
-from training.export import export
+from training.exporting import export
 from training.model import Encoder
+from training.checkpoints import save_checkpoint
 
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork and exec
 PEAK_MEMORY = """
@@ -72,12 +72,7 @@ def make_gallery(source: Path, target: Path, count: int) -> Path:
 
 
 def peak_rss_mib(run: Path, gallery: Path, index: Path) -> float:
-    done = subprocess.run(
-        [sys.executable, "-c", PEAK_MEMORY, "index", str(run), str(gallery), "--index", str(index)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    done = subprocess.run([sys.executable, "-c", PEAK_MEMORY, "index", str(run), str(gallery), "--index", str(index)], capture_output=True, text=True, check=True)
     return int(done.stdout.split("PEAK_RSS_KIB=")[1].split()[0]) / 1024
 
 
@@ -107,19 +102,12 @@ def main() -> None:
         model = model.to(device, dtype)
         providers = ", ".join(embedder.session.get_providers())
 
-        title = (
-            f"encoder throughput, {args.backbone} at {args.image_size}px, "
-            f"{'float16' if args.fp16 else 'float32'}, torch on {device}, ONNX Runtime on {providers}"
-        )
+        title = f"encoder throughput, {args.backbone} at {args.image_size}px, {'float16' if args.fp16 else 'float32'}, torch on {device}, ONNX Runtime on {providers}"
         table = Table(title=f"{title} ({torch.get_num_threads()} CPU threads; images/s)")
         for column in ("batch", "PyTorch eager", "ONNX Runtime", "ONNX Runtime / PyTorch"):
             table.add_column(column, justify="right")
         for batch_size in (1, 32, 64, 128):
-            batch = (
-                np.random.default_rng(batch_size)
-                .standard_normal((batch_size, 3, args.image_size, args.image_size))
-                .astype(np.float32)
-            )
+            batch = np.random.default_rng(batch_size).standard_normal((batch_size, 3, args.image_size, args.image_size)).astype(np.float32)
             steps = max(1, 256 // batch_size)
 
             def run_torch() -> None:
@@ -138,15 +126,9 @@ def main() -> None:
 
         gallery = make_gallery(source, Path(scratch) / "gallery", args.small)
         collection = load_collection(gallery)
-        prepared = [
-            embedder.prepare([load_image(item.path) for item in collection.items[i : i + embedder.batch_size]])
-            for i in range(0, len(collection.items), embedder.batch_size)
-        ]
+        prepared = [embedder.prepare([load_image(item.path) for item in collection.items[i : i + embedder.batch_size]]) for i in range(0, len(collection.items), embedder.batch_size)]
         encoder_only = best_seconds(lambda: [embedder.embed_prepared(batch) for batch in prepared], args.repeats)
-        end_to_end = best_seconds(
-            lambda: build_index(embedder, collection, Path(scratch) / "index", rebuild=True, progress=False),
-            args.repeats,
-        )
+        end_to_end = best_seconds(lambda: build_index(embedder, collection, Path(scratch) / "index", rebuild=True, progress=False), args.repeats)
         n = len(collection.items)
         table = Table(title=f"indexing {n:,} images (batch {embedder.batch_size})")
         for column in ("path", "images/s", "vs encoder only"):

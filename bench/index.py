@@ -6,8 +6,7 @@ held-out queries from the same distribution. Every type is built the way `retrie
 (index.faiss_ops.new_index: trained on a seeded sample, ids kept) and its search depth tuned the same
 way (index.tuning.tune_depth: the smallest nprobe/efSearch whose recall@10 on 1,000 of its own vectors
 reaches 0.95); compressed types (SQ, PQ) re-score 8 candidates per result with the exact vectors, as
-searches do (the gallery array plays the memory-mapped raw.f32). Then, for the held-out queries: recall@10 against
-exact search, batch QPS (all 10,000
+searches do (the gallery array plays the memory-mapped raw.f32). Then, for the held-out queries: recall@10 against exact search, batch QPS (all 10,000
 queries in one call) and single-query latency (median of 300 calls with one query). "auto" is the
 type index.choice picks for this size within --memory.
 
@@ -30,10 +29,10 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from index.choice import choose_index, nlist_for, parse_memory  # noqa: E402
-from index.faiss_ops import compressed, new_index, search_ids, search_parameters
-from index.store import RERANK
-from index.tuning import RECALL_SAMPLE, RecallProbe, recall_at_10, tune_depth
-from index.types import index_kind
+from index.faiss_ops import compressed, new_index, search_ids, search_parameters  # noqa: E402
+from index.store import RERANK  # noqa: E402
+from index.tuning import RECALL_SAMPLE, RecallProbe, recall_at_10, tune_depth  # noqa: E402
+from index.types import index_kind  # noqa: E402
 
 
 def clustered(size: int, dim: int, centres: int, seed: int) -> np.ndarray:
@@ -54,25 +53,14 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=10_000)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--memory", default="64GB", help="budget given to the automatic choice")
-    parser.add_argument(
-        "--types",
-        default=None,
-        help=(
-            "factory strings separated by ; with Flat first (default: "
-            "Flat, HNSW32, IVF-Flat, IVF-SQ8, OPQ+IVF-PQ and auto)"
-        ),
-    )
+    parser.add_argument("--types", default=None, help="factory strings separated by ; with Flat first (default: Flat, HNSW32, IVF-Flat, IVF-SQ8, OPQ+IVF-PQ and auto)")
     args = parser.parse_args()
     gallery = clustered(args.size, args.dim, 10_000, seed=1)
     queries = clustered(args.queries, args.dim, 10_000, seed=2)
     ids = np.arange(1, args.size + 1, dtype=np.int64)
     nlist = nlist_for(args.size)
     auto = choose_index(args.size, args.dim, parse_memory(args.memory))
-    types = (
-        args.types.split(";")
-        if args.types
-        else ["Flat", "HNSW32", f"IVF{nlist},Flat", f"IVF{nlist},SQ8", f"OPQ32,IVF{nlist},PQ32"]
-    )
+    types = args.types.split(";") if args.types else ["Flat", "HNSW32", f"IVF{nlist},Flat", f"IVF{nlist},SQ8", f"OPQ32,IVF{nlist},PQ32"]
     if auto.factory not in types:
         types.append(auto.factory)
     sample = gallery[np.random.default_rng(3).permutation(args.size)[: 40 * nlist]]
@@ -104,47 +92,14 @@ def main() -> None:
             single.append(time.perf_counter() - started)
         recall = recall_at_10(found, truth)
         size = len(faiss.serialize_index(index)) / 2**20
-        rows.append(
-            (
-                factory + (" (auto)" if factory == auto.factory else ""),
-                build,
-                size,
-                tuned["search"],
-                float(np.median(single)) * 1e3,
-                args.queries / batch,
-                recall,
-            )
-        )
+        rows.append((factory + (" (auto)" if factory == auto.factory else ""), build, size, tuned["search"], float(np.median(single)) * 1e3, args.queries / batch, recall))
         print(rows[-1], flush=True)
     exact_qps = rows[0][5]
-    table = Table(
-        title=(
-            f"{args.size:,} x {args.dim}-d clustered vectors, {args.queries:,} held-out queries, "
-            f"{faiss.omp_get_max_threads()} threads; auto = {auto.factory} ({auto.reason})"
-        )
-    )
-    for column in (
-        "index",
-        "build s",
-        "size MiB",
-        "search depth",
-        "1-query ms",
-        "batch QPS",
-        "QPS vs exact",
-        "recall@10",
-    ):
+    table = Table(title=f"{args.size:,} x {args.dim}-d clustered vectors, {args.queries:,} held-out queries, {faiss.omp_get_max_threads()} threads; auto = {auto.factory} ({auto.reason})")
+    for column in ("index", "build s", "size MiB", "search depth", "1-query ms", "batch QPS", "QPS vs exact", "recall@10"):
         table.add_column(column, justify="right")
     for name, build, size, depth, latency, qps, recall in rows:
-        table.add_row(
-            name,
-            f"{build:.1f}",
-            f"{size:.0f}",
-            ", ".join(f"{k}={v}" for k, v in depth.items()) or "-",
-            f"{latency:.2f}",
-            f"{qps:,.0f}",
-            f"{qps / exact_qps:.1f}x",
-            f"{recall:.3f}",
-        )
+        table.add_row(name, f"{build:.1f}", f"{size:.0f}", ", ".join(f"{k}={v}" for k, v in depth.items()) or "-", f"{latency:.2f}", f"{qps:,.0f}", f"{qps / exact_qps:.1f}x", f"{recall:.3f}")
     Console().print(table)
 
 

@@ -13,8 +13,7 @@ empty string is the shipped recipe). Every run goes through the command line in 
 per configuration, the mean and the spread (half the range) over the seeds of the validation
 recall@1 and MAP@R, the test recall@1, recall@5, MAP@R, uniformity and tolerance, and the training time.
 
-    python bench/recipe.py [--split validation|full] [--seeds 0,1,2] [--epochs N] [--only NAME,...] [--out
-    docs/recipe.json] [--markdown table.md]
+    python bench/recipe.py [--split validation|full] [--seeds 0,1,2] [--epochs N] [--only NAME,...] [--out docs/recipe.json] [--markdown table.md]
 
 --epochs shortens every run (the table says so); --only runs some of the configurations.
 """
@@ -100,11 +99,8 @@ def scores(run: Path, images: Path) -> dict:
     return json.loads((run / "metrics.json").read_text())
 
 
-def one_run(
-    name: str, options: str, seed: int, epochs: int | None, split: str, data: tuple[Path, Path | None], work: Path
-) -> dict:
-    """Trains on data's first part, exports, and scores data's held-out classes (if any) and test/; returns the
-    figures."""
+def one_run(name: str, options: str, seed: int, epochs: int | None, split: str, data: tuple[Path, Path | None], work: Path) -> dict:
+    """Trains on data's first part, exports, and scores data's held-out classes (if any) and test/; returns the figures."""
     fit, validation = data
     run = work / split / f"{name.replace(' ', '_').replace('=', '')}-seed{seed}"
     extra = shlex.split(options) + (["--epochs", str(epochs)] if epochs else [])
@@ -117,26 +113,12 @@ def one_run(
         held_out = scores(run, validation)
         figures = {"val recall@1": held_out["recall@1"], "val map@r": held_out["map@r"]}
     test = scores(run, icons() / "test")
-    return {
-        "name": name,
-        "options": options,
-        "seed": seed,
-        "epochs": epochs,
-        "split": split,
-        "train_seconds": seconds,
-        **figures,
-        **{key: test[key] for key in SHOWN},
-    }
+    return {"name": name, "options": options, "seed": seed, "epochs": epochs, "split": split, "train_seconds": seconds, **figures, **{key: test[key] for key in SHOWN}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--split",
-        choices=("validation", "full"),
-        default="validation",
-        help="validation: fit on 4/5 of the training classes, choose on the rest; full: train on all",
-    )
+    parser.add_argument("--split", choices=("validation", "full"), default="validation", help="validation: fit on 4/5 of the training classes, choose on the rest; full: train on all")
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--epochs", type=int, default=None, help="shorten every run to this many epochs")
     parser.add_argument("--only", default=None, help="configuration names separated by commas")
@@ -151,31 +133,17 @@ def main() -> None:
     data = training_data(args.split, args.work)
     for name in names:
         for seed in seeds:
-            if any(
-                same_setting(row, args.epochs, args.split) and row["name"] == name and row["seed"] == seed
-                for row in rows
-            ):
+            if any(same_setting(row, args.epochs, args.split) and row["name"] == name and row["seed"] == seed for row in rows):
                 continue
             rows.append(one_run(name, CONFIGURATIONS[name], seed, args.epochs, args.split, data, args.work))
-            chosen_on = (
-                f"validation recall@1 {rows[-1]['val recall@1']:.3f}, MAP@R {rows[-1]['val map@r']:.3f}; "
-                if args.split == "validation"
-                else ""
-            )
-            console.print(
-                f"{name} seed {seed}: {chosen_on}test recall@1 {rows[-1]['recall@1']:.3f}, "
-                f"MAP@R {rows[-1]['map@r']:.3f}, {rows[-1]['train_seconds']:.0f} s"
-            )
+            chosen_on = f"validation recall@1 {rows[-1]['val recall@1']:.3f}, MAP@R {rows[-1]['val map@r']:.3f}; " if args.split == "validation" else ""
+            console.print(f"{name} seed {seed}: {chosen_on}test recall@1 {rows[-1]['recall@1']:.3f}, MAP@R {rows[-1]['map@r']:.3f}, {rows[-1]['train_seconds']:.0f} s")
             args.out.write_text(json.dumps(rows, indent=1) + "\n")
     epochs = "the shipped number of epochs" if args.epochs is None else f"{args.epochs} epochs"
     shown = (*VALIDATION_SHOWN, *SHOWN) if args.split == "validation" else SHOWN
     header = ("configuration", "options", "seeds", *shown, "train s")
     lines = summary(rows, args.epochs, args.split, shown)
-    trained_on = (
-        "trained on 4/5 of the training classes, chosen on the other 1/5 (val), test classes reported"
-        if args.split == "validation"
-        else "trained on all training classes"
-    )
+    trained_on = "trained on 4/5 of the training classes, chosen on the other 1/5 (val), test classes reported" if args.split == "validation" else "trained on all training classes"
     table = Table(title=f"icons, leave-one-out; {trained_on}; {epochs}; mean ± half-range over the seeds run")
     for column in header:
         table.add_column(column)
@@ -193,19 +161,15 @@ def write_markdown(path: Path, header: tuple[str, ...], lines: list[tuple[str, .
 
 
 def same_setting(row: dict, epochs: int | None, split: str) -> bool:
-    """Whether a stored row was run with these epochs on this split (rows from before --split trained on all of
-    train/)."""
+    """Whether a stored row was run with these epochs on this split (rows from before --split trained on all of train/)."""
     return row["epochs"] == epochs and row.get("split", "full") == split
 
 
 def summary(rows: list[dict], epochs: int | None, split: str, shown: tuple[str, ...]) -> list[tuple[str, ...]]:
-    """One line per configuration run in this setting, in the order of CONFIGURATIONS: its options, seeds, mean ±
-    half-range of each figure, training time."""
+    """One line per configuration run in this setting, in the order of CONFIGURATIONS: its options, seeds, mean ± half-range of each figure, training time."""
     lines = []
     order = list(CONFIGURATIONS)
-    for name in sorted(
-        dict.fromkeys(row["name"] for row in rows), key=lambda name: order.index(name) if name in order else len(order)
-    ):
+    for name in sorted(dict.fromkeys(row["name"] for row in rows), key=lambda name: order.index(name) if name in order else len(order)):
         runs = [row for row in rows if row["name"] == name and same_setting(row, epochs, split)]
         if not runs:
             continue
@@ -215,15 +179,7 @@ def summary(rows: list[dict], epochs: int | None, split: str, shown: tuple[str, 
             return f"{values.mean():.3f}" + (f" ± {(values.max() - values.min()) / 2:.3f}" if len(values) > 1 else "")
 
         options = f"`{runs[0]['options']}`" if runs[0]["options"] else "(defaults)"
-        lines.append(
-            (
-                name,
-                options,
-                str(len(runs)),
-                *(cell(key) for key in shown),
-                f"{np.mean([row['train_seconds'] for row in runs]):.0f}",
-            )
-        )
+        lines.append((name, options, str(len(runs)), *(cell(key) for key in shown), f"{np.mean([row['train_seconds'] for row in runs]):.0f}"))
     return lines
 
 

@@ -26,7 +26,7 @@ def open_index(
     directory = Path(directory)
     manifest = read_manifest(directory, encoder_sha256, dim)
     if manifest.get("backend") == "milvus":
-        return MilvusIndex.load(directory, manifest)
+        return MilvusIndex.open(directory, manifest)
     return GalleryIndex.open(directory, manifest, mmap)
 
 

@@ -178,7 +178,7 @@ class MilvusIndex:
         return cls(Path(directory), manifest).update(additions, [])
 
     @classmethod
-    def load(cls, directory: Path, manifest: dict) -> MilvusIndex:
+    def open(cls, directory: Path, manifest: dict) -> MilvusIndex:
         """Opens the collection a manifest names, counting its rows (Milvus is the record of what is indexed)."""
         index = cls(Path(directory), manifest)
         if not index.client.has_collection(index.collection):  # type: ignore[attr-defined]

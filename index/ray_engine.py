@@ -121,17 +121,14 @@ def iter_embedded_ray(
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True
     context.enable_progress_bars = False
+    encoder = {"model_path": str(embedder.model_path), "card": embedder.card, "threads": threads}
     with progress_bar(total=len(items), desc="embedding (ray)", unit="img", enabled=progress) as bar:
         for start in range(0, len(items), CHUNK):
-            chunk = items[start : start + CHUNK]
-            shards = scratch / f"chunk-{start:012d}-{time.time_ns()}"
-            rows = ray.data.from_items(
-                [
-                    {"position": start + offset, "path": str(item.path), "label": item.label}
-                    for offset, item in enumerate(chunk)
-                ]
-            )
-            decoded = rows.map_batches(
+            rows = [
+                {"position": start + offset, "path": str(item.path), "label": item.label}
+                for offset, item in enumerate(items[start : start + CHUNK])
+            ]
+            decoded = ray.data.from_items(rows).map_batches(
                 _decode,
                 fn_kwargs={"preprocessing": embedder.card["preprocessing"], "known": known},
                 batch_size=size,
@@ -139,34 +136,37 @@ def iter_embedded_ray(
             )
             embedded = decoded.map_batches(
                 _Encoder,
-                fn_constructor_kwargs={
-                    "model_path": str(embedder.model_path),
-                    "card": embedder.card,
-                    "threads": threads,
-                },
+                fn_constructor_kwargs=encoder,
                 concurrency=pool,
                 num_gpus=1 if gpus else 0,
                 batch_size=size,
                 batch_format="numpy",
             )
+            shards = scratch / f"chunk-{start:012d}-{time.time_ns()}"
             embedded.write_parquet(str(shards))
             results = sorted(ray.data.read_parquet(str(shards)).take_all(), key=lambda row: int(row["position"]))
             shutil.rmtree(shards, ignore_errors=True)
             for offset in range(0, len(results), size):
-                batch = EmbeddedBatch(np.zeros((0, embedder.dim), np.float32), [], [], [])
-                vectors = []
-                for row in results[offset : offset + size]:
-                    item = items[int(row["position"])]
-                    reason, digest = str(row["reason"]), str(row["sha256"])
-                    if reason not in ("", UNCHANGED):
-                        batch.skipped.append(Skipped(item.path, reason))
-                    elif unchanged(item, digest) or reason == UNCHANGED:
-                        batch.unchanged += 1
-                    else:
-                        batch.items.append(item)
-                        batch.hashes.append(digest)
-                        vectors.append(np.asarray(row["embedding"], np.float32))
-                if vectors:
-                    batch.vectors = np.stack(vectors)
+                batch = _batch(results[offset : offset + size], items, unchanged, embedder.dim)
                 bar.update(len(batch.items) + len(batch.skipped) + batch.unchanged)
                 yield batch
+
+
+def _batch(rows: list[dict], items: Sequence[Item], unchanged: Callable[[Item, str], bool], dim: int) -> EmbeddedBatch:
+    """An embedded batch of the local engine's shape from rows read back from the Parquet shards."""
+    batch = EmbeddedBatch(np.zeros((0, dim), np.float32), [], [], [])
+    vectors = []
+    for row in rows:
+        item = items[int(row["position"])]
+        reason, digest = str(row["reason"]), str(row["sha256"])
+        if reason not in ("", UNCHANGED):
+            batch.skipped.append(Skipped(item.path, reason))
+        elif unchanged(item, digest) or reason == UNCHANGED:
+            batch.unchanged += 1
+        else:
+            batch.items.append(item)
+            batch.hashes.append(digest)
+            vectors.append(np.asarray(row["embedding"], np.float32))
+    if vectors:
+        batch.vectors = np.stack(vectors)
+    return batch

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from index.choice import IndexChoice, choose_index
-from index.disk import create_items, open_raw, read_manifest, read_only, staging_directory, swap_into_place
+from index.disk import create_items, open_raw, read_only, staging_directory, swap_into_place
 from index.faiss_ops import (
     compressed,
     faiss,
@@ -118,20 +118,12 @@ class GalleryIndex:
         return commit(self.directory, self, additions, remove_ids, self.encoder_sha256, self.dim)
 
     @classmethod
-    def load(
-        cls, directory: Path, encoder_sha256: str | None = None, dim: int | None = None, mmap: bool = False
-    ) -> GalleryIndex:
-        """Opens a saved FAISS index, refusing one that is incomplete, damaged or was built by another encoder.
+    def open(cls, directory: Path, manifest: dict, mmap: bool = False) -> GalleryIndex:
+        """Opens the FAISS index whose manifest has been read and checked (index.backends.open_index does both).
 
         With mmap, the vectors stay on disk and pages are read as searches touch them (IVF lists
-        and flat storage), for galleries larger than memory. index.backends.open_index opens either backend.
+        and flat storage), for galleries larger than memory.
         """
-        directory = Path(directory)
-        return cls.open(directory, read_manifest(directory, encoder_sha256, dim), mmap)
-
-    @classmethod
-    def open(cls, directory: Path, manifest: dict, mmap: bool = False) -> GalleryIndex:
-        """Opens the FAISS index whose manifest has been read and checked (index.disk.read_manifest)."""
         if manifest.get("backend", "faiss") != "faiss":
             raise RetrievalError(f"{directory}: a {manifest['backend']} index; open it with index.open_index")
         _check_files(directory, manifest, mmap)

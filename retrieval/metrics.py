@@ -140,16 +140,7 @@ def score_queries(
     queries = np.ascontiguousarray(query_embeddings, np.float32)
     gallery = np.ascontiguousarray(gallery_embeddings, np.float32)
     query_codes, gallery_codes = _encode_labels(query_labels, gallery_labels)
-    counts = np.bincount(
-        gallery_codes, minlength=int(max(query_codes.max(initial=0), gallery_codes.max(initial=0))) + 1
-    )
-    relevant = counts[query_codes] - (1 if leave_one_out else 0)
-    chosen = np.flatnonzero(relevant > 0)
-    if not len(chosen):
-        raise RetrievalError(
-            "no query has a relevant item in the gallery: every label needs "
-            "at least two images (leave-one-out) or a match in the gallery"
-        )
+    relevant, chosen = _relevant_counts(query_codes, gallery_codes, leave_one_out)
     ks = sorted(set(ks))
     depth = min(int(max(ks[-1], relevant.max())), len(gallery) - (1 if leave_one_out else 0))
     shown = min(ks[-1], depth)
@@ -162,18 +153,11 @@ def score_queries(
         block = chosen[start : start + QUERY_BLOCK]
         neighbours, scores = search_flat(index, queries[block], depth, block if leave_one_out else None)
         hits = gallery_codes[neighbours] == query_codes[block, None]
-        block_relevant = relevant[block]
-        values = {f"recall@{k}": recall_at_k(hits, k) for k in ks}
-        values.update({f"precision@{k}": precision_at_k(hits, k) for k in ks})
-        values["r_precision"] = r_precision(hits, block_relevant)
-        values["map@r"] = map_at_r(hits, block_relevant)
+        values = _block_values(hits, relevant[block], ks)
         if full_ranking:
-            similarities = queries[block] @ gallery.T
-            mask = gallery_codes[None, :] == query_codes[block, None]
-            if leave_one_out:  # the query's own item: last in the ranking, and not relevant
-                similarities[np.arange(len(block)), block] = -np.inf
-                mask[np.arange(len(block)), block] = False
-            values["map"] = average_precision(similarities, mask)
+            values["map"] = _full_ranking_map(
+                queries[block], gallery, query_codes[block], gallery_codes, block, leave_one_out
+            )
         for name, value in values.items():
             parts.setdefault(name, []).append(value)
         first_hits.append(np.where(hits.any(axis=1), hits.argmax(axis=1), max(depth, ks[-1])))
@@ -189,6 +173,49 @@ def score_queries(
         max_k=ks[-1],
         leave_one_out=leave_one_out,
     )
+
+
+def _relevant_counts(
+    query_codes: np.ndarray, gallery_codes: np.ndarray, leave_one_out: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each query's number of relevant gallery items, and the rows of the queries that have any."""
+    counts = np.bincount(
+        gallery_codes, minlength=int(max(query_codes.max(initial=0), gallery_codes.max(initial=0))) + 1
+    )
+    relevant = counts[query_codes] - (1 if leave_one_out else 0)
+    chosen = np.flatnonzero(relevant > 0)
+    if not len(chosen):
+        raise RetrievalError(
+            "no query has a relevant item in the gallery: every label needs "
+            "at least two images (leave-one-out) or a match in the gallery"
+        )
+    return relevant, chosen
+
+
+def _block_values(hits: np.ndarray, relevant: np.ndarray, ks: Sequence[int]) -> dict[str, np.ndarray]:
+    """Per query of a block: recall@k and precision@k for each k, R-precision and MAP@R from its hit matrix."""
+    values = {f"recall@{k}": recall_at_k(hits, k) for k in ks}
+    values.update({f"precision@{k}": precision_at_k(hits, k) for k in ks})
+    values["r_precision"] = r_precision(hits, relevant)
+    values["map@r"] = map_at_r(hits, relevant)
+    return values
+
+
+def _full_ranking_map(
+    queries: np.ndarray,
+    gallery: np.ndarray,
+    query_codes: np.ndarray,
+    gallery_codes: np.ndarray,
+    rows: np.ndarray,
+    leave_one_out: bool,
+) -> np.ndarray:
+    """Per query: average precision over the whole gallery; in leave-one-out its own item (rows) last, not relevant."""
+    similarities = queries @ gallery.T
+    mask = gallery_codes[None, :] == query_codes[:, None]
+    if leave_one_out:
+        similarities[np.arange(len(rows)), rows] = -np.inf
+        mask[np.arange(len(rows)), rows] = False
+    return average_precision(similarities, mask)
 
 
 def clustering_metrics(

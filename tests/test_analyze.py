@@ -11,38 +11,14 @@ from retrieval.commands import main
 from tests.conftest import copy_classes
 
 
-def test_temperature_sweep_writes_json_and_plot(
-    icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_temperature_sweep_writes_json_and_plot(icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = copy_classes(icons_root, tmp_path / "data", 6)
     out = tmp_path / "sweep"
-    options = [
-        "--out",
-        str(out),
-        "--temperatures",
-        "0.1,0.5",
-        "--epochs",
-        "1",
-        "--batch-size",
-        "8",
-        "--image-size",
-        "32",
-        "--val-classes",
-        "0.34",
-    ]
+    options = ["--out", str(out), "--temperatures", "0.1,0.5", "--epochs", "1", "--batch-size", "8", "--image-size", "32", "--val-classes", "0.34"]
     assert main(["analyze", str(data), *options]) == 0
     rows = json.loads((out / "temperature_sweep.json").read_text())["rows"]
-    assert [(row["loss"], row["temperature"]) for row in rows] == [
-        ("supcon", 0.1),
-        ("supcon", 0.5),
-        ("hard", 0.1),
-        ("hard", 0.5),
-    ]
-    assert all(
-        -1 <= row[f"{space}tolerance"] <= 1 and row[f"{space}uniformity"] <= 0
-        for row in rows
-        for space in ("", "loss_")
-    )
+    assert [(row["loss"], row["temperature"]) for row in rows] == [("supcon", 0.1), ("supcon", 0.5), ("hard", 0.1), ("hard", 0.5)]
+    assert all(-1 <= row[f"{space}tolerance"] <= 1 and row[f"{space}uniformity"] <= 0 for row in rows for space in ("", "loss_"))
     assert all(0 <= row["recall@1"] <= 1 for row in rows)
     assert (out / "temperature_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "runs" / "hard-t0.5" / "checkpoints" / "last.safetensors").is_file()
@@ -58,9 +34,7 @@ def test_temperature_sweep_writes_json_and_plot(
         (["--val-classes", "0"], "measured on held-out classes"),
     ],
 )
-def test_bad_sweeps_are_refused_before_training(
-    small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], message: str
-) -> None:
+def test_bad_sweeps_are_refused_before_training(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], message: str) -> None:
     assert main(["analyze", str(small_folder), "--out", str(tmp_path / "sweep"), *options]) == 2
     assert message in capsys.readouterr().err.replace("\n", "")
     assert not (tmp_path / "sweep").exists()

@@ -69,7 +69,7 @@ def write_odd_images(folder: Path) -> dict[str, Path]:
     paths = {"animated": folder / "animated.gif", "sixteen_bit": folder / "deep.png", "cmyk": folder / "print.jpg"}
     frames = [Image.new("RGB", (48, 48), colour) for colour in ((255, 0, 0), (0, 0, 255))]
     frames[0].save(paths["animated"], save_all=True, append_images=frames[1:], duration=100, loop=0)
-    Image.fromarray(np.arange(48 * 48, dtype=np.uint16).reshape(48, 48) * 20).save(paths["sixteen_bit"])
+    Image.fromarray((np.arange(48 * 48, dtype=np.uint16).reshape(48, 48) * 20)).save(paths["sixteen_bit"])
     Image.new("CMYK", (48, 48), (0, 120, 200, 10)).save(paths["cmyk"])
     return paths
 
@@ -131,13 +131,7 @@ def test_evaluate_now_scores_the_index_items(service: SearchService, demo_run: R
     evaluation, plots = service.evaluate_now(lambda fraction, text: steps.append(text))
     assert evaluation.metrics["num_queries"] + evaluation.metrics["num_skipped_queries"] == len(service.items)
     assert 0.0 <= evaluation.metrics["recall@1"] <= evaluation.metrics["recall@10"] <= 1.0
-    assert [path.name for path in plots] == [
-        "recall_at_k.png",
-        "similarities.png",
-        "class_recall.png",
-        "worst_queries.png",
-        "diagnostics.png",
-    ]
+    assert [path.name for path in plots] == ["recall_at_k.png", "similarities.png", "class_recall.png", "worst_queries.png", "diagnostics.png"]
     assert len(steps) == 3 and all(path.is_relative_to(service.cache) for path in plots)
 
 
@@ -149,9 +143,7 @@ def test_embedding_map_picks_the_point_clicked(service: SearchService) -> None:
     for row in (0, len(embedding_map.ids) // 2):
         x, y = embedding_map.pixels[row]
         picked = embedding_map.pick(x + 1, y - 1)
-        assert picked is not None and np.allclose(
-            embedding_map.pixels[list(embedding_map.ids).index(picked)], (x, y), atol=3
-        )
+        assert picked is not None and np.allclose(embedding_map.pixels[list(embedding_map.ids).index(picked)], (x, y), atol=3)
     assert embedding_map.pick(-100, -100) is None
     assert service.embedding_map("pca") is embedding_map  # drawn once per index version
     points = project_2d(np.random.default_rng(0).normal(size=(40, 8)).astype(np.float32), "tsne")
@@ -172,13 +164,9 @@ def test_add_and_remove_are_persisted_and_seen_by_the_next_search(app_run: RunDi
     ids, skipped = service.add_images([new, existing, bad["truncated"], new], "../../escape")
     assert len(ids) == 1 and [s.path.name for s in skipped] == [existing.name, "truncated.png", "new.png"]
     added = service.items[ids[0]]
-    assert (
-        added.label == "../../escape" and added.path.parent.parent == app_run.root / "uploads"
-    )  # a label cannot lead out of uploads/
+    assert added.label == "../../escape" and added.path.parent.parent == app_run.root / "uploads"  # a label cannot lead out of uploads/
     assert ids[0] not in [hit.id for hit in service.search(new, k=3).hits]  # the query's own bytes are left out
-    assert ids[0] in [
-        hit.id for hit in read_only.search(existing, k=len(read_only.items)).hits
-    ]  # another reader reloads the new version
+    assert ids[0] in [hit.id for hit in read_only.search(existing, k=len(read_only.items)).hits]  # another reader reloads the new version
     assert ids[0] in SearchService(app_run).items  # persisted
     assert service.remove_items(ids) == 1
     assert ids[0] not in read_only.items and not added.path.exists()
@@ -188,15 +176,7 @@ def test_add_and_remove_are_persisted_and_seen_by_the_next_search(app_run: RunDi
 
 def test_an_index_job_and_the_app_take_turns(app_run: RunDir, service: SearchService, tmp_path: Path) -> None:
     holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            (
-                "from index.disk import writer_lock; import time\nwith "
-                f"writer_lock(__import__('pathlib').Path({str(service.index_dir)!r})):\n "
-                "   print('held', flush=True); time.sleep(30)"
-            ),
-        ],
+        [sys.executable, "-c", f"from index.disk import writer_lock; import time\nwith writer_lock(__import__('pathlib').Path({str(service.index_dir)!r})):\n    print('held', flush=True); time.sleep(30)"],
         stdout=subprocess.PIPE,
         text=True,
         cwd=Path(__file__).parents[1],
@@ -213,9 +193,7 @@ def test_an_index_job_and_the_app_take_turns(app_run: RunDir, service: SearchSer
     folder.mkdir(parents=True)
     Image.new("RGB", (64, 64), (20, 180, 20)).save(folder / "a.png")
     before = len(service.items)
-    build_index(
-        service.embedder, load_collection(tmp_path / "more"), service.index_dir, progress=False
-    )  # a `retrieval index` job meanwhile
+    build_index(service.embedder, load_collection(tmp_path / "more"), service.index_dir, progress=False)  # a `retrieval index` job meanwhile
     assert len(service.items) == before + 1  # the app reloads the new version by itself
     service.remove_items([max(service.items)])
 
@@ -244,9 +222,7 @@ def test_every_endpoint_answers(client: object, service: SearchService) -> None:
     assert metrics_rows(None)[0][0] == "(no metrics yet)"
 
 
-def test_bad_uploads_get_a_message_and_the_server_keeps_serving(
-    client: object, service: SearchService, tmp_path: Path
-) -> None:
+def test_bad_uploads_get_a_message_and_the_server_keeps_serving(client: object, service: SearchService, tmp_path: Path) -> None:
     from gradio_client import handle_file
 
     bad = write_bad_files(tmp_path / "bad")
@@ -296,15 +272,7 @@ def test_only_the_apps_own_files_are_served(client: object, service: SearchServi
             return error.code
 
     assert status(gallery[0]["image"]) == 200 and status(str(service.thumbnails([next(iter(service.items))])[0])) == 200
-    refused = [
-        "/etc/passwd",
-        str(item.path),
-        str(app_run.model),
-        str(service.index_dir / "items.sqlite"),
-        f"{service.cache}/../../etc/passwd",
-        "README.md",
-        "%2e%2e/%2e%2e/etc/passwd",
-    ]
+    refused = ["/etc/passwd", str(item.path), str(app_run.model), str(service.index_dir / "items.sqlite"), f"{service.cache}/../../etc/passwd", "README.md", "%2e%2e/%2e%2e/etc/passwd"]
     assert {path: status(path) for path in refused} == {path: 403 for path in refused}
 
 
@@ -340,9 +308,7 @@ def test_add_and_remove_through_the_api(client: object, service: SearchService, 
         Image.new("RGB", (64, 64), colour).save(path)
     before = len(service.items)
     message, table = client.predict([handle_file(str(path)) for path in paths], "swatch", api_name="/add")  # type: ignore[attr-defined]
-    assert (
-        message.startswith("added 2 image(s)") and ["swatch", 2] in table["data"] and len(service.items) == before + 2
-    )
+    assert message.startswith("added 2 image(s)") and ["swatch", 2] in table["data"] and len(service.items) == before + 2
     new_ids = sorted(service.items)[-2:]
     message, table = client.predict(", ".join(map(str, new_ids)), api_name="/remove")  # type: ignore[attr-defined]
     assert message == "removed 2 item(s)" and len(service.items) == before
@@ -357,9 +323,7 @@ def test_a_read_only_app_has_no_write_endpoints(app_run: RunDir) -> None:
     port = free_port()
     demo = launch(service, port=port, block=False)
     try:
-        endpoints = Client(f"http://127.0.0.1:{port}/", verbose=False).view_api(return_format="dict", print_info=False)[
-            "named_endpoints"
-        ]
+        endpoints = Client(f"http://127.0.0.1:{port}/", verbose=False).view_api(return_format="dict", print_info=False)["named_endpoints"]
         assert set(endpoints) == {"/search", "/search_id", "/labels", "/browse", "/evaluate", "/embedding_map"}
     finally:
         demo.close()
@@ -402,9 +366,7 @@ def test_freed_memory_is_handed_back_periodically(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(server, "_trimmer", None)
     monkeypatch.setattr(server.ctypes, "CDLL", lambda name: FakeLibc())
     thread = server.release_memory_periodically(0.01)
-    assert (
-        thread is not None and thread.daemon and server.release_memory_periodically(0.01) is thread
-    )  # one per process
+    assert thread is not None and thread.daemon and server.release_memory_periodically(0.01) is thread  # one per process
     assert three.wait(5)
     assert calls == [0, 0, 0]
 
@@ -425,13 +387,7 @@ def test_a_stopped_server_leaves_no_cache_folder(app_run: RunDir, tmp_path: Path
     port = free_port()
     retrieval = str(Path(sys.executable).with_name("retrieval"))
     environment = {**os.environ, "TMPDIR": str(tmp_path)}
-    server = subprocess.Popen(
-        [retrieval, "serve", str(app_run.root), "--port", str(port)],
-        env=environment,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    server = subprocess.Popen([retrieval, "serve", str(app_run.root), "--port", str(port)], env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not list(tmp_path.glob("retrieval-app-*")) or not answers(f"http://127.0.0.1:{port}/"):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import index.store as store
-from index.store import GalleryIndex
+from index.backends import open_index
 from retrieval.errors import RetrievalError
 from retrieval.runs import write_atomic
 from tests.test_index import build
@@ -39,7 +39,7 @@ def test_a_failed_index_save_keeps_the_old_index(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(store.faiss, "write_index", crash)
     with pytest.raises(RetrievalError, match="No space left on device"):
         build(directory, n=3)
-    loaded = GalleryIndex.load(directory)
+    loaded = open_index(directory)
     assert len(loaded) == 7 and len(loaded.items()) == 7
     assert sorted(p.name for p in tmp_path.iterdir()) == ["index"]
     assert loaded.search(np.eye(8, dtype=np.float32)[:1], k=2)[0][0].id >= 1

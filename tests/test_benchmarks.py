@@ -49,15 +49,7 @@ def fabricate_cars(root: Path, classes: int = 4, per_class: int = 3) -> Path:
             number = len(records) + 1
             image(root / "car_ims" / f"{number:06d}.jpg", number)
             records.append((f"car_ims/{number:06d}.jpg", 0, 0, 20, 20, class_id, n % 2))
-    fields = [
-        ("relative_im_path", "O"),
-        ("bbox_x1", "O"),
-        ("bbox_y1", "O"),
-        ("bbox_x2", "O"),
-        ("bbox_y2", "O"),
-        ("class", "O"),
-        ("test", "O"),
-    ]
+    fields = [("relative_im_path", "O"), ("bbox_x1", "O"), ("bbox_y1", "O"), ("bbox_x2", "O"), ("bbox_y2", "O"), ("class", "O"), ("test", "O")]
     annotations = np.array(records, dtype=fields).reshape(1, -1)
     names = np.array([f"Maker Model {year}" for year in range(2000, 2000 + classes)], dtype=object).reshape(1, -1)
     savemat(str(root / "cars_annos.mat"), {"annotations": annotations, "class_names": names})
@@ -81,20 +73,13 @@ def fabricate_sop(root: Path) -> Path:
 def fabricate_inshop(root: Path) -> Path:
     """img/<GENDER>/<category>/id_*/<file>.jpg and Eval/list_eval_partition.txt (count, header, rows)."""
     rows = []
-    for item, statuses in (
-        ("id_00000001", ("train", "train")),
-        ("id_00000002", ("train", "train")),
-        ("id_00000003", ("query", "gallery")),
-        ("id_00000004", ("query", "gallery", "gallery")),
-    ):
+    for item, statuses in (("id_00000001", ("train", "train")), ("id_00000002", ("train", "train")), ("id_00000003", ("query", "gallery")), ("id_00000004", ("query", "gallery", "gallery"))):
         for n, status in enumerate(statuses):
             name = f"img/WOMEN/Dresses/{item}/0{n}_1_front.jpg"
             image(root / name, len(rows))
             rows.append(f"{name}    {item}    {status}")
     (root / "Eval").mkdir(parents=True)
-    (root / "Eval" / "list_eval_partition.txt").write_text(
-        f"{len(rows)}\nimage_name item_id evaluation_status\n" + "\n".join(rows) + "\n"
-    )
+    (root / "Eval" / "list_eval_partition.txt").write_text(f"{len(rows)}\nimage_name item_id evaluation_status\n" + "\n".join(rows) + "\n")
     return root
 
 
@@ -104,10 +89,7 @@ def labels(collection) -> list[str]:  # type: ignore[no-untyped-def]
 
 def test_cub_first_half_of_the_classes_trains(tmp_path: Path) -> None:
     benchmark = load_benchmark("cub", fabricate_cub(tmp_path))  # the folder the archive was extracted into
-    assert labels(benchmark.train) == ["001.Bird_1", "002.Bird_2"] and labels(benchmark.test) == [
-        "003.Bird_3",
-        "004.Bird_4",
-    ]
+    assert labels(benchmark.train) == ["001.Bird_1", "002.Bird_2"] and labels(benchmark.test) == ["003.Bird_3", "004.Bird_4"]
     assert len(benchmark.train.items) == len(benchmark.test.items) == 6
     assert all(item.path.is_file() for item in benchmark.train.items)
 
@@ -137,46 +119,17 @@ def test_missing_images_are_skipped_and_reported(tmp_path: Path) -> None:
     missing.unlink()
     benchmark = load_benchmark("cub", root)
     assert len(benchmark.train.items) == 5
-    assert [(entry.path, entry.reason) for entry in benchmark.train.skipped] == [
-        (missing, "listed in images.txt but not found")
-    ]
+    assert [(entry.path, entry.reason) for entry in benchmark.train.skipped] == [(missing, "listed in images.txt but not found")]
 
 
 @pytest.mark.parametrize(
     ("name", "make", "damage", "message"),
     [
-        (
-            "cub",
-            fabricate_cub,
-            lambda root: (root / "CUB_200_2011" / "classes.txt").unlink(),
-            "classes.txt: not found; .* should be the extracted CUB_200_2011 folder",
-        ),
-        (
-            "cub",
-            fabricate_cub,
-            lambda root: (root / "CUB_200_2011" / "images.txt").write_text("1\n"),
-            "images.txt, line 1: expected 2 fields",
-        ),
-        (
-            "cars196",
-            lambda root: fabricate_cars(root / "cars"),
-            lambda root: (root / "cars" / "cars_annos.mat").write_bytes(b"not a mat"),
-            "cars_annos.mat: not a readable cars_annos.mat",
-        ),
-        (
-            "sop",
-            fabricate_sop,
-            lambda root: (root / "Stanford_Online_Products" / "Ebay_test.txt").unlink(),
-            "Ebay_test.txt: not found",
-        ),
-        (
-            "inshop",
-            fabricate_inshop,
-            lambda root: (root / "Eval" / "list_eval_partition.txt").write_text(
-                "1\nheader\nimg/a.jpg id_1 validation\n"
-            ),
-            "evaluation_status 'validation'",
-        ),
+        ("cub", fabricate_cub, lambda root: (root / "CUB_200_2011" / "classes.txt").unlink(), "classes.txt: not found; .* should be the extracted CUB_200_2011 folder"),
+        ("cub", fabricate_cub, lambda root: (root / "CUB_200_2011" / "images.txt").write_text("1\n"), "images.txt, line 1: expected 2 fields"),
+        ("cars196", lambda root: fabricate_cars(root / "cars"), lambda root: (root / "cars" / "cars_annos.mat").write_bytes(b"not a mat"), "cars_annos.mat: not a readable cars_annos.mat"),
+        ("sop", fabricate_sop, lambda root: (root / "Stanford_Online_Products" / "Ebay_test.txt").unlink(), "Ebay_test.txt: not found"),
+        ("inshop", fabricate_inshop, lambda root: (root / "Eval" / "list_eval_partition.txt").write_text("1\nheader\nimg/a.jpg id_1 validation\n"), "evaluation_status 'validation'"),
         ("inshop", fabricate_inshop, lambda root: shutil.rmtree(root / "img"), "none of the images listed"),
     ],
 )
@@ -199,27 +152,7 @@ def test_unknown_benchmark_and_missing_folder(tmp_path: Path) -> None:
 def test_train_and_evaluate_with_benchmark(demo_run: RunDir, tmp_path: Path, name: str) -> None:
     root = fabricate_cub(tmp_path / "data") if name == "cub" else fabricate_inshop(tmp_path / "data")
     run = RunDir(tmp_path / "run")
-    assert (
-        main(
-            [
-                "train",
-                str(root),
-                "--benchmark",
-                name,
-                "--run",
-                str(run.root),
-                "--epochs",
-                "1",
-                "--batch-size",
-                "4",
-                "--images-per-class",
-                "2",
-                "--image-size",
-                "32",
-            ]
-        )
-        == 0
-    )
+    assert main(["train", str(root), "--benchmark", name, "--run", str(run.root), "--epochs", "1", "--batch-size", "4", "--images-per-class", "2", "--image-size", "32"]) == 0
     config = json.loads(run.config.read_text())
     assert config["benchmark"] == name
     scored = tmp_path / "scored"

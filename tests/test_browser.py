@@ -20,15 +20,7 @@ from tests.test_app import free_port
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).parents[1] / "test-artifacts"
 # the flags of a browser on a machine without network: no background connections, no sandbox as root
-FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 def browser_missing() -> str | None:
@@ -59,9 +51,7 @@ def page_url(demo_run: RunDir) -> Iterator[tuple[str, SearchService]]:
         service.close()
 
 
-def test_a_query_uploaded_in_the_browser_shows_its_nearest_neighbour(
-    page_url: tuple[str, SearchService], tmp_path: Path
-) -> None:
+def test_a_query_uploaded_in_the_browser_shows_its_nearest_neighbour(page_url: tuple[str, SearchService], tmp_path: Path) -> None:
     from playwright.sync_api import expect, sync_playwright
 
     url, service = page_url
@@ -87,9 +77,7 @@ def test_a_query_uploaded_in_the_browser_shows_its_nearest_neighbour(
             page.screenshot(path=str(ARTIFACTS / "app-search.png"), full_page=True)
             second = page.locator("#results .caption-label").nth(1).inner_text()
             page.locator("#results .thumbnail-item").nth(1).click()  # searching with a result: its label is known
-            expect(page.locator("#summary")).to_contain_text(
-                f"label {service.items[int(second.rsplit('id ', 1)[1])].label}", timeout=60_000
-            )
+            expect(page.locator("#summary")).to_contain_text(f"label {service.items[int(second.rsplit('id ', 1)[1])].label}", timeout=60_000)
             page.get_by_role("tab", name="Embedding map").click()
             page.get_by_role("button", name="Draw the map").click()
             picture = page.locator("#map img")
@@ -97,13 +85,8 @@ def test_a_query_uploaded_in_the_browser_shows_its_nearest_neighbour(
             embedding_map = service.embedding_map("pca")
             natural = picture.evaluate("image => [image.naturalWidth, image.naturalHeight]")
             box = picture.bounding_box()
-            gaps = (
-                np.linalg.norm(embedding_map.pixels[:, None] - embedding_map.pixels[None], axis=-1)
-                + np.eye(len(embedding_map.ids)) * 1e9
-            )
-            loneliest = int(
-                gaps.min(axis=1).argmax()
-            )  # a point no other lies close to: the click cannot pick a neighbour
+            gaps = np.linalg.norm(embedding_map.pixels[:, None] - embedding_map.pixels[None], axis=-1) + np.eye(len(embedding_map.ids)) * 1e9
+            loneliest = int(gaps.min(axis=1).argmax())  # a point no other lies close to: the click cannot pick a neighbour
             x, y = embedding_map.pixels[loneliest]
             picture.click(position={"x": x * box["width"] / natural[0], "y": y * box["height"] / natural[1]})
             picked = service.items[int(embedding_map.ids[loneliest])]

@@ -27,31 +27,11 @@ def test_top_level_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -
     assert all(command in out for command in COMMANDS)
 
 
-def test_stages_on_a_users_folder_with_bad_files(
-    small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_stages_on_a_users_folder_with_bad_files(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = write_bad_files(small_folder / sorted(p.name for p in small_folder.iterdir())[0])
     run = RunDir(tmp_path / "run")
-    assert (
-        main(
-            [
-                "train",
-                str(small_folder),
-                "--run",
-                str(run.root),
-                "--epochs",
-                "1",
-                "--batch-size",
-                "8",
-                "--image-size",
-                "32",
-            ]
-        )
-        == 0
-    )
-    report = {
-        Path(entry["path"]).name: entry["reason"] for entry in json.loads((run.root / "skipped.json").read_text())
-    }
+    assert main(["train", str(small_folder), "--run", str(run.root), "--epochs", "1", "--batch-size", "8", "--image-size", "32"]) == 0
+    report = {Path(entry["path"]).name: entry["reason"] for entry in json.loads((run.root / "skipped.json").read_text())}
     assert set(report) == {path.name for path in bad.values()}
     assert "skipped 3 file(s)" in capsys.readouterr().err
 
@@ -70,17 +50,7 @@ def test_stages_on_a_users_folder_with_bad_files(
 
     assert main(["evaluate", str(run.root), str(small_folder), "-k", "1,2"]) == 0
     metrics = json.loads(run.metrics.read_text())
-    for key in (
-        "recall@1",
-        "recall@2",
-        "map@r",
-        "r_precision",
-        "num_queries",
-        "protocol",
-        "alignment",
-        "uniformity",
-        "tolerance",
-    ):
+    for key in ("recall@1", "recall@2", "map@r", "r_precision", "num_queries", "protocol", "alignment", "uniformity", "tolerance"):
         assert key in metrics
     assert metrics["protocol"] == "leave-one-out" and metrics["num_queries"] == len(good)
 
@@ -93,34 +63,22 @@ def expect_error(argv: list[str], capsys: pytest.CaptureFixture[str], *fragments
         assert fragment in err.replace("\n", "")
 
 
-def test_train_on_missing_empty_and_one_class_folders(
-    tmp_path: Path, small_folder: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    expect_error(
-        ["train", str(tmp_path / "nope"), "--run", str(tmp_path / "r")], capsys, "nope", "no such file or folder"
-    )
+def test_train_on_missing_empty_and_one_class_folders(tmp_path: Path, small_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    expect_error(["train", str(tmp_path / "nope"), "--run", str(tmp_path / "r")], capsys, "nope", "no such file or folder")
     (tmp_path / "empty").mkdir()
     expect_error(["train", str(tmp_path / "empty"), "--run", str(tmp_path / "r")], capsys, "empty", "no images found")
     one = tmp_path / "one"
     one.mkdir()
     sorted(small_folder.iterdir())[0].rename(one / "only")
     expect_error(["train", str(one), "--run", str(tmp_path / "r")], capsys, "only class 'only'", "at least two")
-    expect_error(
-        ["evaluate", str(tmp_path / "r"), str(one)], capsys, "no such run directory"
-    )  # failed trainings leave no run behind
+    expect_error(["evaluate", str(tmp_path / "r"), str(one)], capsys, "no such run directory")  # failed trainings leave no run behind
 
 
 @pytest.mark.parametrize("command", ["export", "index", "search", "evaluate", "serve"])
-def test_a_run_without_a_model_names_what_to_do(
-    command: str, tmp_path: Path, small_folder: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_run_without_a_model_names_what_to_do(command: str, tmp_path: Path, small_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    extra = {
-        "index": [str(small_folder)],
-        "search": [str(next(small_folder.rglob("*.png")))],
-        "evaluate": [str(small_folder)],
-    }.get(command, [])
+    extra = {"index": [str(small_folder)], "search": [str(next(small_folder.rglob("*.png")))], "evaluate": [str(small_folder)]}.get(command, [])
     hint = "retrieval train" if command == "export" else "retrieval export"
     expect_error([command, str(run), *extra], capsys, str(run), hint)
 
@@ -132,25 +90,7 @@ def test_bad_k_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 @pytest.mark.parametrize("loss", ["infonce", "npair", "hcl", "hard"])
 def test_every_loss_trains(loss: str, small_folder: Path, tmp_path: Path) -> None:
     run = RunDir(tmp_path / loss)
-    assert (
-        main(
-            [
-                "train",
-                str(small_folder),
-                "--run",
-                str(run.root),
-                "--loss",
-                loss,
-                "--epochs",
-                "1",
-                "--batch-size",
-                "8",
-                "--image-size",
-                "32",
-            ]
-        )
-        == 0
-    )
+    assert main(["train", str(small_folder), "--run", str(run.root), "--loss", loss, "--epochs", "1", "--batch-size", "8", "--image-size", "32"]) == 0
     entry = json.loads(run.train_log.read_text().splitlines()[-1])
     assert entry["loss"] == entry["loss"] and json.loads(run.config.read_text())["loss"] == loss  # a number, not NaN
 
@@ -160,29 +100,12 @@ def test_validation_on_held_out_classes_picks_the_best_epoch(icons_root: Path, t
 
     data = copy_classes(icons_root, tmp_path / "data", 10)
     run = RunDir(tmp_path / "run")
-    argv = [
-        "train",
-        str(data),
-        "--run",
-        str(run.root),
-        "--epochs",
-        "4",
-        "--batch-size",
-        "16",
-        "--image-size",
-        "32",
-        "--val-classes",
-        "0.3",
-        "--patience",
-        "1",
-    ]
+    argv = ["train", str(data), "--run", str(run.root), "--epochs", "4", "--batch-size", "16", "--image-size", "32", "--val-classes", "0.3", "--patience", "1"]
     assert main(argv) == 0
     log = [json.loads(line) for line in run.train_log.read_text().splitlines()]
     assert all("val_recall@1" in entry and "val_map@r" in entry for entry in log)
     scores = [entry["val_map@r"] for entry in log]
-    assert len(log) == 4 or (
-        len(log) >= 2 and scores[-1] <= max(scores[:-1])
-    )  # stopped only after an epoch without improvement
+    assert len(log) == 4 or (len(log) >= 2 and scores[-1] <= max(scores[:-1]))  # stopped only after an epoch without improvement
     assert run.best_checkpoint.is_file() and run.require_checkpoint() == run.best_checkpoint
     from safetensors import safe_open
 
@@ -190,12 +113,5 @@ def test_validation_on_held_out_classes_picks_the_best_epoch(icons_root: Path, t
         assert int(checkpoint.metadata()["epoch"]) == 1 + scores.index(max(scores))
 
 
-def test_too_few_validation_classes_is_an_error(
-    small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    expect_error(
-        ["train", str(small_folder), "--run", str(tmp_path / "r"), "--val-classes", "0.1"],
-        capsys,
-        "--val-classes 0.1",
-        "fewer than two of the 4 classes",
-    )
+def test_too_few_validation_classes_is_an_error(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    expect_error(["train", str(small_folder), "--run", str(tmp_path / "r"), "--val-classes", "0.1"], capsys, "--val-classes 0.1", "fewer than two of the 4 classes")

@@ -25,11 +25,7 @@ def test_folder_labels_come_from_the_first_folder_level(tmp_path: Path) -> None:
     (tmp_path / ".hidden").mkdir()
     Image.new("RGB", (8, 8)).save(tmp_path / ".hidden" / "x.png")
     collection = load_collection(tmp_path)
-    assert [(item.path.name, item.label) for item in collection.items] == [
-        ("a.png", "cat"),
-        ("b.png", "cat"),
-        ("c.jpg", "dog"),
-    ]
+    assert [(item.path.name, item.label) for item in collection.items] == [("a.png", "cat"), ("b.png", "cat"), ("c.jpg", "dog")]
     assert [s.path.name for s in collection.skipped] == ["readme.txt"]
 
 
@@ -38,13 +34,9 @@ def test_csv_paths_are_relative_to_the_csv(tmp_path: Path) -> None:
     Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / "one.png")
     listing = tmp_path / "list.csv"
     with listing.open("w", newline="") as handle:
-        csv.writer(handle).writerows(
-            [["path", "label"], ["imgs/one.png", 'printer, laser "A"'], ["imgs/missing.png", "x"]]
-        )
+        csv.writer(handle).writerows([["path", "label"], ["imgs/one.png", "printer, laser \"A\""], ["imgs/missing.png", "x"]])
     collection = load_collection(listing)
-    assert [(item.path, item.label) for item in collection.items] == [
-        ((tmp_path / "imgs" / "one.png").resolve(), 'printer, laser "A"')
-    ]
+    assert [(item.path, item.label) for item in collection.items] == [((tmp_path / "imgs" / "one.png").resolve(), 'printer, laser "A"')]
     assert "not found" in collection.skipped[0].reason
 
 
@@ -75,7 +67,7 @@ def test_embedded_dataset_has_class_disjoint_splits(icons_root: Path) -> None:
 
 
 def test_bad_files_raise_image_errors(tmp_path: Path) -> None:
-    for _kind, path in write_bad_files(tmp_path).items():
+    for kind, path in write_bad_files(tmp_path).items():
         with pytest.raises(ImageError, match=path.name):
             load_image(path)
     with pytest.raises(ImageError, match="cannot be read"):
@@ -126,12 +118,7 @@ def test_preprocessing_matches_torchvision(icons_root: Path) -> None:
 
     preprocessing = Preprocessing(image_size=48)
     reference = transforms.Compose(
-        [
-            transforms.Resize(48),
-            transforms.CenterCrop(48),
-            transforms.ToTensor(),
-            transforms.Normalize(preprocessing.mean, preprocessing.std),
-        ]
+        [transforms.Resize(48), transforms.CenterCrop(48), transforms.ToTensor(), transforms.Normalize(preprocessing.mean, preprocessing.std)]
     )
     images = [load_image(path) for path in sorted((icons_root / "test").rglob("*.png"))[:4]]
     images += [images[0].resize((90, 61)), images[1].resize((33, 70))]

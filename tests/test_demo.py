@@ -8,14 +8,7 @@ from retrieval.runs import RunDir
 
 
 def test_demo_trains_exports_indexes_and_evaluates(demo_run: RunDir) -> None:
-    for path in (
-        demo_run.config,
-        demo_run.last_checkpoint,
-        demo_run.model,
-        demo_run.model_card,
-        demo_run.metrics,
-        demo_run.index / "manifest.json",
-    ):
+    for path in (demo_run.config, demo_run.last_checkpoint, demo_run.model, demo_run.model_card, demo_run.metrics, demo_run.index / "manifest.json"):
         assert path.is_file(), path
     metrics = json.loads(demo_run.metrics.read_text())
     baseline = json.loads((demo_run.root / "baseline_metrics.json").read_text())

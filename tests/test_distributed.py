@@ -40,9 +40,7 @@ def gathered_losses_and_gradients(rank: int, world: int) -> dict[str, torch.Tens
     results = {}
     for name, loss_class in LOSSES.items():
         net = DistributedDataParallel(model())
-        loss = loss_class(temperature=0.2)(
-            distributed.gather_rows(net(images[rows])), distributed.gather_rows(labels[rows])
-        )
+        loss = loss_class(temperature=0.2)(distributed.gather_rows(net(images[rows])), distributed.gather_rows(labels[rows]))
         loss.backward()
         results[f"{name}/loss"], results[f"{name}/grad"] = loss.detach().reshape(1), net.module.weight.grad
     return results
@@ -65,17 +63,13 @@ def test_two_gloo_processes_match_one_process_on_the_whole_batch(tmp_path: Path)
             net = model()
             loss = loss_class(temperature=0.2)(net(images), labels)
             loss.backward()
-            torch.testing.assert_close(
-                results[f"{name}/loss"], loss.detach().reshape(1), rtol=1e-5, atol=1e-6, msg=name
-            )
+            torch.testing.assert_close(results[f"{name}/loss"], loss.detach().reshape(1), rtol=1e-5, atol=1e-6, msg=name)
             torch.testing.assert_close(results[f"{name}/grad"], net.weight.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_ranks_get_distinct_batches_covering_the_classes() -> None:
     labels = [f"c{i % 12}" for i in range(96)]
-    per_rank = [
-        list(ClassBalancedBatchSampler(labels, 16, 4, seed=1, rank=rank, world_size=WORLD)) for rank in range(WORLD)
-    ]
+    per_rank = [list(ClassBalancedBatchSampler(labels, 16, 4, seed=1, rank=rank, world_size=WORLD)) for rank in range(WORLD)]
     single = list(ClassBalancedBatchSampler(labels, 16, 4, seed=1))
     assert len(per_rank[0]) == len(per_rank[1]) == len(single) // WORLD
     assert not {tuple(b) for b in per_rank[0]} & {tuple(b) for b in per_rank[1]}
@@ -85,19 +79,7 @@ def test_ranks_get_distinct_batches_covering_the_classes() -> None:
 def test_torchrun_trains_with_two_processes(small_folder: Path, tmp_path: Path) -> None:
     # "--" ends torchrun's own options: its parser would take `--run` for an abbreviation of --run-path
     run = RunDir(tmp_path / "run")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(WORLD),
-        "-m",
-        "retrieval",
-        "--",
-        "train",
-        str(small_folder),
-    ]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD), "-m", "retrieval", "--", "train", str(small_folder)]
     options = ["--run", str(run.root), "--epochs", "2", "--batch-size", "8", "--image-size", "32", "--device", "cpu"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     finished = subprocess.run([*command, *options], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

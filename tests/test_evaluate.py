@@ -19,30 +19,13 @@ def test_leave_one_out_writes_the_metric_set_and_plots(demo_run: RunDir, icons_r
     data = copy_classes(icons_root, tmp_path / "data", 6, split="test")
     assert main(["evaluate", str(demo_run.root), str(data), "-k", "1,2,5"]) == 0
     metrics = json.loads(demo_run.metrics.read_text())
-    for key in (
-        "recall@1",
-        "recall@5",
-        "precision@2",
-        "r_precision",
-        "map@r",
-        "map",
-        "nmi",
-        "ami",
-        "uniformity",
-        "tolerance",
-    ):
+    for key in ("recall@1", "recall@5", "precision@2", "r_precision", "map@r", "map", "nmi", "ami", "uniformity", "tolerance"):
         assert 0 <= abs(metrics[key]) <= 1, key
-    assert (
-        len(metrics["cmc"]) == 5
-        and metrics["cmc"][0] == metrics["recall@1"]
-        and metrics["cmc"][4] == metrics["recall@5"]
-    )
+    assert len(metrics["cmc"]) == 5 and metrics["cmc"][0] == metrics["recall@1"] and metrics["cmc"][4] == metrics["recall@5"]
     assert metrics["protocol"] == "leave-one-out" and metrics["encoder"]
     worst = metrics["worst_classes"]
     assert len(worst) == 6 and [entry["recall@1"] for entry in worst] == sorted(entry["recall@1"] for entry in worst)
-    assert sum(entry["recall@1"] * entry["queries"] for entry in worst) == pytest.approx(
-        metrics["recall@1"] * metrics["num_queries"]
-    )
+    assert sum(entry["recall@1"] * entry["queries"] for entry in worst) == pytest.approx(metrics["recall@1"] * metrics["num_queries"])
     for name in ("recall_at_k.png", "similarities.png", "class_recall.png", "worst_queries.png", "diagnostics.png"):
         assert (demo_run.root / "plots" / name).read_bytes()[:8] == PNG
 
@@ -70,9 +53,7 @@ def test_query_and_gallery_sets(demo_run: RunDir, icons_root: Path, tmp_path: Pa
     assert metrics["queries"] == str(queries) and metrics["gallery"] == str(gallery)
 
 
-def test_compare_scores_two_runs_on_the_same_protocol(
-    demo_run: RunDir, icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_compare_scores_two_runs_on_the_same_protocol(demo_run: RunDir, icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = copy_classes(icons_root, tmp_path / "data", 5, split="test")
     other = tmp_path / "other"
     shutil.copytree(demo_run.root, other)
@@ -117,9 +98,7 @@ def test_class_recall_and_worst_queries_by_hand() -> None:
         (["IMAGES", "--benchmark", "mnist"], "choose one of cub"),
     ],
 )
-def test_protocol_mistakes_are_explained(
-    demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str], arguments: list[str], message: str
-) -> None:
+def test_protocol_mistakes_are_explained(demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str], arguments: list[str], message: str) -> None:
     arguments = [str(tmp_path) if argument == "IMAGES" else argument for argument in arguments]
     assert main(["evaluate", str(demo_run.root), *arguments]) == 2
     assert message in capsys.readouterr().err.replace("\n", "")

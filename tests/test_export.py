@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-import training.export as export_module
+import training.exporting as export_module
 from retrieval.embedders import OnnxEmbedder
 from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir
-from tests.conftest import copy_classes
-from training.checkpoints import load_encoder
 from training.config import TrainConfig
-from training.export import export
-from training.train import train
+from training.exporting import export
+from training.checkpoints import load_encoder
+from training.loop import train
+from tests.conftest import copy_classes
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +54,7 @@ def test_onnx_matches_pytorch(trained: RunDir, batch_size: int) -> None:
     assert (expected * actual).sum(axis=1).min() >= 0.9999
 
 
-def test_a_failed_parity_check_leaves_no_model(
-    trained: RunDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_failed_parity_check_leaves_no_model(trained: RunDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run = RunDir(tmp_path / "copy")
     run.checkpoints.mkdir(parents=True)
     run.config.write_bytes(trained.config.read_bytes())

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from index.backends import open_index
 from index.store import GalleryIndex
 from retrieval.data import Item
 from retrieval.embedders import l2_normalise
@@ -21,7 +22,7 @@ def build(directory: Path, n: int = 20, dim: int = 8, encoder: str = "enc-a") ->
 
 def test_round_trip(tmp_path: Path) -> None:
     built, vectors = build(tmp_path / "index")
-    loaded = GalleryIndex.load(tmp_path / "index", "enc-a", 8)
+    loaded = open_index(tmp_path / "index", "enc-a", 8)
     assert len(loaded) == 20 and loaded.manifest == built.manifest
     hits = loaded.search(vectors[[3, 7]], k=4)
     assert [row[0].id for row in hits] == [4, 8]  # ids are SQLite row ids, 1-based in item order
@@ -34,16 +35,16 @@ def test_round_trip(tmp_path: Path) -> None:
 def test_rebuild_replaces_the_previous_index(tmp_path: Path) -> None:
     build(tmp_path / "index", n=20)
     build(tmp_path / "index", n=5)
-    assert len(GalleryIndex.load(tmp_path / "index")) == 5
+    assert len(open_index(tmp_path / "index")) == 5
     assert sorted(p.name for p in tmp_path.iterdir()) == ["index"]
 
 
 def test_mismatched_encoder_and_dimension_are_refused(tmp_path: Path) -> None:
     build(tmp_path / "index")
     with pytest.raises(RetrievalError, match="built with encoder enc-a.*rebuild"):
-        GalleryIndex.load(tmp_path / "index", "enc-b")
+        open_index(tmp_path / "index", "enc-b")
     with pytest.raises(RetrievalError, match="8-dimensional vectors, the encoder makes 16"):
-        GalleryIndex.load(tmp_path / "index", "enc-a", 16)
+        open_index(tmp_path / "index", "enc-a", 16)
 
 
 @pytest.mark.parametrize("damage", ["truncate-vectors", "drop-items", "garble-manifest", "no-manifest"])
@@ -60,7 +61,7 @@ def test_damaged_indexes_are_refused(tmp_path: Path, damage: str) -> None:
     else:
         (directory / "manifest.json").unlink()
     with pytest.raises(RetrievalError, match=str(directory)):
-        GalleryIndex.load(directory)
+        open_index(directory)
 
 
 def test_empty_gallery_is_refused(tmp_path: Path) -> None:

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from index import choice
+from index.backends import open_index
+from index.stats import index_stats
 from index.faiss_ops import stored_vectors
 from index.search import Query, search_items
-from index.stats import index_stats
 from index.store import Additions, GalleryIndex
 from retrieval.commands import main
 from retrieval.data import Item
@@ -35,11 +36,7 @@ def clustered(n: int = 6000, dim: int = 32, classes: int = 60, seed: int = 0) ->
 
 def chunks(vectors: np.ndarray, size: int = 1000) -> list[Additions]:
     return [
-        Additions(
-            vectors[start : start + size],
-            [Item(Path(f"/gallery/{i}.png"), f"c{i % 7}") for i in range(start, min(start + size, len(vectors)))],
-            [f"h{i}" for i in range(start, min(start + size, len(vectors)))],
-        )
+        Additions(vectors[start : start + size], [Item(Path(f"/gallery/{i}.png"), f"c{i % 7}") for i in range(start, min(start + size, len(vectors)))], [f"h{i}" for i in range(start, min(start + size, len(vectors)))])
         for start in range(0, len(vectors), size)
     ]
 
@@ -54,16 +51,10 @@ def test_the_choice_follows_size_and_memory() -> None:
     assert choice.choose_index(1_000_000, 128, 400 * 10**6).factory == "IVF4096,SQ8"  # full vectors need 624 MB
     assert choice.choose_index(1_000_000, 128, 100 * 10**6).factory == "OPQ64,IVF4096,PQ64"
     assert choice.choose_index(1_000_000, 128, 30 * 10**6).factory == "OPQ16,IVF4096,PQ16"
-    with pytest.raises(
-        RetrievalError, match="too small for 1,000,000 128-d vectors: the smallest index here needs 0.02 GB"
-    ):
+    with pytest.raises(RetrievalError, match="too small for 1,000,000 128-d vectors: the smallest index here needs 0.02 GB"):
         choice.choose_index(1_000_000, 128, 10 * 10**6)
     assert [choice.nlist_for(n) for n in (150_000, 1_000_000, 10**8)] == [2048, 4096, 32768]
-    assert (
-        choice.parse_memory("4GB") == 4 * 10**9
-        and choice.parse_memory("512MiB") == 512 * 2**20
-        and choice.parse_memory("2e9") == 2 * 10**9
-    )
+    assert choice.parse_memory("4GB") == 4 * 10**9 and choice.parse_memory("512MiB") == 512 * 2**20 and choice.parse_memory("2e9") == 2 * 10**9
     with pytest.raises(RetrievalError, match="give a size such as 4GB"):
         choice.parse_memory("lots")
 
@@ -81,7 +72,7 @@ def test_every_type_builds_searches_removes_and_reopens(tmp_path: Path, factory:
 
     removed = list(range(1, 3001, 2))
     updated = index.update(chunks(clustered(500, seed=1), 500), removed)
-    reopened = GalleryIndex.load(tmp_path / "index", "enc", 32, mmap=True)
+    reopened = open_index(tmp_path / "index", "enc", 32, mmap=True)
     assert len(updated) == len(reopened) == 6000 - 1500 + 500
     assert sqlite_ids(reopened) == set(range(1, 6501)) - set(removed)
     hits = reopened.search(vectors[:200], 10)
@@ -96,40 +87,21 @@ def test_every_type_builds_searches_removes_and_reopens(tmp_path: Path, factory:
 def test_compressed_codes_are_re_ranked_with_the_exact_vectors(tmp_path: Path) -> None:
     vectors = clustered()
     index = GalleryIndex.create(tmp_path / "index", chunks(vectors), "enc", 32, factory="OPQ8,IVF32,PQ8")
-    truth = [
-        {hit.id for hit in row}
-        for row in GalleryIndex.create(tmp_path / "flat", chunks(vectors), "enc", 32, factory="Flat").search(
-            vectors[:300], 10
-        )
-    ]
+    truth = [{hit.id for hit in row} for row in GalleryIndex.create(tmp_path / "flat", chunks(vectors), "enc", 32, factory="Flat").search(vectors[:300], 10)]
 
     def recall(rerank: int | None) -> float:
-        return float(
-            np.mean(
-                [
-                    len({hit.id for hit in row} & best) / 10
-                    for row, best in zip(index.search(vectors[:300], 10, rerank=rerank), truth)
-                ]
-            )
-        )
+        return float(np.mean([len({hit.id for hit in row} & best) / 10 for row, best in zip(index.search(vectors[:300], 10, rerank=rerank), truth)]))
 
     assert recall(0) < 0.7 < choice.TARGET_RECALL <= recall(None)  # 8 bytes for 32 floats: the codes alone are coarse
     exact_scores = [hit.score for hit in index.search(vectors[:1], 5)[0]]
-    np.testing.assert_allclose(
-        exact_scores,
-        np.sort(vectors[[hit.id - 1 for hit in index.search(vectors[:1], 5)[0]]] @ vectors[0])[::-1],
-        rtol=1e-5,
-    )
+    np.testing.assert_allclose(exact_scores, np.sort(vectors[[hit.id - 1 for hit in index.search(vectors[:1], 5)[0]]] @ vectors[0])[::-1], rtol=1e-5)
     np.testing.assert_array_equal(index.vectors_of([7]), vectors[[6]])  # the exact vector, not its code
     stats = index_stats(tmp_path / "index", sample=300)
-    assert (
-        stats["re-ranked candidates per result"] == 8
-        and stats["recall@10 (now, 300 own vectors)"] >= choice.TARGET_RECALL
-    )
+    assert stats["re-ranked candidates per result"] == 8 and stats["recall@10 (now, 300 own vectors)"] >= choice.TARGET_RECALL
     raw = tmp_path / "index" / "raw.f32"
     raw.write_bytes(raw.read_bytes()[:-4])
     with pytest.raises(RetrievalError, match="raw.f32: missing, or its bytes do not match the manifest's sha256"):
-        GalleryIndex.load(tmp_path / "index")
+        open_index(tmp_path / "index")
 
 
 def test_the_automatic_choice_above_the_exact_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,21 +122,12 @@ def test_search_depth_vectors_by_id_and_mistakes(tmp_path: Path) -> None:
     truth = [{hit.id for hit in row} for row in exact.search(vectors[:300], 10)]
 
     def recall(depth: int) -> float:
-        return float(
-            np.mean(
-                [
-                    len({hit.id for hit in row} & best) / 10
-                    for row, best in zip(ivf.search(vectors[:300], 10, depth=depth), truth)
-                ]
-            )
-        )
+        return float(np.mean([len({hit.id for hit in row} & best) / 10 for row, best in zip(ivf.search(vectors[:300], 10, depth=depth), truth)]))
 
     assert recall(1) < recall(64) == 1.0  # probing every list is exact
     np.testing.assert_allclose(ivf.vectors_of([5, 9]), vectors[[4, 8]], atol=1e-6)
     by_id = search_items(ivf, [5, 9], Query(4, depth=64))
-    assert [[hit.id for hit in row] for row in by_id] == [
-        [hit.id for hit in row if hit.id != own][:4] for row, own in zip(exact.search(vectors[[4, 8]], 5), (5, 9))
-    ]
+    assert [[hit.id for hit in row] for row in by_id] == [[hit.id for hit in row if hit.id != own][:4] for row, own in zip(exact.search(vectors[[4, 8]], 5), (5, 9))]
     with pytest.raises(RetrievalError, match="does not apply to this Flat index"):
         exact.search(vectors[:1], 5, depth=4)
     with pytest.raises(RetrievalError, match="no item with id"):
@@ -175,9 +138,7 @@ def test_search_depth_vectors_by_id_and_mistakes(tmp_path: Path) -> None:
         GalleryIndex.create(tmp_path / "small", chunks(vectors[:500]), "enc", 32, factory="IVF4096,Flat")
 
 
-def test_cli_index_choice_stats_and_depth(
-    demo_run: RunDir, icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_cli_index_choice_stats_and_depth(demo_run: RunDir, icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     images = icons_root / "test"
     directory = tmp_path / "index"
     assert main(["index", str(demo_run.root), str(images), "--index", str(directory), "--faiss", "HNSW16"]) == 0
@@ -208,10 +169,10 @@ WRITER = """
 import sys, numpy as np
 sys.path.insert(0, sys.argv[2])
 from tests.test_index_types import chunks, clustered
-from index.store import GalleryIndex
+from index.backends import open_index
 directory = sys.argv[1]
 for round in range(1000):  # remove and add until killed
-    index = GalleryIndex.load(directory)
+    index = open_index(directory)
     ids = sorted(index.rows())
     index.update(chunks(clustered(300, seed=round + 10), 300), ids[:300])
     print(round, flush=True)
@@ -224,29 +185,21 @@ def test_a_killed_writer_leaves_ids_and_metadata_agreeing(tmp_path: Path, factor
     GalleryIndex.create(directory, chunks(clustered()), "enc", 32, factory=factory)
     rng = np.random.default_rng(0)
     for attempt in range(3):
-        writer = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(directory), str(ROOT)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(directory), str(ROOT)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         assert writer.stdout is not None
         writer.stdout.readline()  # one update done: the next is under way
         time.sleep(float(rng.uniform(0, 0.3)))
         os.kill(writer.pid, signal.SIGKILL)
         writer.wait()
-        index = GalleryIndex.load(directory)  # the previous or the next version, whole
+        index = open_index(directory)  # the previous or the next version, whole
         ids, _ = stored_vectors(index.vectors)
         assert set(ids.tolist()) == sqlite_ids(index) and len(ids) == len(index) == 6000, attempt
-    GalleryIndex.load(directory).update([], [min(sqlite_ids(GalleryIndex.load(directory)))])
+    open_index(directory).update([], [min(sqlite_ids(open_index(directory)))])
     assert [path.name for path in tmp_path.iterdir()] == ["index"]  # what killed writers left is cleared
 
 
-def test_with_gpus_the_lists_train_and_searches_run_on_a_sharded_copy(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The GPU wiring, with FAISS's cloner replaced by a CPU copy (no GPU here): what moves, sharded, and the
-    fallback."""
+def test_with_gpus_the_lists_train_and_searches_run_on_a_sharded_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU wiring, with FAISS's cloner replaced by a CPU copy (no GPU here): what moves, sharded, and the fallback."""
     import faiss
 
     from index import faiss_ops
@@ -264,14 +217,14 @@ def test_with_gpus_the_lists_train_and_searches_run_on_a_sharded_copy(
     monkeypatch.setattr(faiss, "GpuMultipleClonerOptions", Options, raising=False)
     monkeypatch.setattr(faiss, "index_cpu_to_all_gpus", to_all_gpus, raising=False)
     vectors = clustered()
-    GalleryIndex.create(tmp_path / "ivf", chunks(vectors), "enc", 32, factory="IVF32,Flat")
+    index = GalleryIndex.create(tmp_path / "ivf", chunks(vectors), "enc", 32, factory="IVF32,Flat")
     assert moved == [("IndexFlatIP", True)]  # the k-means of the lists
-    reopened = GalleryIndex.load(tmp_path / "ivf")
+    reopened = open_index(tmp_path / "ivf")
     found = [[hit.id for hit in row] for row in reopened.search(vectors[:50], 5)]
     assert moved[1:] == [("IndexIVFFlat", True)]  # the saved CPU index, copied once for searching
     reopened.search(vectors[:1], 5)
     assert len(moved) == 2
-    assert found == [[hit.id for hit in row] for row in GalleryIndex.load(tmp_path / "ivf").search(vectors[:50], 5)]
+    assert found == [[hit.id for hit in row] for row in open_index(tmp_path / "ivf").search(vectors[:50], 5)]
     moved.clear()
     GalleryIndex.create(tmp_path / "hnsw", chunks(vectors), "enc", 32, factory="HNSW16").search(vectors[:1], 5)
     assert moved == []  # HNSW has no GPU version: it stays on the CPU
@@ -281,7 +234,7 @@ def test_with_gpus_the_lists_train_and_searches_run_on_a_sharded_copy(
 
     monkeypatch.setattr(faiss, "index_cpu_to_all_gpus", refuse)
     with pytest.warns(UserWarning, match="searching on the CPU: FAISS cannot move this index to the GPU"):
-        assert GalleryIndex.load(tmp_path / "ivf").search(vectors[:1], 3)[0][0].id == 1
+        assert open_index(tmp_path / "ivf").search(vectors[:1], 3)[0][0].id == 1
 
 
 @pytest.mark.parametrize("factory", ["Flat", "HNSW16", "IVF64,Flat", "IVF64,SQ8"])
@@ -290,9 +243,7 @@ def test_a_label_filter_keeps_the_order_of_the_unfiltered_search(factory: str, t
     vectors = rng.standard_normal((3000, 32)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     items = [Item(Path(f"/gallery/{row}.png"), f"c{row % 7}") for row in range(len(vectors))]
-    index = GalleryIndex.create(
-        tmp_path / "index", [Additions(vectors, items, ["0" * 64] * len(items))], "encoder", 32, factory
-    )
+    index = GalleryIndex.create(tmp_path / "index", [Additions(vectors, items, ["0" * 64] * len(items))], "encoder", 32, factory)
     filtered = index.search(vectors[:5], 10, label="c3")
     unfiltered = index.search(vectors[:5], 200)
     for only, every in zip(filtered, unfiltered):

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from index.backends import open_index
 from index.build import build_index, journal_path
-from index.store import GalleryIndex
 from retrieval.data import load_collection
 from retrieval.embedders import OnnxEmbedder
 from retrieval.runs import RunDir
@@ -28,12 +28,10 @@ def embedder(demo_run: RunDir) -> OnnxEmbedder:
 
 
 def indexed_paths(directory: Path) -> list[str]:
-    return sorted(item.path.name for item in GalleryIndex.load(directory).items().values())
+    return sorted(item.path.name for item in open_index(directory).items().values())
 
 
-def test_incremental_runs_embed_only_new_or_changed_files(
-    embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path
-) -> None:
+def test_incremental_runs_embed_only_new_or_changed_files(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:
     gallery = copy_classes(icons_root, tmp_path / "gallery", 3, split="test")
     directory = tmp_path / "index"
     first = build_index(embedder, load_collection(gallery), directory, progress=False)
@@ -91,9 +89,7 @@ def journal_rows(path: Path) -> int:
         return 0
 
 
-def test_indexing_killed_with_sigkill_resumes_and_indexes_every_image_once(
-    demo_run: RunDir, icons_root: Path, tmp_path: Path
-) -> None:
+def test_indexing_killed_with_sigkill_resumes_and_indexes_every_image_once(demo_run: RunDir, icons_root: Path, tmp_path: Path) -> None:
     gallery = tmp_path / "gallery"
     for copy in range(4):  # about 2,000 files: long enough to be killed part-way
         for source in (icons_root / "test").rglob("*.png"):
@@ -102,21 +98,8 @@ def test_indexing_killed_with_sigkill_resumes_and_indexes_every_image_once(
             target.write_bytes(source.read_bytes())
     bad = write_bad_files(gallery / "broken")
     directory = tmp_path / "index"
-    command = [
-        sys.executable,
-        "-m",
-        "retrieval",
-        "index",
-        str(demo_run.root),
-        str(gallery),
-        "--index",
-        str(directory),
-        "--batch-size",
-        "16",
-    ]
-    worker = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=Path(__file__).parents[1]
-    )
+    command = [sys.executable, "-m", "retrieval", "index", str(demo_run.root), str(gallery), "--index", str(directory), "--batch-size", "16"]
+    worker = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=Path(__file__).parents[1])
     deadline = time.monotonic() + 120
     while journal_rows(journal_path(directory)) < 200 and worker.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -129,15 +112,13 @@ def test_indexing_killed_with_sigkill_resumes_and_indexes_every_image_once(
     finished = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=300)
     assert finished.returncode == 0, finished.stderr
     good = [p for p in gallery.rglob("*.png") if p.name not in {b.name for b in bad.values()}]
-    names = [item.path for item in GalleryIndex.load(directory).items().values()]
+    names = [item.path for item in open_index(directory).items().values()]
     assert len(names) == len(set(names)) == len(good)  # every readable image exactly once
     assert f"resumed {done_before_kill}" in finished.stdout.replace("\n", " ")
     assert not journal_path(directory).exists()
 
 
-def test_a_journal_resumes_and_ignores_files_no_longer_listed(
-    embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path
-) -> None:
+def test_a_journal_resumes_and_ignores_files_no_longer_listed(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:
     from index.journal import Journal
     from retrieval.embedders import embed_items
 
@@ -155,9 +136,7 @@ def test_a_journal_resumes_and_ignores_files_no_longer_listed(
     assert len(names) == len(collection.items) and earlier.items[-1].path.name not in names
 
 
-def test_a_journal_row_for_content_that_changed_back_is_not_used(
-    embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path
-) -> None:
+def test_a_journal_row_for_content_that_changed_back_is_not_used(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:
     from index.journal import Journal
 
     gallery = copy_classes(icons_root, tmp_path / "gallery", 2, split="test")
@@ -176,8 +155,6 @@ def test_a_journal_row_for_content_that_changed_back_is_not_used(
     target.write_bytes(original)  # and changed back before the next run
     report = build_index(embedder, load_collection(gallery), directory, progress=False)
     assert (report.embedded, report.removed) == (0, 0)
-    query = embed_items(
-        embedder, [item for item in changed.items if item.path == target.resolve()], progress=False
-    ).vectors
+    query = embed_items(embedder, [item for item in changed.items if item.path == target.resolve()], progress=False).vectors
     best = report.index.search(query, k=1)[0][0]
     assert best.path == target.resolve().as_posix() and best.score > 0.9999  # the indexed vector is the original's

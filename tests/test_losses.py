@@ -14,15 +14,8 @@ from training.losses import HardContrastiveLoss, HCLLoss, InfoNCELoss, NPairLoss
 from training.samplers import ClassBalancedBatchSampler
 
 
-def reference_supcon(
-    embeddings: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float,
-    queue: torch.Tensor | None = None,
-    queue_labels: torch.Tensor | None = None,
-) -> float:
-    """L_out of Khosla et al. 2020, one anchor and one positive at a time, in float64; queue keys join the contrast
-    set."""
+def reference_supcon(embeddings: torch.Tensor, labels: torch.Tensor, temperature: float, queue: torch.Tensor | None = None, queue_labels: torch.Tensor | None = None) -> float:
+    """L_out of Khosla et al. 2020, one anchor and one positive at a time, in float64; queue keys join the contrast set."""
     z = F.normalize(embeddings.double(), dim=1)
     members, member_labels = z, labels
     if queue is not None:
@@ -33,9 +26,7 @@ def reference_supcon(
         if not positives:
             continue
         denominator = sum(math.exp(float(z[i] @ members[a]) / temperature) for a in range(len(members)) if a != i)
-        total += -sum(
-            math.log(math.exp(float(z[i] @ members[p]) / temperature) / denominator) for p in positives
-        ) / len(positives)
+        total += -sum(math.log(math.exp(float(z[i] @ members[p]) / temperature) / denominator) for p in positives) / len(positives)
         anchors += 1
     return total / anchors
 
@@ -120,13 +111,7 @@ def test_sampler_refuses_batches_without_positives() -> None:
         ClassBalancedBatchSampler(["a", "b"] * 5, batch_size=8, images_per_class=1)
 
 
-def reference_infonce(
-    embeddings: torch.Tensor,
-    labels: torch.Tensor,
-    t: float,
-    queue: torch.Tensor | None = None,
-    queue_labels: torch.Tensor | None = None,
-) -> float:
+def reference_infonce(embeddings: torch.Tensor, labels: torch.Tensor, t: float, queue: torch.Tensor | None = None, queue_labels: torch.Tensor | None = None) -> float:
     """NT-Xent, one positive pair at a time, in float64; queue keys of other labels add negatives."""
     z = F.normalize(embeddings.double(), dim=1)
     keys = F.normalize(queue.double(), dim=1) if queue is not None else torch.zeros(0, z.shape[1], dtype=torch.float64)
@@ -153,9 +138,7 @@ def reference_npair(embeddings: torch.Tensor, labels: torch.Tensor, l2_reg: floa
     total = 0.0
     for i, (anchor, positive) in enumerate(pairs):
         own = float(x[anchor] @ x[positive]) / t
-        total += math.log(
-            1 + sum(math.exp(float(x[anchor] @ x[other]) / t - own) for j, (_, other) in enumerate(pairs) if j != i)
-        )
+        total += math.log(1 + sum(math.exp(float(x[anchor] @ x[other]) / t - own) for j, (_, other) in enumerate(pairs) if j != i))
     return total / len(pairs) + l2_reg * float(x.pow(2).sum(dim=1).mean())
 
 
@@ -210,14 +193,10 @@ def test_npair_matches_pml_and_the_reference(temperature: float) -> None:
     ours, our_grad = gradient(NPairLoss(l2_reg=0.0, temperature=1.0), embeddings, labels)
     theirs, their_grad = gradient(pml, embeddings, labels)
     assert ours == pytest.approx(theirs, rel=1e-5) and torch.allclose(our_grad, their_grad, atol=1e-5)
-    assert NPairLoss(0.02, temperature)(embeddings, labels).item() == pytest.approx(
-        reference_npair(embeddings, labels, 0.02, temperature), rel=1e-5
-    )
+    assert NPairLoss(0.02, temperature)(embeddings, labels).item() == pytest.approx(reference_npair(embeddings, labels, 0.02, temperature), rel=1e-5)
 
 
-@pytest.mark.parametrize(
-    "beta,tau_plus,temperature", [(1.0, 0.1, 0.5), (0.5, 0.05, 0.2), (2.0, 0.3, 0.1), (1.0, 0.6, 0.5)]
-)
+@pytest.mark.parametrize("beta,tau_plus,temperature", [(1.0, 0.1, 0.5), (0.5, 0.05, 0.2), (2.0, 0.3, 0.1), (1.0, 0.6, 0.5)])
 def test_hcl_matches_the_reference_code(beta: float, tau_plus: float, temperature: float) -> None:
     embeddings, labels = random_batch(7)
     ours = HCLLoss(temperature, beta, tau_plus)(embeddings, labels)
@@ -233,11 +212,7 @@ def test_hcl_without_hardness_or_debiasing_is_ntxent_on_two_views() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize(
-    "loss",
-    [InfoNCELoss(0.01), HCLLoss(0.01), SupConLoss(0.01), HardContrastiveLoss(0.01), NPairLoss(temperature=0.01)],
-    ids=lambda loss: type(loss).__name__,
-)
+@pytest.mark.parametrize("loss", [InfoNCELoss(0.01), HCLLoss(0.01), SupConLoss(0.01), HardContrastiveLoss(0.01), NPairLoss(temperature=0.01)], ids=lambda loss: type(loss).__name__)
 def test_finite_at_small_temperature_under_autocast(loss: torch.nn.Module, dtype: torch.dtype) -> None:
     embeddings, labels = random_batch(8)
     weights = torch.randn(16, 16, requires_grad=True)
@@ -250,21 +225,13 @@ def test_finite_at_small_temperature_under_autocast(loss: torch.nn.Module, dtype
 def test_each_loss_gets_its_own_default_temperature() -> None:
     from training.config import TrainConfig
 
-    assert [TrainConfig(data="d", loss=name).temperature for name in ("supcon", "infonce", "npair", "hcl", "hard")] == [
-        0.05,
-        0.07,
-        1.0,
-        0.5,
-        0.2,
-    ]
+    assert [TrainConfig(data="d", loss=name).temperature for name in ("supcon", "infonce", "npair", "hcl", "hard")] == [0.05, 0.07, 1.0, 0.5, 0.2]
     assert TrainConfig(data="d", loss="hcl", temperature=0.2).temperature == 0.2
     with pytest.raises(RetrievalError, match="unknown loss 'arcface'"):
         TrainConfig(data="d", loss="arcface")
 
 
-def reference_hard(
-    embeddings: torch.Tensor, labels: torch.Tensor, t: float, threshold: float, top_k: int | None
-) -> float:
+def reference_hard(embeddings: torch.Tensor, labels: torch.Tensor, t: float, threshold: float, top_k: int | None) -> float:
     z = F.normalize(embeddings.double(), dim=1)
     terms = []
     for i in range(len(z)):
@@ -286,9 +253,7 @@ def test_hard_contrastive_matches_the_reference(threshold: float, top_k: int | N
 
 def test_hard_contrastive_over_all_negatives_is_ntxent() -> None:
     embeddings, labels = random_batch(13)
-    assert HardContrastiveLoss(0.3, threshold=-1.0)(embeddings, labels).item() == pytest.approx(
-        InfoNCELoss(0.3)(embeddings, labels).item(), rel=1e-6
-    )
+    assert HardContrastiveLoss(0.3, threshold=-1.0)(embeddings, labels).item() == pytest.approx(InfoNCELoss(0.3)(embeddings, labels).item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("make", [InfoNCELoss, SupConLoss, HardContrastiveLoss], ids=lambda make: make.__name__)

@@ -22,9 +22,7 @@ def ranked_gallery(order: list[int]) -> np.ndarray:
 
 def test_query_gallery_case_by_hand() -> None:
     gallery = ranked_gallery([1, 0, 3, 2, 4])  # ranking by similarity: b a b a b
-    metrics = retrieval_metrics(
-        np.array([[1.0, 0.0]], np.float32), ["a"], gallery, ["a", "b", "a", "b", "b"], ks=(1, 2, 4)
-    )
+    metrics = retrieval_metrics(np.array([[1.0, 0.0]], np.float32), ["a"], gallery, ["a", "b", "a", "b", "b"], ks=(1, 2, 4))
     assert metrics["recall@1"] == 0.0
     assert metrics["recall@2"] == 1.0
     assert metrics["r_precision"] == 0.5  # R = 2: one of the top 2 is relevant
@@ -78,9 +76,7 @@ def clustered(seed: int, n: int = 300, classes: int = 12, dim: int = 16) -> tupl
 def test_agrees_with_pytorch_metric_learning_leave_one_out(seed: int) -> None:
     embeddings, labels = clustered(seed)
     ours = retrieval_metrics(embeddings, [str(label) for label in labels])
-    calculator = AccuracyCalculator(
-        include=("precision_at_1", "r_precision", "mean_average_precision_at_r"), device=torch.device("cpu")
-    )
+    calculator = AccuracyCalculator(include=("precision_at_1", "r_precision", "mean_average_precision_at_r"), device=torch.device("cpu"))
     theirs = calculator.get_accuracy(torch.from_numpy(embeddings), torch.from_numpy(labels))
     assert ours["recall@1"] == pytest.approx(theirs["precision_at_1"], abs=1e-6)
     assert ours["r_precision"] == pytest.approx(theirs["r_precision"], abs=1e-6)
@@ -91,15 +87,8 @@ def test_agrees_with_pytorch_metric_learning_query_gallery() -> None:
     embeddings, labels = clustered(2)
     queries, gallery = embeddings[:100], embeddings[100:]
     ours = retrieval_metrics(queries, [str(x) for x in labels[:100]], gallery, [str(x) for x in labels[100:]])
-    calculator = AccuracyCalculator(
-        include=("precision_at_1", "r_precision", "mean_average_precision_at_r"), device=torch.device("cpu")
-    )
-    theirs = calculator.get_accuracy(
-        torch.from_numpy(queries),
-        torch.from_numpy(labels[:100]),
-        torch.from_numpy(gallery),
-        torch.from_numpy(labels[100:]),
-    )
+    calculator = AccuracyCalculator(include=("precision_at_1", "r_precision", "mean_average_precision_at_r"), device=torch.device("cpu"))
+    theirs = calculator.get_accuracy(torch.from_numpy(queries), torch.from_numpy(labels[:100]), torch.from_numpy(gallery), torch.from_numpy(labels[100:]))
     assert ours["recall@1"] == pytest.approx(theirs["precision_at_1"], abs=1e-6)
     assert ours["r_precision"] == pytest.approx(theirs["r_precision"], abs=1e-6)
     assert ours["map@r"] == pytest.approx(theirs["mean_average_precision_at_r"], abs=1e-6)
@@ -121,9 +110,7 @@ def test_embedding_diagnostics_by_hand() -> None:
 
 def test_precision_map_and_cmc_by_hand() -> None:
     gallery = ranked_gallery([1, 0, 3, 2, 4])  # ranking: b a b a b; the query's R = 2 relevant at ranks 2 and 4
-    metrics = retrieval_metrics(
-        np.array([[1.0, 0.0]], np.float32), ["a"], gallery, ["a", "b", "a", "b", "b"], ks=(1, 2, 4, 8)
-    )
+    metrics = retrieval_metrics(np.array([[1.0, 0.0]], np.float32), ["a"], gallery, ["a", "b", "a", "b", "b"], ks=(1, 2, 4, 8))
     assert (metrics["precision@1"], metrics["precision@2"], metrics["precision@4"]) == (0.0, 0.5, 0.5)
     assert metrics["precision@8"] == pytest.approx(2 / 8)  # k beyond the gallery counts as misses
     assert metrics["map"] == pytest.approx((1 / 2 + 2 / 4) / 2)
@@ -180,24 +167,11 @@ def test_nmi_ami_and_precision_agree_with_the_accuracy_calculator(setting: str) 
         theirs = calculator.get_accuracy(torch.from_numpy(embeddings), torch.from_numpy(labels))
         clustered_on, clustered_labels = embeddings, labels
     else:
-        ours = retrieval_metrics(
-            embeddings[:150], [str(x) for x in labels[:150]], embeddings[150:], [str(x) for x in labels[150:]]
-        )
-        theirs = calculator.get_accuracy(
-            torch.from_numpy(embeddings[:150]),
-            torch.from_numpy(labels[:150]),
-            torch.from_numpy(embeddings[150:]),
-            torch.from_numpy(labels[150:]),
-        )
+        ours = retrieval_metrics(embeddings[:150], [str(x) for x in labels[:150]], embeddings[150:], [str(x) for x in labels[150:]])
+        theirs = calculator.get_accuracy(torch.from_numpy(embeddings[:150]), torch.from_numpy(labels[:150]), torch.from_numpy(embeddings[150:]), torch.from_numpy(labels[150:]))
         clustered_on, clustered_labels = embeddings[:150], labels[:150]  # PML clusters the queries
     ours.update(clustering_metrics(clustered_on, [str(x) for x in clustered_labels]))
-    for mine, pml in (
-        ("precision@1", "precision_at_1"),
-        ("r_precision", "r_precision"),
-        ("map@r", "mean_average_precision_at_r"),
-        ("nmi", "NMI"),
-        ("ami", "AMI"),
-    ):
+    for mine, pml in (("precision@1", "precision_at_1"), ("r_precision", "r_precision"), ("map@r", "mean_average_precision_at_r"), ("nmi", "NMI"), ("ami", "AMI")):
         assert ours[mine] == pytest.approx(theirs[pml], abs=1e-6), mine
 
 
@@ -207,9 +181,7 @@ def test_clustering_metrics_by_hand() -> None:
     separated = np.repeat(np.eye(4, dtype=np.float32), 5, axis=0)  # four tight, far-apart classes
     labels = [str(i) for i in np.repeat(np.arange(4), 5)]
     assert clustering_metrics(separated, labels) == pytest.approx({"nmi": 1.0, "ami": 1.0})
-    opposite = clustering_metrics(
-        separated, labels, kmeans=lambda x, k: np.arange(len(x)) % k
-    )  # clusters across the classes
+    opposite = clustering_metrics(separated, labels, kmeans=lambda x, k: np.arange(len(x)) % k)  # clusters across the classes
     assert opposite["ami"] < 0.05
     with pytest.raises(RetrievalError, match="at least two classes"):
         clustering_metrics(separated, ["a"] * 20)
@@ -250,9 +222,7 @@ def test_per_query_scores() -> None:
     from retrieval.metrics import score_queries
 
     gallery = ranked_gallery([3, 0, 2, 1, 4])  # nearest first: 3, 0, 2, 1, 4
-    scores = score_queries(
-        np.array([[1.0, 0.0], [1.0, 0.0]], np.float32), ["a", "z"], gallery, ["b", "a", "b", "b", "a"], ks=(1, 2, 10)
-    )
+    scores = score_queries(np.array([[1.0, 0.0], [1.0, 0.0]], np.float32), ["a", "z"], gallery, ["b", "a", "b", "b", "a"], ks=(1, 2, 10))
     assert scores.queries.tolist() == [0] and scores.skipped == 1  # "z" has nothing to find
     assert scores.neighbours.tolist() == [[3, 0, 2, 1, 4]]  # k = 10 is cut to the gallery
     assert scores.similarities[0].tolist() == sorted(scores.similarities[0].tolist(), reverse=True)

@@ -34,30 +34,22 @@ def contents(index: GalleryIndex) -> dict[str, tuple[str, str, np.ndarray]]:
     """path -> (label, sha256, vector) of every item."""
     rows = index.rows()
     vectors = index.vectors_of(sorted(rows))
-    return {
-        path: (label, digest, vector) for (path, label, digest), vector in zip((rows[i] for i in sorted(rows)), vectors)
-    }
+    return {path: (label, digest, vector) for (path, label, digest), vector in zip((rows[i] for i in sorted(rows)), vectors)}
 
 
-def test_the_ray_engine_builds_the_local_engines_index(
-    local_ray: object, demo_run: RunDir, icons_root: Path, tmp_path: Path
-) -> None:
+def test_the_ray_engine_builds_the_local_engines_index(local_ray: object, demo_run: RunDir, icons_root: Path, tmp_path: Path) -> None:
     data = copy_classes(icons_root, tmp_path / "data", 4)
     write_bad_files(data / "broken")
     embedder = OnnxEmbedder.from_run(demo_run)
     local = build_index(embedder, load_collection(data), tmp_path / "local", progress=False)
     remote = build_index(embedder, load_collection(data), tmp_path / "ray", progress=False, ray=RayOptions(workers=2))
     assert remote.embedded == local.embedded > 0
-    assert sorted((str(s.path), s.reason) for s in remote.skipped) == sorted(
-        (str(s.path), s.reason) for s in local.skipped
-    )
+    assert sorted((str(s.path), s.reason) for s in remote.skipped) == sorted((str(s.path), s.reason) for s in local.skipped)
     assert remote.index.rows() == local.index.rows()  # same ids, paths, labels and hashes
     ours, theirs = contents(local.index), contents(remote.index)
     assert np.allclose(np.stack([v for *_, v in ours.values()]), np.stack([theirs[p][2] for p in ours]), atol=1e-5)
     queries = local.index.vectors_of([1, 2, 3])
-    assert [[hit.id for hit in hits] for hits in remote.index.search(queries, 5)] == [
-        [hit.id for hit in hits] for hits in local.index.search(queries, 5)
-    ]
+    assert [[hit.id for hit in hits] for hits in remote.index.search(queries, 5)] == [[hit.id for hit in hits] for hits in local.index.search(queries, 5)]
 
     again = build_index(embedder, load_collection(data), tmp_path / "ray", progress=False, ray=RayOptions(workers=1))
     assert again.embedded == 0 and again.unchanged == local.embedded  # incremental: nothing decoded again
@@ -68,9 +60,7 @@ def test_the_ray_engine_builds_the_local_engines_index(
     assert third.embedded == 2 and third.removed == 1 and len(third.index) == len(local.index) + 1
 
 
-def test_a_killed_ray_job_resumes_from_its_journal(
-    local_ray: object, demo_run: RunDir, icons_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_killed_ray_job_resumes_from_its_journal(local_ray: object, demo_run: RunDir, icons_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = copy_classes(icons_root, tmp_path / "data", 4)
     embedder = OnnxEmbedder.from_run(demo_run)
     real = build_module.iter_embedded_ray
@@ -83,32 +73,17 @@ def test_a_killed_ray_job_resumes_from_its_journal(
 
     monkeypatch.setattr(build_module, "iter_embedded_ray", killed_after_two_batches)
     with pytest.raises(KeyboardInterrupt):
-        build_index(
-            embedder, load_collection(data), tmp_path / "ray", batch_size=8, progress=False, ray=RayOptions(workers=1)
-        )
+        build_index(embedder, load_collection(data), tmp_path / "ray", batch_size=8, progress=False, ray=RayOptions(workers=1))
     monkeypatch.setattr(build_module, "iter_embedded_ray", real)
-    resumed = build_index(
-        embedder, load_collection(data), tmp_path / "ray", batch_size=8, progress=False, ray=RayOptions(workers=1)
-    )
+    resumed = build_index(embedder, load_collection(data), tmp_path / "ray", batch_size=8, progress=False, ray=RayOptions(workers=1))
     whole = build_index(embedder, load_collection(data), tmp_path / "local", progress=False)
     assert resumed.resumed == 16 and resumed.embedded == whole.embedded - 16
     assert resumed.index.rows().values().__len__() == len(whole.index)
     assert sorted(resumed.index.rows().values()) == sorted(whole.index.rows().values())
 
 
-def test_without_ray_the_engine_says_how_to_install_it(
-    demo_run: RunDir,
-    small_folder: Path,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_without_ray_the_engine_says_how_to_install_it(demo_run: RunDir, small_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)
-    assert (
-        main(["index", str(demo_run.root), str(small_folder), "--index", str(tmp_path / "ix"), "--engine", "ray"]) == 2
-    )
+    assert main(["index", str(demo_run.root), str(small_folder), "--index", str(tmp_path / "ix"), "--engine", "ray"]) == 2
     assert "pip install 'retrieval[ray]'" in capsys.readouterr().err
-    assert (
-        main(["index", str(demo_run.root), str(small_folder), "--index", str(tmp_path / "ix"), "--engine", "spark"])
-        == 2
-    )
+    assert main(["index", str(demo_run.root), str(small_folder), "--index", str(tmp_path / "ix"), "--engine", "spark"]) == 2

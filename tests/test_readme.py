@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from retrieval.commands import main
 from retrieval.runs import RunDir
@@ -75,13 +75,31 @@ def test_the_api_example_runs(demo_run: RunDir) -> None:
     query = next(iter(service.items.values())).path
     try:
         names: dict = {}
-        exec(
-            code.replace("http://127.0.0.1:7860/", f"http://127.0.0.1:{port}/").replace(
-                '"query.jpg"', repr(str(query))
-            ),
-            names,
-        )  # noqa: S102
+        exec(code.replace("http://127.0.0.1:7860/", f"http://127.0.0.1:{port}/").replace('"query.jpg"', repr(str(query))), names)  # noqa: S102
         assert len(names["results"]) == 10 and names["summary"].startswith("10 results")
     finally:
         demo.close()
         service.close()
+
+
+def test_the_python_example_runs(small_folder: Path, tmp_path: Path) -> None:
+    """The README's Python example, on a small folder and a short run: the same functions the commands call."""
+    code = (
+        README.split("<!-- python-example (run by tests/test_readme.py) -->")[1].split("```python")[1].split("```")[0]
+    )
+    query = next(small_folder.rglob("*.png"))
+    replacements = {
+        '"runs/photos"': repr(str(tmp_path / "run")),
+        '"photos/train"': repr(str(small_folder)),
+        '"photos/gallery"': repr(str(small_folder)),
+        '"photos/test"': repr(str(small_folder)),
+        '"query.jpg"': repr(str(query)),
+        "epochs=50": "epochs=1, batch_size=8, image_size=32",
+    }
+    for old, new in replacements.items():
+        assert old in code, old
+        code = code.replace(old, new)
+    names: dict = {}
+    exec(code, names)  # noqa: S102
+    assert len(names["hits"]) == 5 and all(hit.path != str(query) for hit in names["hits"])
+    assert (tmp_path / "run" / "model.onnx").is_file() and (tmp_path / "run" / "index" / "manifest.json").is_file()

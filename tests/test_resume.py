@@ -23,9 +23,7 @@ ROOT = Path(__file__).parents[1]
 
 def log_without_timings(run: RunDir) -> list[dict]:
     entries = [json.loads(line) for line in run.train_log.read_text().splitlines()]
-    return [
-        {key: value for key, value in entry.items() if key not in ("seconds", "images_per_second")} for entry in entries
-    ]
+    return [{key: value for key, value in entry.items() if key not in ("seconds", "images_per_second")} for entry in entries]
 
 
 def logged_epochs(run: RunDir) -> int:
@@ -48,20 +46,7 @@ def saved_record(run: RunDir) -> dict:
 
 EPOCH_CHECKPOINTS = ["--epochs", "4", "--batch-size", "16", "--image-size", "32", "--val-classes", "0.34"]
 # 4 batches an epoch, the trainer state saved after every step, a MoCo queue and momentum encoder to restore
-STEP_CHECKPOINTS_WITH_QUEUE = [
-    "--epochs",
-    "3",
-    "--batch-size",
-    "8",
-    "--image-size",
-    "32",
-    "--val-classes",
-    "0.34",
-    "--checkpoint-every",
-    "1",
-    "--queue-size",
-    "24",
-]
+STEP_CHECKPOINTS_WITH_QUEUE = ["--epochs", "3", "--batch-size", "8", "--image-size", "32", "--val-classes", "0.34", "--checkpoint-every", "1", "--queue-size", "24"]
 
 
 def killed_after(run: RunDir, record: dict) -> bool:
@@ -69,29 +54,18 @@ def killed_after(run: RunDir, record: dict) -> bool:
     return logged_epochs(run) >= 2 if not record else record.get("epoch", 0) >= 1 and record.get("batch", 0) >= 1
 
 
-@pytest.mark.parametrize(
-    "options", [EPOCH_CHECKPOINTS, STEP_CHECKPOINTS_WITH_QUEUE], ids=["after-epochs", "mid-epoch-with-queue"]
-)
-def test_sigkill_then_resume_gives_the_uninterrupted_weights(
-    icons_root: Path, tmp_path: Path, options: list[str]
-) -> None:
+@pytest.mark.parametrize("options", [EPOCH_CHECKPOINTS, STEP_CHECKPOINTS_WITH_QUEUE], ids=["after-epochs", "mid-epoch-with-queue"])
+def test_sigkill_then_resume_gives_the_uninterrupted_weights(icons_root: Path, tmp_path: Path, options: list[str]) -> None:
     data = copy_classes(icons_root, tmp_path / "data", 6)
     step_checkpoints = "--checkpoint-every" in options
     whole = RunDir(tmp_path / "whole")
     assert main(["train", str(data), "--run", str(whole.root), *options]) == 0
 
     broken = RunDir(tmp_path / "broken")
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "retrieval", "train", str(data), "--run", str(broken.root), *options],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    worker = subprocess.Popen([sys.executable, "-m", "retrieval", "train", str(data), "--run", str(broken.root), *options], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
     while worker.poll() is None and time.monotonic() < deadline:
-        if (step_checkpoints and killed_after(broken, saved_record(broken))) or (
-            not step_checkpoints and killed_after(broken, {})
-        ):
+        if (step_checkpoints and killed_after(broken, saved_record(broken))) or (not step_checkpoints and killed_after(broken, {})):
             break
         time.sleep(0.002)
     os.kill(worker.pid, signal.SIGKILL)
@@ -106,17 +80,10 @@ def test_sigkill_then_resume_gives_the_uninterrupted_weights(
     assert log_without_timings(whole) == log_without_timings(broken)
 
 
-def test_resume_without_state_or_with_other_data_is_refused(
-    small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_resume_without_state_or_with_other_data_is_refused(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     assert main(["train", str(small_folder), "--run", str(run), "--resume"]) == 2
     assert "config.json: missing" in capsys.readouterr().err.replace("\n", "")
-    assert (
-        main(
-            ["train", str(small_folder), "--run", str(run), "--epochs", "1", "--batch-size", "8", "--image-size", "32"]
-        )
-        == 0
-    )
+    assert main(["train", str(small_folder), "--run", str(run), "--epochs", "1", "--batch-size", "8", "--image-size", "32"]) == 0
     assert main(["train", str(tmp_path), "--run", str(run), "--resume"]) == 2
     assert "on its own data" in capsys.readouterr().err.replace("\n", "")

@@ -1,5 +1,4 @@
-"""The trainer's parts: backbones, stems, augmentation, schedule, memory queue, options, and a run with the non-
-default options."""
+"""The trainer's parts: backbones, stems, augmentation, schedule, memory queue, options, and a run with the non-default options."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from retrieval.runs import RunDir, read_json
 from training.config import TrainConfig
 from training.memory import MemoryQueue
 from training.model import BACKBONES, PROJECTION_DIM, Encoder
-from training.train import warmup_cosine
+from training.loop import warmup_cosine
 
 
 @pytest.mark.parametrize("backbone", [*BACKBONES, "timm:resnet10t"])
@@ -121,40 +120,12 @@ def test_bad_training_options_are_refused(changes: dict, message: str) -> None:
 
 def test_sgd_clipping_bf16_queue_and_tensorboard(small_folder: Path, tmp_path: Path) -> None:
     run = RunDir(tmp_path / "run")
-    options = [
-        "--epochs",
-        "2",
-        "--batch-size",
-        "8",
-        "--image-size",
-        "32",
-        "--optimizer",
-        "sgd",
-        "--learning-rate",
-        "0.05",
-    ]
-    options += [
-        "--clip-grad",
-        "1.0",
-        "--precision",
-        "bf16",
-        "--queue-size",
-        "32",
-        "--warmup",
-        "0.2",
-        "--tensorboard",
-        "--loss",
-        "infonce",
-    ]
+    options = ["--epochs", "2", "--batch-size", "8", "--image-size", "32", "--optimizer", "sgd", "--learning-rate", "0.05"]
+    options += ["--clip-grad", "1.0", "--precision", "bf16", "--queue-size", "32", "--warmup", "0.2", "--tensorboard", "--loss", "infonce"]
     options += ["--stem", "small", "--augment", "crop,hue,grayscale,invert,blur,affine,erase"]
     assert main(["train", str(small_folder), "--run", str(run.root), *options]) == 0
     config = json.loads(run.config.read_text())
-    assert (config["optimizer"], config["precision"], config["queue_size"], config["clip_grad"]) == (
-        "sgd",
-        "bf16",
-        32,
-        1.0,
-    )
+    assert (config["optimizer"], config["precision"], config["queue_size"], config["clip_grad"]) == ("sgd", "bf16", 32, 1.0)
     assert (config["stem"], config["augment"]) == ("small", "crop,hue,grayscale,invert,blur,affine,erase")
     assert main(["export", str(run.root)]) == 0  # the small stem is rebuilt from config.json and exported
     log = [json.loads(line) for line in run.train_log.read_text().splitlines()]
@@ -167,53 +138,19 @@ def test_validation_logs_the_embedding_diagnostics(icons_root: Path, tmp_path: P
 
     data = copy_classes(icons_root, tmp_path / "data", 6)
     run = RunDir(tmp_path / "run")
-    assert (
-        main(
-            [
-                "train",
-                str(data),
-                "--run",
-                str(run.root),
-                "--epochs",
-                "1",
-                "--batch-size",
-                "8",
-                "--image-size",
-                "32",
-                "--val-classes",
-                "0.34",
-            ]
-        )
-        == 0
-    )
+    assert main(["train", str(data), "--run", str(run.root), "--epochs", "1", "--batch-size", "8", "--image-size", "32", "--val-classes", "0.34"]) == 0
     entry = json.loads(run.train_log.read_text().splitlines()[0])
     assert {"val_recall@1", "val_map@r", "val_alignment", "val_uniformity", "val_tolerance"} <= entry.keys()
     assert -1 <= entry["val_tolerance"] <= 1 and entry["val_uniformity"] <= 0
 
 
 def test_trainer_state_from_another_process_count_or_damaged_is_refused(small_folder: Path, tmp_path: Path) -> None:
-    from training.checkpoints import TrainerState
     from training.distributed import Ranks
-    from training.train import make_optimizer
+    from training.checkpoints import TrainerState
+    from training.loop import make_optimizer
 
     run = RunDir(tmp_path / "run")
-    assert (
-        main(
-            [
-                "train",
-                str(small_folder),
-                "--run",
-                str(run.root),
-                "--epochs",
-                "1",
-                "--batch-size",
-                "8",
-                "--image-size",
-                "32",
-            ]
-        )
-        == 0
-    )
+    assert main(["train", str(small_folder), "--run", str(run.root), "--epochs", "1", "--batch-size", "8", "--image-size", "32"]) == 0
     config = TrainConfig.from_dict(read_json(run.config))
     model = Encoder(config.backbone, image_size=config.image_size)
     optimizer = make_optimizer(config, model)
@@ -232,24 +169,7 @@ def test_compiled_and_fp16_training_write_plain_checkpoints(small_folder: Path, 
 
     for name, flags in (("compiled", ["--compile"]), ("fp16", ["--precision", "fp16"])):
         run = RunDir(tmp_path / name)
-        assert (
-            main(
-                [
-                    "train",
-                    str(small_folder),
-                    "--run",
-                    str(run.root),
-                    "--epochs",
-                    "1",
-                    "--batch-size",
-                    "8",
-                    "--image-size",
-                    "32",
-                    *flags,
-                ]
-            )
-            == 0
-        )
+        assert main(["train", str(small_folder), "--run", str(run.root), "--epochs", "1", "--batch-size", "8", "--image-size", "32", *flags]) == 0
         model, _ = load_encoder(run)  # no torch.compile prefix in the weights' names
         assert torch.isfinite(model(torch.randn(2, 3, 32, 32))).all()
 
@@ -265,10 +185,7 @@ def test_pretrained_weights_offline_fail_with_a_clear_message(monkeypatch: pytes
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # no cached weights
     monkeypatch.setattr(torchvision.models._api, "load_state_dict_from_url", offline)
-    with pytest.raises(
-        RetrievalError,
-        match="cannot load pretrained weights for resnet18 .*check the network or train without --pretrained",
-    ):
+    with pytest.raises(RetrievalError, match="cannot load pretrained weights for resnet18 .*check the network or train without --pretrained"):
         Encoder("resnet18", pretrained=True)
     monkeypatch.setattr(timm.models._builder, "load_pretrained", offline)
     with pytest.raises(RetrievalError, match="cannot build timm model 'resnet10t'.*check the network"):

@@ -19,7 +19,7 @@ from retrieval.progress import progress as progress_bar
 from retrieval.progress import say
 from retrieval.runs import RunDir, write_json
 from training.config import TrainConfig
-from training.train import train
+from training.loop import train
 
 SWEEP_TEMPERATURES = (0.05, 0.1, 0.2, 0.5, 1.0)
 SWEEP_LOSSES = ("supcon", "hard")

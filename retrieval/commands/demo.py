@@ -62,8 +62,8 @@ def run_demo(run: RunDir, epochs: int | None = None, classes: int | None = None,
     """
     from index.build import build_index
     from training.config import TrainConfig
-    from training.export import export
-    from training.train import train
+    from training.exporting import export
+    from training.loop import train
 
     started = time.perf_counter()
     dataset = icons()

@@ -16,7 +16,7 @@ FP16_HELP = "Export in float16 for GPUs (float32 inputs and outputs, normalisati
 def export(run: RunArg, fp16: Annotated[bool, typer.Option("--fp16", help=FP16_HELP)] = False) -> None:
     """Export the run's encoder to RUN/model.onnx and RUN/model.json, checked against PyTorch."""
     require("torch", "train")
-    from training.export import export as run_export
+    from training.exporting import export as run_export
 
     parity = run_export(RunDir(run), float16=fp16)
     console.print(f"wrote {RunDir(run).model} ({parity.precision}; vs PyTorch: {parity.describe()})")

@@ -67,26 +67,13 @@ def index(
     """
     from index.build import build_index
     from index.choice import parse_memory
-    from index.milvus import MilvusOptions
-    from index.ray_engine import RayOptions
     from retrieval.embedders import OnnxEmbedder
 
     run_dir = RunDir(run)
     budget = parse_memory(memory) if memory else None
     embedder = OnnxEmbedder.from_run(run_dir, threads)
     target = index_dir or run_dir.index
-    if engine not in ("local", "ray"):
-        raise RetrievalError(f"--engine {engine!r}: use local or ray")
-    ray = RayOptions(address, workers) if engine == "ray" else None
-    if ray is not None:
-        require("ray", "ray")
-    if backend not in ("faiss", "milvus") or (backend == "milvus") != (uri is not None):
-        raise RetrievalError(
-            f"--backend {backend!r}: use faiss, or milvus with --uri (a Milvus address, or a file for Milvus Lite)"
-        )
-    milvus = MilvusOptions(uri, milvus_index) if uri is not None else None
-    if milvus is not None:
-        require("pymilvus", "milvus")
+    ray, milvus = _engine_and_backend(engine, address, workers, backend, uri, milvus_index)
     options = {
         "sync": sync,
         "rebuild": rebuild,
@@ -102,6 +89,27 @@ def index(
         f"index {target}: {len(report.index)} images · embedded {report.embedded} · resumed {report.resumed} · "
         f"unchanged {report.unchanged} · removed {report.removed} · skipped {len(report.skipped)}"
     )
+
+
+def _engine_and_backend(
+    engine: str, address: str | None, workers: int | None, backend: str, uri: str | None, milvus_index: str | None
+) -> tuple[object | None, object | None]:
+    """The Ray and Milvus options of `retrieval index`, checked (None: this process, FAISS files)."""
+    from index.milvus import MilvusOptions
+    from index.ray_engine import RayOptions
+
+    if engine not in ("local", "ray"):
+        raise RetrievalError(f"--engine {engine!r}: use local or ray")
+    if engine == "ray":
+        require("ray", "ray")
+    if backend not in ("faiss", "milvus") or (backend == "milvus") != (uri is not None):
+        raise RetrievalError(
+            f"--backend {backend!r}: use faiss, or milvus with --uri (a Milvus address, or a file for Milvus Lite)"
+        )
+    if uri is not None:
+        require("pymilvus", "milvus")
+    ray = RayOptions(address, workers) if engine == "ray" else None
+    return ray, (MilvusOptions(uri, milvus_index) if uri is not None else None)
 
 
 def index_stats(

@@ -93,7 +93,7 @@ def train(
     }
     require("torch", "train")
     from training.config import TrainConfig
-    from training.train import train as run_training
+    from training.loop import train as run_training
 
     if resume:
         config = TrainConfig.from_dict(read_json(RunDir(run).config))

@@ -98,32 +98,12 @@ def write_corpus(folder: Path) -> Corpus:
     # good: read, converted to RGB, searched and indexed
     put("1x1 image", "one-pixel.png", encoded(Image.new("RGB", (1, 1), (10, 200, 30)), "PNG"), True)
     put("CMYK JPEG", "cmyk.jpg", encoded(base.convert("CMYK"), "JPEG"), True)
-    put(
-        "16-bit TIFF",
-        "sixteen-bit.tif",
-        encoded(Image.fromarray((np.asarray(base.convert("L"), np.uint16) * 257).astype(np.uint16)), "TIFF"),
-        True,
-    )
-    put(
-        "float TIFF",
-        "float.tiff",
-        encoded(Image.fromarray(np.asarray(base.convert("L"), np.float32) / 255.0, "F"), "TIFF"),
-        True,
-    )
+    put("16-bit TIFF", "sixteen-bit.tif", encoded(Image.fromarray((np.asarray(base.convert("L"), np.uint16) * 257).astype(np.uint16)), "TIFF"), True)
+    put("float TIFF", "float.tiff", encoded(Image.fromarray(np.asarray(base.convert("L"), np.float32) / 255.0, "F"), "TIFF"), True)
     palette = base.convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
     put("palette PNG with transparency", "palette.png", encoded(palette, "PNG", transparency=0), True)
-    put(
-        "animated GIF",
-        "animated.gif",
-        encoded(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0),
-        True,
-    )
-    put(
-        "animated WebP",
-        "animated.webp",
-        encoded(frames[0], "WEBP", save_all=True, append_images=frames[1:], duration=100),
-        True,
-    )
+    put("animated GIF", "animated.gif", encoded(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0), True)
+    put("animated WebP", "animated.webp", encoded(frames[0], "WEBP", save_all=True, append_images=frames[1:], duration=100), True)
     put("EXIF-rotated JPEG", "rotated.jpg", exif_rotated(), True)
     put("very long file name", "a" * 240 + ".png", encoded(icon(64, seed=8), "PNG"), True)
     put("name with commas and quotes", 'a, "quoted" name.png', encoded(icon(64, seed=9), "PNG"), True)
@@ -147,8 +127,6 @@ def write_corpus(folder: Path) -> Corpus:
     os.mkfifo(target / "pipe.png")  # a reader that opened it would wait for a writer forever
     corpus.bad["named pipe with an image name"] = target / "pipe.png"
     (target / "subfolder").mkdir()
-    (target / "subfolder" / "up").symlink_to(
-        "..", target_is_directory=True
-    )  # a folder loop: walking must not recurse forever
+    (target / "subfolder" / "up").symlink_to("..", target_is_directory=True)  # a folder loop: walking must not recurse forever
     corpus.bad["symlink loop (folder)"] = target / "subfolder" / "up"
     return corpus

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from app.service import SearchService
-from index.store import GalleryIndex
+from index.backends import open_index
 from retrieval.commands import main
 from retrieval.data import load_collection, load_image
 from retrieval.errors import ImageError
@@ -57,64 +57,36 @@ def test_every_bad_file_is_skipped_or_refused_and_every_good_one_read(corpus: Co
         assert str(path.name) in str(error.value) and error.value.reason, kind
 
 
-def test_train_skips_the_bad_files_and_trains_on_the_rest(
-    corpus: Corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_train_skips_the_bad_files_and_trains_on_the_rest(corpus: Corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
-    assert (
-        main(
-            [
-                "train",
-                str(corpus.folder),
-                "--run",
-                str(run),
-                "--epochs",
-                "1",
-                "--batch-size",
-                "16",
-                "--image-size",
-                "32",
-            ]
-        )
-        == 0
-    )
+    assert main(["train", str(corpus.folder), "--run", str(run), "--epochs", "1", "--batch-size", "16", "--image-size", "32"]) == 0
     out = capsys.readouterr().out
     good = len(corpus.good) + len(real_images(corpus))
     assert f"trained on {good} images of 4 classes" in " ".join(out.split())
     assert {Path(p).name for p in skipped_paths(run / "skipped.json")} >= {p.name for p in corpus.bad.values()}
 
 
-def test_index_holds_exactly_the_good_files_and_loses_nothing_on_a_second_pass(
-    corpus: Corpus, demo_run: RunDir, tmp_path: Path
-) -> None:
+def test_index_holds_exactly_the_good_files_and_loses_nothing_on_a_second_pass(corpus: Corpus, demo_run: RunDir, tmp_path: Path) -> None:
     directory = tmp_path / "index"
     assert main(["index", str(demo_run.root), str(corpus.folder), "--index", str(directory)]) == 0
-    index = GalleryIndex.load(directory)
+    index = open_index(directory)
     stored = {path for path, _, _ in index.rows().values()}
     assert stored == {str(p.resolve()) for p in [*corpus.good.values(), *real_images(corpus)]}
     assert {Path(p).name for p in skipped_paths(directory / "skipped.json")} >= {p.name for p in corpus.bad.values()}
     before = index.rows()
     assert main(["index", str(demo_run.root), str(corpus.folder), "--index", str(directory)]) == 0
-    assert GalleryIndex.load(directory).rows() == before  # the same ids, paths, labels and hashes
+    assert open_index(directory).rows() == before  # the same ids, paths, labels and hashes
 
 
-def test_search_answers_good_queries_and_refuses_bad_ones(
-    corpus: Corpus, demo_run: RunDir, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_search_answers_good_queries_and_refuses_bad_ones(corpus: Corpus, demo_run: RunDir, capsys: pytest.CaptureFixture[str]) -> None:
     for kind, path in corpus.good.items():
         assert main(["search", str(demo_run.root), str(path), "-k", "3"]) == 0, kind
     capsys.readouterr()
-    for _kind, path in corpus.bad.items():
-        expect_error(
-            ["search", str(demo_run.root), str(path)],
-            capsys,
-            path.name[:20] if path.name.isascii() else "not valid UTF-8",
-        )
+    for kind, path in corpus.bad.items():
+        expect_error(["search", str(demo_run.root), str(path)], capsys, path.name[:20] if path.name.isascii() else "not valid UTF-8")
 
 
-def test_evaluate_scores_the_good_files_and_reports_the_bad(
-    corpus: Corpus, demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_evaluate_scores_the_good_files_and_reports_the_bad(corpus: Corpus, demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = RunDir(tmp_path / "run")
     run.root.mkdir()
     for name in ("model.onnx", "model.json", "config.json"):
@@ -125,9 +97,7 @@ def test_evaluate_scores_the_good_files_and_reports_the_bad(
     assert f"skipped {len(corpus.bad)} file(s)" in capsys.readouterr().err
 
 
-def test_the_app_answers_good_uploads_refuses_bad_ones_and_adds_only_good_files(
-    corpus: Corpus, demo_run: RunDir, tmp_path: Path
-) -> None:
+def test_the_app_answers_good_uploads_refuses_bad_ones_and_adds_only_good_files(corpus: Corpus, demo_run: RunDir, tmp_path: Path) -> None:
     index_dir = tmp_path / "index"
     shutil.copytree(demo_run.index, index_dir)
     service = SearchService(demo_run, index_dir, allow_write=True, cache=tmp_path / "cache")
@@ -137,11 +107,11 @@ def test_the_app_answers_good_uploads_refuses_bad_ones_and_adds_only_good_files(
     for kind, result in zip(kinds, results):
         assert result.error == (kind in corpus.bad), kind
         assert result.hits if kind in corpus.good else "⚠️" in result.summary, kind
-    before = GalleryIndex.load(index_dir).rows()
+    before = open_index(index_dir).rows()
     ids, skipped = service.add_images(paths, label='odd, "quoted" label')
     assert len(ids) == len(corpus.good) and len(skipped) == len(corpus.bad)
     assert all(reason for _, reason in ((s.path, s.reason) for s in skipped))
-    after = GalleryIndex.load(index_dir).rows()
+    after = open_index(index_dir).rows()
     assert {i: after[i] for i in before} == before  # nothing stored before is lost or changed
     assert {after[i][1] for i in ids} == {'odd, "quoted" label'}
 
@@ -156,14 +126,8 @@ def test_the_app_api_answers_every_uploadable_file(corpus: Corpus, demo_run: Run
     index_dir = tmp_path / "index"
     shutil.copytree(demo_run.index, index_dir)
     service = SearchService(demo_run, index_dir, allow_write=True, cache=tmp_path / "cache")
-    uploadable = {
-        kind: path
-        for kind, path in corpus.all.items()
-        if path.is_file() and not path.is_symlink() and os.access(path, os.R_OK) and path.name.isprintable()
-    }
-    assert (
-        len(uploadable) >= len(corpus.all) - 5
-    )  # all but the pipe, the links and the non-UTF-8 name, which cannot be uploaded
+    uploadable = {kind: path for kind, path in corpus.all.items() if path.is_file() and not path.is_symlink() and os.access(path, os.R_OK) and path.name.isprintable()}
+    assert len(uploadable) >= len(corpus.all) - 5  # all but the pipe, the links and the non-UTF-8 name, which cannot be uploaded
     port = free_port()
     demo = launch(service, port=port, block=False)
     try:
@@ -179,28 +143,18 @@ def test_the_app_api_answers_every_uploadable_file(corpus: Corpus, demo_run: Run
         service.close()
 
 
-def test_a_csv_with_duplicates_and_labels_with_commas_and_quotes(
-    corpus: Corpus, demo_run: RunDir, tmp_path: Path
-) -> None:
+def test_a_csv_with_duplicates_and_labels_with_commas_and_quotes(corpus: Corpus, demo_run: RunDir, tmp_path: Path) -> None:
     images = real_images(corpus)[:4]
     listing = tmp_path / "gallery.csv"
     with listing.open("w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
         writer.writerow(["path", "label"])
-        writer.writerows(
-            [
-                [images[0], 'gear, "large"'],
-                [images[1], "plain"],
-                [images[0], "again"],
-                [images[2], "plain"],
-                [images[3], 'say "hi"'],
-            ]
-        )
+        writer.writerows([[images[0], 'gear, "large"'], [images[1], "plain"], [images[0], "again"], [images[2], "plain"], [images[3], 'say "hi"']])
     collection = load_collection(listing)
     assert [item.label for item in collection.items] == ['gear, "large"', "plain", "plain", 'say "hi"']
     assert [s.reason for s in collection.skipped] == ["listed in the CSV more than once (the first row is used)"]
     assert main(["index", str(demo_run.root), str(listing), "--index", str(tmp_path / "index")]) == 0
-    labels = sorted(label for _, label, _ in GalleryIndex.load(tmp_path / "index").rows().values())
+    labels = sorted(label for _, label, _ in open_index(tmp_path / "index").rows().values())
     assert labels == sorted(['gear, "large"', "plain", "plain", 'say "hi"'])
     missing = tmp_path / "missing.csv"
     missing.write_text("file,class\na.png,x\n")

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import retrieval.runs
+from index.backends import open_index
 from index.faiss_ops import stored_vectors
 from index.store import GalleryIndex
 from retrieval.commands import main
@@ -46,18 +47,7 @@ def kill_at_random(command: list[str], low: float, high: float, rng: random.Rand
 
 def test_training_killed_again_and_again_resumes_to_the_uninterrupted_weights(icons_root: Path, tmp_path: Path) -> None:
     data = copy_classes(icons_root, tmp_path / "data", 6)
-    options = [
-        "--epochs",
-        "3",
-        "--batch-size",
-        "8",
-        "--image-size",
-        "32",
-        "--checkpoint-every",
-        "1",
-        "--queue-size",
-        "24",
-    ]
+    options = ["--epochs", "3", "--batch-size", "8", "--image-size", "32", "--checkpoint-every", "1", "--queue-size", "24"]
     whole = RunDir(tmp_path / "whole")
     assert main(["train", str(data), "--run", str(whole.root), *options]) == 0
     broken = RunDir(tmp_path / "broken")
@@ -65,9 +55,7 @@ def test_training_killed_again_and_again_resumes_to_the_uninterrupted_weights(ic
     kills = 0
     for _ in range(KILLS):
         resume = ["--resume"] if broken.trainer_state.is_file() else options
-        kills += kill_at_random(
-            [sys.executable, "-m", "retrieval", "train", str(data), "--run", str(broken.root), *resume], 2.0, 8.0, rng
-        )
+        kills += kill_at_random([sys.executable, "-m", "retrieval", "train", str(data), "--run", str(broken.root), *resume], 2.0, 8.0, rng)
     assert kills, "no run was killed part-way"
     resume = ["--resume"] if broken.trainer_state.is_file() else options
     assert main(["train", str(data), "--run", str(broken.root), *resume]) == 0
@@ -76,9 +64,7 @@ def test_training_killed_again_and_again_resumes_to_the_uninterrupted_weights(ic
     assert expected.keys() == resumed.keys() and all(torch.equal(expected[name], resumed[name]) for name in expected)
 
 
-def test_indexing_killed_again_and_again_indexes_every_image_exactly_once(
-    demo_run: RunDir, icons_root: Path, tmp_path: Path
-) -> None:
+def test_indexing_killed_again_and_again_indexes_every_image_exactly_once(demo_run: RunDir, icons_root: Path, tmp_path: Path) -> None:
     gallery = tmp_path / "gallery"
     for copy in range(3):
         for source in (icons_root / "test").rglob("*.png"):
@@ -86,24 +72,13 @@ def test_indexing_killed_again_and_again_indexes_every_image_exactly_once(
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(source.read_bytes())
     directory = tmp_path / "index"
-    command = [
-        sys.executable,
-        "-m",
-        "retrieval",
-        "index",
-        str(demo_run.root),
-        str(gallery),
-        "--index",
-        str(directory),
-        "--batch-size",
-        "16",
-    ]
+    command = [sys.executable, "-m", "retrieval", "index", str(demo_run.root), str(gallery), "--index", str(directory), "--batch-size", "16"]
     rng = random.Random(1)
     kills = sum(kill_at_random(command, 1.0, 6.0, rng) for _ in range(KILLS))
     assert kills, "no job was killed part-way"
     finished = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert finished.returncode == 0, finished.stderr
-    paths = [path for path, _, _ in GalleryIndex.load(directory).rows().values()]
+    paths = [path for path, _, _ in open_index(directory).rows().values()]
     assert len(paths) == len(set(paths)) == len(list(gallery.rglob("*.png")))  # every image exactly once
 
 
@@ -126,30 +101,20 @@ def sqlite_ids(directory: Path) -> set[int]:
         return {row[0] for row in connection.execute("SELECT id FROM items")}
 
 
-def test_an_app_writer_killed_at_random_leaves_the_index_and_its_metadata_agreeing(
-    demo_run: RunDir, icons_root: Path, tmp_path: Path
-) -> None:
+def test_an_app_writer_killed_at_random_leaves_the_index_and_its_metadata_agreeing(demo_run: RunDir, icons_root: Path, tmp_path: Path) -> None:
     directory = tmp_path / "index"
     assert main(["index", str(demo_run.root), str(icons_root / "train"), "--index", str(directory)]) == 0
     images = copy_classes(icons_root, tmp_path / "uploads", 40, split="train")
     rng = random.Random(2)
     for attempt in range(KILLS):
-        command = [
-            sys.executable,
-            "-c",
-            APP_WRITER,
-            str(demo_run.root),
-            str(directory),
-            str(tmp_path / "cache"),
-            str(images),
-        ]
+        command = [sys.executable, "-c", APP_WRITER, str(demo_run.root), str(directory), str(tmp_path / "cache"), str(images)]
         writer = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         assert writer.stdout is not None
         writer.stdout.readline()  # one add and remove done: the next are under way
         time.sleep(rng.uniform(0, 1.5))
         os.kill(writer.pid, signal.SIGKILL)
         writer.wait()
-        index = GalleryIndex.load(directory)  # the previous or the next version, whole
+        index = open_index(directory)  # the previous or the next version, whole
         ids, _ = stored_vectors(index.vectors)
         assert set(ids.tolist()) == sqlite_ids(directory) == set(index.rows()), attempt
 
@@ -172,19 +137,11 @@ def disk_full_for(name: str):  # noqa: ANN201 - a replacement of os.fsync
 
 @pytest.mark.parametrize("artifact", ["checkpoint", "model", "index"])
 def test_a_full_disk_during_a_save_keeps_the_previous_artifact(
-    demo_run: RunDir,
-    icons_root: Path,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-    artifact: str,
+    demo_run: RunDir, icons_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], artifact: str
 ) -> None:
     run = RunDir(tmp_path / "run")
     data = copy_classes(icons_root, tmp_path / "data", 4)
-    assert (
-        main(["train", str(data), "--run", str(run.root), "--epochs", "1", "--batch-size", "16", "--image-size", "32"])
-        == 0
-    )
+    assert main(["train", str(data), "--run", str(run.root), "--epochs", "1", "--batch-size", "16", "--image-size", "32"]) == 0
     assert main(["export", str(run.root)]) == 0
     assert main(["index", str(run.root), str(data)]) == 0
     files = {"checkpoint": run.last_checkpoint, "model": run.model, "index": run.index / "vectors.faiss"}
@@ -194,19 +151,10 @@ def test_a_full_disk_during_a_save_keeps_the_previous_artifact(
         import index.store
 
         monkeypatch.setattr(index.store.faiss, "write_index", full_disk)
-        expect_error(
-            ["index", str(run.root), str(icons_root / "test"), "--rebuild"],
-            capsys,
-            "No space left on device",
-            "previous version is kept",
-        )
+        expect_error(["index", str(run.root), str(icons_root / "test"), "--rebuild"], capsys, "No space left on device", "previous version is kept")
     else:
         monkeypatch.setattr(retrieval.runs.os, "fsync", disk_full_for(files[artifact].name))
-        command = (
-            ["train", str(data), "--run", str(run.root), "--epochs", "1", "--batch-size", "16", "--image-size", "32"]
-            if artifact == "checkpoint"
-            else ["export", str(run.root)]
-        )
+        command = ["train", str(data), "--run", str(run.root), "--epochs", "1", "--batch-size", "16", "--image-size", "32"] if artifact == "checkpoint" else ["export", str(run.root)]
         expect_error(command, capsys, "No space left on device", "previous version is kept")
     monkeypatch.undo()
     assert files[artifact].read_bytes() == before[artifact]

@@ -22,12 +22,8 @@ from retrieval.errors import ImageError
 from retrieval.preprocess import Preprocessing
 from training.augment import make_augmentation
 
-settings.register_profile(
-    "ci", max_examples=150, deadline=timedelta(seconds=5), suppress_health_check=[HealthCheck.too_slow]
-)
-settings.register_profile(
-    "long", max_examples=5000, deadline=timedelta(seconds=5), suppress_health_check=[HealthCheck.too_slow]
-)
+settings.register_profile("ci", max_examples=150, deadline=timedelta(seconds=5), suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("long", max_examples=5000, deadline=timedelta(seconds=5), suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 SIZE = 48
@@ -72,9 +68,7 @@ def encoded_images(draw: st.DrawFn) -> bytes:
     image = Image.fromarray(pixels, "RGB")
     image = image.convert("L").convert(mode) if mode in ("I;16", "I", "F") else image.convert(mode)
     buffer = io.BytesIO()
-    options = (
-        {"save_all": True, "append_images": [image.copy()]} if format in ("GIF", "WEBP") and draw(st.booleans()) else {}
-    )
+    options = {"save_all": True, "append_images": [image.copy()]} if format in ("GIF", "WEBP") and draw(st.booleans()) else {}
     image.save(buffer, format=format, **options)
     return buffer.getvalue()
 

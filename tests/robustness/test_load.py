@@ -10,30 +10,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
-GROWTH_LIMIT_MIB = (
-    25  # after a warm-up: -2 MiB over 120 s (2,000 images, 60 s), +0 (10,000, 120 s); +35 with the settings off
-)
+GROWTH_LIMIT_MIB = 25  # after a warm-up: -2 MiB over 120 s (2,000 images, 60 s), +0 (10,000, 120 s); +35 with the settings off
 
 
 def test_32_clients_mixing_good_and_bad_uploads(tmp_path: Path) -> None:
     out = tmp_path / "load.json"
-    command = [
-        sys.executable,
-        "bench/app_load.py",
-        "--mixed",
-        "--users",
-        "32",
-        "--seconds",
-        "20",
-        "--warmup",
-        "10",
-        "--images",
-        "300",
-        "--work",
-        str(tmp_path / "work"),
-        "--json",
-        str(out),
-    ]
+    command = [sys.executable, "bench/app_load.py", "--mixed", "--users", "32", "--seconds", "20", "--warmup", "10", "--images", "300", "--work", str(tmp_path / "work"), "--json", str(out)]
     finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert finished.returncode == 0, finished.stderr[-3000:]
     figures = json.loads(out.read_text())

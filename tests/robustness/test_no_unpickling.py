@@ -26,32 +26,15 @@ def test_the_product_never_unpickles() -> None:
     for path in sources:
         tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
         for node in ast.walk(tree):
-            names = (
-                [alias.name for alias in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module or ""]
-                if isinstance(node, ast.ImportFrom)
-                else []
-            )
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             problems += [f"{path}: imports {name}" for name in names if name.split(".")[0] in UNPICKLING_MODULES]
-        problems += [
-            f"{path}:{call.lineno}: torch.load without weights_only=True"
-            for call in calls_to(tree, "torch.load")
-            if keyword(call, "weights_only") is not True
-        ]
-        problems += [
-            f"{path}:{call.lineno}: np.load with allow_pickle"
-            for call in calls_to(tree, "np.load")
-            if keyword(call, "allow_pickle")
-        ]
+        problems += [f"{path}:{call.lineno}: torch.load without weights_only=True" for call in calls_to(tree, "torch.load") if keyword(call, "weights_only") is not True]
+        problems += [f"{path}:{call.lineno}: np.load with allow_pickle" for call in calls_to(tree, "np.load") if keyword(call, "allow_pickle")]
         problems += [f"{path}:{call.lineno}: yaml.load" for call in calls_to(tree, "yaml.load")]
     assert problems == []
 
 
 def test_the_scan_finds_what_it_looks_for(tmp_path: Path) -> None:
-    tree = ast.parse(
-        "import pickle\nimport torch\ntorch.load('x')\ntorch.load('y', "
-        "weights_only=True)\nnp.load('z', allow_pickle=True)\n"
-    )
+    tree = ast.parse("import pickle\nimport torch\ntorch.load('x')\ntorch.load('y', weights_only=True)\nnp.load('z', allow_pickle=True)\n")
     assert [call.lineno for call in calls_to(tree, "torch.load") if keyword(call, "weights_only") is not True] == [3]
     assert [call.lineno for call in calls_to(tree, "np.load") if keyword(call, "allow_pickle")] == [5]

@@ -22,6 +22,7 @@ from retrieval.errors import ImageError, RetrievalError
 from retrieval.knn import nearest_neighbours
 from retrieval.runs import RunDir, write_atomic, write_json
 from training.checkpoints import load_encoder
+from training.config import TrainConfig
 
 OPSET = 18
 PARITY_BATCH_SIZES = (1, 2, 7, 64, 256)  # 64 and 256: the batch sizes OnnxEmbedder uses on CPU and CUDA
@@ -89,26 +90,7 @@ def export(run: RunDir, parity_images: Sequence[Path] = (), float16: bool = Fals
             _convert_to_float16(candidate)
         onnx.checker.check_model(str(candidate), full_check=True)
         model_bytes = candidate.read_bytes()
-        digest = hashlib.sha256(model_bytes).hexdigest()
-        card = {
-            "format": "onnx",
-            "opset": OPSET,
-            "precision": "float16" if float16 else "float32",
-            "input": {
-                "name": "images",
-                "shape": ["batch", 3, size, size],
-                "dtype": "float32",
-                "colour": "RGB, alpha composited over white",
-            },
-            "output": {"name": "embeddings", "shape": ["batch", model.embedding_dim], "l2_normalised": True},
-            "preprocessing": preprocessing.to_dict(),
-            "embedding_dim": model.embedding_dim,
-            "backbone": config.backbone,
-            "sha256": digest,
-            "run": str(run.root.resolve()),
-            "trained_on": config.data,
-            "exported": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        }
+        card = _model_card(run, config, model.embedding_dim, hashlib.sha256(model_bytes).hexdigest(), float16)
         embedder = OnnxEmbedder(candidate, card)
         inputs = [
             np.random.default_rng(n).standard_normal((n, 3, size, size)).astype(np.float32) for n in PARITY_BATCH_SIZES
@@ -132,6 +114,29 @@ def export(run: RunDir, parity_images: Sequence[Path] = (), float16: bool = Fals
         write_atomic(run.model, model_bytes)
     write_json(run.model_card, card, sealed=True)
     return parity
+
+
+def _model_card(run: RunDir, config: TrainConfig, embedding_dim: int, digest: str, float16: bool) -> dict:
+    """What serving needs to know about the exported model: input, output, preprocessing, sha256, provenance."""
+    return {
+        "format": "onnx",
+        "opset": OPSET,
+        "precision": "float16" if float16 else "float32",
+        "input": {
+            "name": "images",
+            "shape": ["batch", 3, config.image_size, config.image_size],
+            "dtype": "float32",
+            "colour": "RGB, alpha composited over white",
+        },
+        "output": {"name": "embeddings", "shape": ["batch", embedding_dim], "l2_normalised": True},
+        "preprocessing": config.preprocessing.to_dict(),
+        "embedding_dim": embedding_dim,
+        "backbone": config.backbone,
+        "sha256": digest,
+        "run": str(run.root.resolve()),
+        "trained_on": config.data,
+        "exported": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def measure_parity(
