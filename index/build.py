@@ -10,7 +10,7 @@ from index.backends import create_index, open_index
 from index.disk import writer_lock
 from index.edit import commit_changes
 from index.journal import Journal
-from index.milvus import MilvusOptions
+from index.milvus import MilvusIndex, MilvusOptions
 from index.ray_engine import RayOptions, iter_embedded_ray
 from index.types import MANIFEST, Additions, GalleryBackend
 from retrieval.data import Collection, Item, Skipped, write_skip_report
@@ -137,7 +137,7 @@ def _check_kept_type(
     directory: Path, base: GalleryBackend | None, factory: str | None, milvus: MilvusOptions | None
 ) -> None:
     """An existing index keeps its backend and type: asking for another needs --rebuild."""
-    if base is not None and milvus is not None and base.manifest.get("backend") != "milvus":
+    if base is not None and milvus is not None and not isinstance(base, MilvusIndex):
         raise RetrievalError(f"{directory} is a FAISS index; add --rebuild to build it anew in Milvus")
     if base is not None and factory and factory != base.manifest.get("index_type"):
         kept = base.manifest.get("index_type", "Flat")

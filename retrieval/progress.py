@@ -35,8 +35,8 @@ def progress(
 
 
 def say(line: str) -> None:
-    """Prints a line of progress without breaking a bar that is being drawn."""
-    tqdm.write(line, file=sys.stderr)
+    """Prints a line of news (an epoch's loss, a resumed run) to stdout without breaking a bar being drawn."""
+    tqdm.write(line)
 
 
 class LineProgress:
@@ -75,6 +75,5 @@ class LineProgress:
         if self.leave:
             seconds = time.perf_counter() - self.started
             done = f"{self.n:,}" + (f"/{self.total:,}" if self.total is not None else "")
-            say(
-                f"{self.desc}: {done} {self.unit} in {seconds:.1f} s ({self.n / max(seconds, 1e-9):,.0f} {self.unit}/s)"
-            )
+            rate = self.n / max(seconds, 1e-9)
+            print(f"{self.desc}: {done} {self.unit} in {seconds:.1f} s ({rate:,.0f} {self.unit}/s)", file=sys.stderr)
