@@ -62,8 +62,7 @@ class QueryImage(gr.Image):
 
 
 def result_gallery(service: SearchService, result: SearchResult) -> list[tuple[str, str]]:
-    """Gallery entries (thumbnail, caption): hit/miss mark when the query's label is known, rank, similarity, label,
-    file name, id."""
+    """Gallery entries (thumbnail, caption): hit/miss when the label is known, rank, score, label, file, id."""
     entries = []
     for rank, hit in enumerate(result.hits, 1):
         mark = "" if not result.label else ("HIT · " if hit.label == result.label else "miss · ")
@@ -241,8 +240,7 @@ def search_tab(on: Handlers, labels: list[str], searching: dict) -> SearchTab:
 
 
 def browse_tab(on: Handlers, labels: list[str]) -> gr.Gallery:
-    """The labels with their counts, the items of one label, and (with --allow-write) adding and removing; returns
-    the gallery."""
+    """Labels with their counts, one label's items, add and remove (--allow-write); returns the gallery."""
     service = on.service
     with gr.Row():
         with gr.Column(scale=1):
@@ -338,8 +336,7 @@ class Handlers:
         return result_gallery(self.service, result), result.summary
 
     def choose(self, item_id: int) -> tuple[str, str]:
-        """The item's own file (a copy in the app's cache: the same bytes, so the search leaves it out) and its
-        label."""
+        """The item's file (a copy in the cache: same bytes, so the search leaves it out) and its label."""
         item = self.service.items[item_id]
         target = self.service.cache / "queries" / f"{item_id}{item.path.suffix.lower()}"
         if not target.is_file():
@@ -463,8 +460,7 @@ def launch(
     block: bool = True,
     max_batch: int = MAX_BATCH,
 ) -> gr.Blocks:
-    """Starts the app on host:port: authentication required off loopback, uploads capped, only the app's cache
-    served."""
+    """Starts the app on host:port: auth off loopback, uploads capped, only the app's cache served."""
     credentials = parse_auth(auth)
     if credentials is None and not loopback(host):
         raise RetrievalError(
@@ -504,8 +500,7 @@ def serve(
     mmap: bool = False,
     max_batch: int = MAX_BATCH,
 ) -> None:
-    """Starts the app and blocks until interrupted (Ctrl+C, or SIGTERM as from systemd or docker stop); then removes
-    its cache folder."""
+    """Starts the app and blocks until Ctrl+C or SIGTERM (systemd, docker stop); then removes its cache."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, stop_like_ctrl_c)
     service = SearchService(run, index_dir, mmap=mmap, allow_write=allow_write)

@@ -102,8 +102,7 @@ class SearchService:
 
     @property
     def cache(self) -> Path:
-        """The app's own folder (thumbnails, plots, query copies): made on first use, the only one the web server
-        reads."""
+        """The app's own folder (thumbnails, plots, query copies), made on first use; the server reads no other."""
         with self._making_cache:
             if self._cache is None:
                 self._cache = Path(tempfile.mkdtemp(prefix="retrieval-app-"))
@@ -145,8 +144,7 @@ class SearchService:
         depth: int | None = None,
         only: str | None = None,
     ) -> SearchResult:
-        """The k nearest gallery items to the image at image_path (depth: nprobe/efSearch; only: items with this
-        label only)."""
+        """The k nearest gallery items to an image file (depth: nprobe/efSearch; only: this label only)."""
         return self.search_images([image_path], [k], [query_label], [depth], [only])[0]
 
     def search_images(
@@ -194,8 +192,7 @@ class SearchService:
         return list(first.values())[:BROWSE_LIMIT]
 
     def thumbnails(self, ids: Sequence[int]) -> list[Path]:
-        """Small copies of indexed items' images in the app's cache (made on first use; a grey tile when a file is
-        gone)."""
+        """Small copies of indexed items' images in the cache (made on first use; grey for a lost file)."""
         rows = self.snapshot.index.rows(list(ids))
         missing = [item_id for item_id in ids if item_id not in rows]
         if missing:
@@ -219,8 +216,7 @@ class SearchService:
     # writing (only when started with allow_write)
 
     def add_images(self, paths: Sequence[str | Path], label: str = "") -> tuple[list[int], list[Skipped]]:
-        """Adds readable images to the index with a label (copies kept in the uploads folder); see
-        index.edit.add_images."""
+        """Adds readable images with a label, copies kept in uploads/ (index.edit.add_images)."""
         self._require_write()
         return add_images(self.index_dir, self.embedder, paths, label, self.uploads)
 
@@ -240,8 +236,7 @@ class SearchService:
     def evaluate_now(
         self, progress: Callable[[float, str], None] = lambda fraction, text: None
     ) -> tuple[Evaluation, list[Path]]:
-        """Scores leave-one-out retrieval over the index's labeled items with their stored vectors; returns it and
-        its plots."""
+        """Leave-one-out retrieval over the index's labeled items, from their stored vectors, and its plots."""
         snapshot = self.snapshot
         labeled = [(item_id, item) for item_id, item in sorted(snapshot.items.items()) if item.label]
         if len({item.label for _, item in labeled}) < 2:
@@ -263,8 +258,7 @@ class SearchService:
         return evaluation, write_plots(evaluation, folder)
 
     def embedding_map(self, method: str = "pca") -> EmbeddingMap:
-        """The gallery (a seeded sample of MAP_POINTS above that) projected to 2-D by PCA or t-SNE and drawn
-        coloured by label."""
+        """The gallery (a seeded sample above MAP_POINTS) in 2-D by PCA or t-SNE, coloured by label."""
         from retrieval.plots import plot_embedding_map
 
         snapshot = self.snapshot

@@ -39,8 +39,7 @@ def create_index(
     memory: int | None = None,
     milvus: MilvusOptions | None = None,
 ) -> GalleryBackend:
-    """Builds a new index from re-iterable additions: FAISS files (type factory, or chosen within memory bytes) or,
-    with milvus, a Milvus collection."""
+    """Builds a new index from re-iterable additions: FAISS files (factory, or chosen), or Milvus."""
     if milvus is None:
         return GalleryIndex.create(directory, additions, encoder_sha256, dim, factory, memory)
     require("pymilvus", "milvus")

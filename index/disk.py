@@ -25,8 +25,7 @@ from retrieval.runs import fsync_dir, read_json
 
 @contextmanager
 def writer_lock(directory: Path, timeout: float = 600.0) -> Iterator[None]:
-    """Holds the writer lock of the index at directory (one writer at a time, across processes), waiting up to
-    timeout seconds."""
+    """Holds the index's writer lock (one writer at a time, across processes), waiting up to timeout s."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     path = directory.with_name(f".{directory.name}.lock")

@@ -179,8 +179,7 @@ def on_gpus(vectors: faiss.Index, kind: str) -> faiss.Index:
 
 
 def search_parameters(kind: str, depth: int | None, selector: object | None = None) -> object | None:
-    """FAISS per-call search parameters: nprobe for IVF, efSearch for HNSW, and an ID selector (None: the index's
-    own)."""
+    """Per-call search parameters: nprobe (IVF) or efSearch (HNSW) and an ID selector; None: the index's."""
     options: dict = {} if selector is None else {"sel": selector}
     if kind != "flat" and depth is not None:
         options["nprobe" if kind == "ivf" else "efSearch"] = int(depth)

@@ -106,8 +106,7 @@ class GalleryIndex:
         factory: str | None = None,
         memory: int | None = None,
     ) -> GalleryIndex:
-        """Builds a new index from re-iterable chunks of items and saves it atomically to directory (replacing any
-        there).
+        """Builds a new index from re-iterable chunks of items, saved atomically to directory (replacing any).
 
         The type is index.choice's pick for the count and the memory budget in bytes, or the FAISS factory string given.
         """

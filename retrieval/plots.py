@@ -93,8 +93,7 @@ def plot_temperature_sweep(rows: list[dict], target: Path) -> Path:
 
 
 def plot_recall_curves(curves: dict[str, list[float]], target: Path, title: str) -> Path:
-    """Draws recall@k against k (CMC curves), one line per named run (a single unnamed one needs no legend), into a
-    PNG."""
+    """Draws recall@k against k (CMC curves), one line per named run, to a PNG."""
     figure, axis = plt.subplots(figsize=(6, 4), dpi=120)
     for name, cmc in curves.items():
         axis.plot(range(1, len(cmc) + 1), cmc, marker="o", markersize=3, label=name or None)

@@ -293,8 +293,7 @@ class Trainer:
             )  # a best checkpoint of an earlier run would be taken for this one's
 
     def epoch(self, epoch: int) -> float:
-        """One pass over the batches, then the checkpoint, validation, log line and trainer state; returns its mean
-        loss."""
+        """One pass over the batches, then checkpoint, validation, log and trainer state; returns the loss."""
         config, record = self.config, self.record
         self.sampler.set_epoch(epoch, skip=record["batch"])
         self.model.train()

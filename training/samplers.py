@@ -46,8 +46,7 @@ class ClassBalancedBatchSampler(Sampler[list[int]]):
         self.epoch = self.skip = 0
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
-        """Makes the next iteration yield the batches of this epoch after its first `skip` (deterministic given the
-        seed)."""
+        """Makes the next iteration yield this epoch's batches after the first `skip` (seeded by epoch)."""
         self.epoch, self.skip = epoch, skip
 
     def __len__(self) -> int:

@@ -35,8 +35,7 @@ def evaluate(
     benchmark: BenchmarkOption = None,
     compare: Annotated[Path | None, typer.Option("--compare", help=COMPARE_HELP, show_default=False)] = None,
 ) -> None:
-    """Score retrieval on labeled images; writes RUN/metrics.json and plots in RUN/plots/ (with --compare, also
-    RUN/comparison.json)."""
+    """Score retrieval on labeled images; writes RUN/metrics.json and RUN/plots/ (and RUN/comparison.json)."""
     from retrieval.evaluation import write_plots
 
     ks = parse_ks(k)
