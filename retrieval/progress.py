@@ -35,8 +35,12 @@ def progress(
 
 
 def say(line: str) -> None:
-    """Prints a line of news (an epoch's loss, a resumed run) to stdout without breaking a bar being drawn."""
+    """Prints a line of news (an epoch's loss, a resumed run) to stdout without breaking a bar being drawn.
+
+    Flushed at once: a log file (block-buffered) shows each epoch when it ends, not at exit.
+    """
     tqdm.write(line)
+    sys.stdout.flush()
 
 
 class LineProgress:
