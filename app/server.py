@@ -1,16 +1,15 @@
-"""The Gradio search app over a SearchService, and its launch settings.
+"""The Gradio search app over a SearchService, one builder per tab, and its launch settings.
 
-API (gradio_client, endpoint names are stable):
-  /search     (image, k, label, depth, only) -> (results, summary)   batched: concurrent queries share one embedding
-  call;
-                                           only: results restricted to the label
-  /search_id  (item id, k, depth)      -> (results, summary)
-  /labels     ()                        -> table of label, count
-  /browse     (label)                   -> gallery of that label's items
-  /evaluate   ()                        -> (metrics table, plots)
-  /embedding_map (projection)           -> map image
-  /add        (files, label)            -> message   (only with --allow-write)
-  /remove     (ids)                     -> message   (only with --allow-write)
+API (gradio_client, endpoint names and parameter names are stable):
+  /search         (image, k, label, depth, only) -> (results, summary)   batched: concurrent queries share one
+                  embedding call; label marks hits, only=True keeps items of that label alone
+  /search_id      (item_id, k, depth)  -> (results, summary)
+  /labels         ()                   -> table of label, count
+  /browse         (label)              -> gallery of that label's items
+  /evaluate       ()                   -> (metrics table, plots)
+  /embedding_map  (projection)         -> map image
+  /add            (files, label)       -> message   (only with --allow-write)
+  /remove         (ids)                -> message   (only with --allow-write)
 Results are a gallery of (image, caption); a caption reads "HIT · #1 · 0.912 · label · file · id 42".
 """
 
@@ -19,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import ipaddress
+import logging
 import os
 import re
 import shutil
@@ -34,6 +34,7 @@ from app.service import BROWSE_LIMIT, SearchResult, SearchService
 from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir
 
+log = logging.getLogger("retrieval.app")
 MAX_BATCH = 16  # concurrent search requests embedded in one call
 AUTH_VARIABLE = "RETRIEVAL_AUTH"  # user:password, instead of --auth on the command line
 CAPTION_ID = re.compile(r"· id (\d+)$")
@@ -59,6 +60,36 @@ class QueryImage(gr.Image):
         if payload is None or getattr(payload, "path", None) is None:
             return super().preprocess(payload)  # type: ignore[arg-type]  # None, or a base64 data URL
         return str(payload.path)  # type: ignore[attr-defined]
+
+
+def refused(message: str) -> gr.Error:
+    """The error a refused request gets: its message to the user, and one line (not a traceback) in the server's log."""
+    log.warning("refused a request: %s", message)
+    return gr.Error(message, print_exception=False)
+
+
+class BoundedSlider(gr.Slider):
+    """gr.Slider whose out-of-range values (an API call with k=0) are refused in one log line, not a traceback."""
+
+    is_template = True  # drawn by the frontend's Slider component
+
+    def preprocess(self, payload: float) -> float:
+        try:
+            return super().preprocess(payload)
+        except gr.Error as error:
+            raise refused(error.message) from None
+
+
+class BoundedNumber(gr.Number):
+    """gr.Number whose out-of-range values are refused in one log line, not a traceback."""
+
+    is_template = True  # drawn by the frontend's Number component
+
+    def preprocess(self, payload: float | None) -> float | int | None:
+        try:
+            return super().preprocess(payload)
+        except gr.Error as error:
+            raise refused(error.message) from None
 
 
 def result_gallery(service: SearchService, result: SearchResult) -> list[tuple[str, str]]:
@@ -116,7 +147,7 @@ def caption_id(caption: str | None) -> int:
     """The item id at the end of a gallery caption."""
     match = CAPTION_ID.search(caption or "")
     if match is None:
-        raise gr.Error("this image is not an indexed item")
+        raise refused("this image is not an indexed item")
     return int(match.group(1))
 
 
@@ -209,9 +240,10 @@ def search_tab(on: Handlers, labels: list[str], searching: dict) -> SearchTab:
                 labels, value="", label="Query label (optional: marks hits and misses)", allow_custom_value=True
             )
             only_label = gr.Checkbox(False, label="Only gallery items with the query label")
-            k = gr.Slider(1, 50, value=10, step=1, label="k")
-            depth = gr.Number(
-                value=0, precision=0, minimum=0, label=f"{depth_name} (0: the tuned {tuned})", visible=kind != "flat"
+            k = BoundedSlider(1, 50, value=10, step=1, label="k")
+            tuned_text = f"0: the tuned {tuned}" if tuned != "" else "0: as tuned when the index was built"
+            depth = BoundedNumber(
+                value=0, precision=0, minimum=0, label=f"{depth_name} ({tuned_text})", visible=kind != "flat"
             )
             button = gr.Button("Search", variant="primary", elem_id="search")
         with gr.Column(scale=2):
@@ -233,7 +265,6 @@ def search_tab(on: Handlers, labels: list[str], searching: dict) -> SearchTab:
     )
     tab = SearchTab(query, query_label, only_label, k, depth, results, summary, picker)
     button.click(on.search_batch, tab.inputs, tab.outputs, api_name="search", **searching)
-    query.upload(lambda: "", None, query_label, api_name=False)  # an uploaded image's label is unknown
     item_id = gr.Number(visible=False, precision=0)
     gr.Button(visible=False).click(on.search_id, [item_id, k, depth], tab.outputs, api_name="search_id")
     return tab
@@ -308,22 +339,22 @@ class Handlers:
 
     def search_batch(
         self,
-        images: list[str | None],
-        ks: list[float],
-        query_labels: list[str | None],
-        depths: list[float | None],
+        image: list[str | None],
+        k: list[float],
+        label: list[str | None],
+        depth: list[float | None],
         only: list[bool],
     ) -> tuple[list, list]:
-        """Batched: Gradio hands over the requests that queued up together, one list per input."""
-        given = [position for position, image in enumerate(images) if image]
+        """Batched: Gradio hands over the requests that queued up together, one list per input (the API's names)."""
+        given = [position for position, path in enumerate(image) if path]
         results = self.service.search_images(
-            [images[p] for p in given],  # type: ignore[misc]
-            [int(ks[p] or 10) for p in given],
-            [query_labels[p] or "" for p in given],
-            [int(depths[p]) if depths[p] else None for p in given],  # type: ignore[arg-type]
-            [(query_labels[p] or None) if only[p] else None for p in given],
+            [image[p] for p in given],  # type: ignore[misc]
+            [int(k[p] or 10) for p in given],
+            [label[p] or "" for p in given],
+            [int(depth[p]) if depth[p] else None for p in given],  # type: ignore[arg-type]
+            [(label[p] or None) if only[p] else None for p in given],
         )
-        answers: list[tuple[list, str]] = [([], "Upload or paste an image, or click one in a gallery.")] * len(images)
+        answers: list[tuple[list, str]] = [([], "Upload or paste an image, or click one in a gallery.")] * len(image)
         for position, result in zip(given, results):
             answers[position] = (result_gallery(self.service, result), result.summary)
         return [gallery for gallery, _ in answers], [summary for _, summary in answers]
@@ -332,7 +363,7 @@ class Handlers:
         try:
             result = self.service.search_item(int(item_id), int(k), int(depth) if depth else None)
         except RetrievalError as error:
-            raise gr.Error(str(error)) from None
+            raise refused(str(error)) from None
         return result_gallery(self.service, result), result.summary
 
     def choose(self, item_id: int) -> tuple[str, str]:
@@ -344,7 +375,7 @@ class Handlers:
             try:
                 shutil.copyfile(item.path, target)
             except OSError as error:
-                raise gr.Error(f"{item.path}: cannot be read ({error.strerror or error})") from None
+                raise refused(f"{item.path}: cannot be read ({error.strerror or error})") from None
         return str(target), item.label
 
     def pick(self, event: gr.SelectData) -> tuple[str, str, gr.Tabs]:
@@ -355,7 +386,7 @@ class Handlers:
         x, y = event.index
         item_id = self.service.embedding_map(projection).pick(float(x), float(y))
         if item_id is None:
-            raise gr.Error("no gallery item there: click on a point")
+            raise refused("no gallery item there: click on a point")
         path, label = self.choose(item_id)
         return path, label, gr.Tabs(selected="search")
 
@@ -369,7 +400,7 @@ class Handlers:
         try:
             evaluation, plots = self.service.evaluate_now(lambda fraction, text: progress(fraction, desc=text))
         except RetrievalError as error:
-            raise gr.Error(str(error)) from None
+            raise refused(str(error)) from None
         return metrics_rows(evaluation.metrics), [(str(path), path.stem.replace("_", " ")) for path in plots]
 
     def embedding_map(self, projection: str) -> str:
@@ -377,11 +408,11 @@ class Handlers:
 
     def add(self, files: list[str] | None, label: str | None) -> tuple[str, list[list]]:
         if not files:
-            raise gr.Error("choose one or more image files to add")
+            raise refused("choose one or more image files to add")
         try:
             ids, skipped = self.service.add_images(files, label or "")
         except RetrievalError as error:
-            raise gr.Error(str(error)) from None
+            raise refused(str(error)) from None
         message = f"added {len(ids)} image(s)" + (f" (ids {ids[0]}–{ids[-1]})" if ids else "")
         if skipped:
             message += "; left out: " + "; ".join(f"{s.path.name}: {s.reason}" for s in skipped)
@@ -391,7 +422,7 @@ class Handlers:
         try:
             removed = self.service.remove_items(parse_ids(ids))
         except RetrievalError as error:
-            raise gr.Error(str(error)) from None
+            raise refused(str(error)) from None
         return f"removed {removed} item(s)", self.label_table()
 
 

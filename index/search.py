@@ -10,6 +10,7 @@ same sha256 is the query). Works with any backend (index.types.GalleryBackend).
 
 from __future__ import annotations
 
+import difflib
 import io
 import time
 from collections.abc import Sequence
@@ -23,6 +24,8 @@ from index.types import GalleryBackend, Hit
 from retrieval.data import decode_image, read_image_bytes
 from retrieval.embedders import Embedder
 from retrieval.errors import ImageError, RetrievalError
+
+IDS_HINT = "the ids are in the id column of `retrieval search` (and its --json) and in the app's captions"
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,9 @@ def search_item(index: GalleryBackend, item_id: int, query: Query = Query()) -> 
     """The hits of one indexed item (itself left out), or an error naming the id when the index lacks it."""
     started = time.perf_counter()
     if item_id not in index.rows([item_id]):
-        return QueryResult(error=f"no item with id {item_id} in {index.directory}")
+        return QueryResult(error=f"no item with id {item_id} in {index.directory}; {IDS_HINT}")
+    if (unknown := unknown_label(index, [query])) is not None:
+        return QueryResult(error=unknown)
     hits = search_items(index, [item_id], query)[0]
     return QueryResult(hits, seconds=time.perf_counter() - started)
 
@@ -82,6 +87,8 @@ def search_images(
     if len(images) != len(queries):
         raise RetrievalError(f"{len(images)} images for {len(queries)} queries")
     started = time.perf_counter()
+    if (unknown := unknown_label(index, queries)) is not None:
+        return [QueryResult(error=unknown) for _ in images]
     results = [QueryResult() for _ in images]
     decoded, digests, good = [], [], []
     for position, path in enumerate(images):
@@ -103,6 +110,18 @@ def search_images(
     for result in results:
         result.seconds = time.perf_counter() - started
     return results
+
+
+def unknown_label(index: GalleryBackend, queries: Sequence[Query]) -> str | None:
+    """Why a label filter of these queries can find nothing (no item has that label, with the closest ones), or None."""
+    wanted = {query.label for query in queries if query.label is not None}
+    if not wanted:
+        return None
+    labels = {label for _, label, _ in index.rows().values()}
+    for label in sorted(wanted - labels):
+        closest = difflib.get_close_matches(label, sorted(labels), n=3, cutoff=0.0)
+        return f"no item of {index.directory} has the label {label!r}; the closest labels are {', '.join(closest)}"
+    return None
 
 
 def _groups(queries: Sequence[Query]) -> dict[tuple[int | None, str | None], list[int]]:

@@ -7,10 +7,14 @@ stderr and exit status 2.
 
 from __future__ import annotations
 
+import inspect
 import sys
+from typing import Annotated
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
+from retrieval import __version__
 from retrieval.commands import demo, evaluate, export, indexing, search, serve, train
 from retrieval.commands.output import errors
 from retrieval.errors import RetrievalError
@@ -20,18 +24,65 @@ HELP = (
     "ONNX, index a gallery with FAISS, search it in the browser."
 )
 
+
+class _Flags:
+    """Flags show no value placeholder in --help (a bare `--sync`, not `--sync <bool>`), --help itself included."""
+
+    def get_params(self, ctx: object) -> list:
+        params = super().get_params(ctx)  # type: ignore[misc]
+        for param in params:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return params
+
+
+class _Command(_Flags, TyperCommand):
+    pass
+
+
+class _Group(_Flags, TyperGroup):
+    pass
+
+
+def reflow(text: str | None) -> str:
+    """A docstring as help text: each paragraph on one line, for the help formatter to wrap at the terminal's width."""
+    paragraphs = inspect.cleandoc(text or "").split("\n\n")
+    return "\n\n".join(" ".join(paragraph.split()) for paragraph in paragraphs)
+
+
+def show_version(asked: bool) -> None:
+    if asked:
+        typer.echo(f"retrieval {__version__}")
+        raise typer.Exit()
+
+
 app = typer.Typer(
-    name="retrieval", help=HELP, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False
+    name="retrieval", help=HELP, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, cls=_Group
 )
-app.command()(train.train)
-app.command()(train.analyze)
-app.command()(export.export)
-app.command()(indexing.index)
-app.command()(search.search)
-app.command("index-stats")(indexing.index_stats)
-app.command()(evaluate.evaluate)
-app.command()(serve.serve)
-app.command()(demo.demo)
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool, typer.Option("--version", help="Print the version and exit.", callback=show_version, is_eager=True)
+    ] = False,
+) -> None:
+    """Train image embeddings with contrastive losses, export them to ONNX, index a gallery, search it."""
+
+
+COMMANDS = {
+    "train": train.train,
+    "analyze": train.analyze,
+    "export": export.export,
+    "index": indexing.index,
+    "search": search.search,
+    "index-stats": indexing.index_stats,
+    "evaluate": evaluate.evaluate,
+    "serve": serve.serve,
+    "demo": demo.demo,
+}
+for name, function in COMMANDS.items():
+    app.command(name, help=reflow(function.__doc__), cls=_Command)(function)
 
 
 def main(argv: list[str] | None = None) -> int:
