@@ -501,18 +501,32 @@ def launch(
     os.environ.setdefault("GRADIO_ANALYTICS_MAX_EVENTS", str(ANALYTICS_EVENTS))  # read when the queue is made
     demo = build_app(service, max_batch)
     release_memory_periodically()
-    demo.queue(default_concurrency_limit=1).launch(
-        server_name=host,
-        server_port=port,
-        auth=credentials,
-        allowed_paths=[str(service.cache)],
-        show_error=True,
-        max_file_size=max_upload.lower(),
-        inbrowser=False,
-        quiet=not block,
-        prevent_thread_lock=not block,
-    )
+    settings = {"auth": credentials, "allowed_paths": [str(service.cache)], "max_file_size": max_upload.lower()}
+    try:  # quiet: Gradio's own lines speak of launch() and share=True, which mean nothing on the command line
+        demo.queue(default_concurrency_limit=1).launch(
+            server_name=host,
+            server_port=port,
+            show_error=True,
+            inbrowser=False,
+            quiet=True,
+            prevent_thread_lock=True,
+            **settings,
+        )
+    except OSError as error:  # the port was taken between the check and the launch
+        raise RetrievalError(f"port {port} on {host} is in use ({error}); give another with --port") from None
+    if block:
+        wait_until_stopped(demo, f"http://{host}:{port}")
     return demo
+
+
+def wait_until_stopped(demo: gr.Blocks, url: str) -> None:
+    """Says where the app is and serves until Ctrl+C (or SIGTERM, turned into it), then closes the server."""
+    print(f"serving the search app at {url}  (Ctrl+C to stop)", flush=True)
+    try:
+        while True:
+            time.sleep(0.5)
+    finally:
+        demo.close()
 
 
 def stop_like_ctrl_c(signum: int, frame: object) -> None:

@@ -110,3 +110,111 @@ def test_help_shows_flags_bare_and_paragraphs_whole(capsys: pytest.CaptureFixtur
     for paragraph in paragraphs:
         lines = paragraph.splitlines()
         assert all(len(line) > 50 for line in lines[:-1]), lines  # broken only where the width ends
+
+
+TINY = ["--epochs", "1", "--batch-size", "8", "--image-size", "32"]
+
+
+def test_a_run_directory_is_resumed_or_overwritten_never_silently_replaced(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from retrieval.commands import main
+    from retrieval.runs import read_json, write_json
+
+    run = RunDir(tmp_path / "run")
+    assert main(["train", str(small_folder), "--run", str(run.root), *TINY]) == 0
+    capsys.readouterr()
+    assert main(["train", str(small_folder), "--run", str(run.root), *TINY]) == 2
+    assert "already holds a run (1 epoch(s) trained)" in capsys.readouterr().err
+    assert main(["train", "--run", str(run.root), "--resume"]) == 2  # no DATA needed, and nothing left to do
+    assert "is finished (1 of 1 epochs trained): nothing to resume" in capsys.readouterr().err
+    write_json(run.config, {**read_json(run.config), "epochs": 2}, sealed=True)  # one more epoch to go
+    assert main(["train", "--run", str(run.root), "--resume"]) == 0
+    assert len(run.train_log.read_text().splitlines()) == 2
+    assert main(["train", str(small_folder), "--run", str(run.root), *TINY, "--overwrite"]) == 0
+    assert len(run.train_log.read_text().splitlines()) == 1
+
+
+def test_ctrl_c_during_training_says_how_to_resume(small_folder: Path, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "retrieval", "train", str(small_folder), "--run", str(run), "--epochs", "200", "--batch-size", "8", "--image-size", "32"]
+    worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    assert worker.stdout is not None
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (worker.stdout.readline() or "").startswith("epoch 2/200"):
+        pass
+    worker.send_signal(signal.SIGINT)
+    out, err = worker.communicate(timeout=120)
+    assert worker.returncode == 130, err
+    assert "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("interrupted: the trainer state of epoch ") and f"resume with `retrieval train --run {run} --resume`" in line
+
+
+def busy_port() -> tuple[object, int]:
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    return holder, holder.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", ["demo", "serve"])
+def test_a_busy_port_fails_in_one_line_before_any_work(command: str, demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from retrieval.commands import main
+
+    holder, port = busy_port()
+    try:
+        arguments = ["demo", "--run", str(tmp_path / "run")] if command == "demo" else ["serve", str(demo_run.root)]
+        assert main([*arguments, "--port", str(port)]) == 2
+    finally:
+        holder.close()  # type: ignore[attr-defined]
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is in use: give another with --port" in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()  # nothing trained
+
+
+def test_a_finished_demo_is_reused_and_its_plots_and_figures_are_there(demo_run: RunDir, capsys: pytest.CaptureFixture[str]) -> None:
+    from retrieval.commands import main
+
+    before = demo_run.model.stat().st_mtime_ns
+    assert main(["demo", "--no-serve", "--run", str(demo_run.root), "--classes", "8", "--epochs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "holds a finished demo: reusing it (train it again with --retrain)" in out
+    assert f"reopen the app later with: retrieval serve {demo_run.root}" in " ".join(out.split())
+    assert demo_run.model.stat().st_mtime_ns == before
+    assert {"recall_at_k.png", "similarities.png"} <= {path.name for path in demo_run.plots.glob("*.png")}
+
+
+def test_the_demo_output_has_its_steps_and_the_time_left(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "retrieval", "demo", "--no-serve", "--run", str(tmp_path / "run"), "--classes", "4", "--epochs", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr
+    steps = [line.split()[0] for line in done.stdout.splitlines() if line[:2] in ("1/", "2/", "3/", "4/")]
+    assert steps == ["1/4", "2/4", "3/4", "4/4"]
+    assert "about" in next(line for line in done.stdout.splitlines() if line.startswith("epoch 1/2")) and "left)" in done.stdout
+    assert "max |Δ|" in done.stdout  # the export's parity figures
+
+
+def test_serve_says_where_the_app_is_without_gradios_launch_advice(demo_run: RunDir) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from tests.test_app import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "retrieval", "serve", str(demo_run.root), "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).parents[1])
+    assert server.stdout is not None
+    first = server.stdout.readline()
+    server.send_signal(signal.SIGINT)
+    rest = server.communicate(timeout=60)[0]
+    assert first.strip() == f"serving the search app at http://127.0.0.1:{port}  (Ctrl+C to stop)"
+    assert "share=True" not in first + rest and "Traceback" not in rest and server.returncode == 0

@@ -171,6 +171,19 @@ class TrainerState:
             ) from None
 
 
+def saved_record(path: Path) -> dict | None:
+    """The progress record (epoch, batch, ...) in a trainer state's header, read without its tensors; None if absent."""
+    if not path.is_file():
+        return None
+    try:
+        with open(path, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
+        return json.loads(header["__metadata__"]["record"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # damaged: TrainerState.load says so when it is resumed
+
+
 def load_encoder(run: RunDir) -> tuple[Encoder, TrainConfig]:
     """Rebuilds the run's encoder from config.json and its best (else last) checkpoint (no unpickling)."""
     checkpoint = run.require_checkpoint()

@@ -241,6 +241,7 @@ class Trainer:
         )
         self.board = _tensorboard(run) if config.tensorboard and ranks.is_main else None
         self.record = {"epoch": 0, "batch": 0, "step": 0, "losses": [], "best_map": -1.0, "stale_epochs": 0}
+        self.epoch_seconds: list[float] = []  # of this process's epochs: the estimate of the time left
 
     def _wrapped(self) -> nn.Module:
         """The encoder as the loss sees it, under DDP with several processes and compiled with --compile."""
@@ -330,9 +331,12 @@ class Trainer:
             validated = (
                 f"  val recall@1 {entry['val_recall@1']:.3f} MAP@R {entry['val_map@r']:.3f}" if self.validator else ""
             )
+            self.epoch_seconds.append(seconds)
+            left = float(np.mean(self.epoch_seconds)) * (config.epochs - epoch - 1)
+            remaining = f", about {_duration(left)} left" if epoch + 1 < config.epochs else ""
             say(
                 f"epoch {epoch + 1}/{config.epochs}  loss {epoch_loss:.4f}{validated} "
-                f" ({seconds:.1f}s, {entry['images_per_second']:.0f} img/s)"
+                f" ({seconds:.1f}s, {entry['images_per_second']:.0f} img/s{remaining})"
             )
         return epoch_loss
 
@@ -388,6 +392,15 @@ class Trainer:
             for name, value in entry.items():
                 if name.startswith("val_"):
                     self.board.add_scalar(f"val/{name.removeprefix('val_')}", value, entry["epoch"])
+
+
+def _duration(seconds: float) -> str:
+    """A time left as people say it: 40 s, 3 min, 1 h 5 min."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds // 3600:.0f} h {seconds % 3600 / 60:.0f} min"
 
 
 def _tensorboard(run: RunDir) -> object:

@@ -1,26 +1,30 @@
-"""`retrieval demo`: the main job on the embedded icons dataset (train on train/, export, index and evaluate test/,
-serve).
+"""`retrieval demo`: the main job on the embedded icons: train on train/, export, index and evaluate test/, serve.
 
-test/ holds classes never seen in training, so the figures are the metric-learning protocol's.
+test/ holds classes never seen in training, so the figures are the metric-learning protocol's. A
+finished demo run is reused (its figures kept in RUN/demo.json): `--retrain` starts it over.
 """
 
 from __future__ import annotations
 
+import shlex
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from retrieval.commands.output import console, metrics_table
-from retrieval.commands.serve import serve
+from retrieval.commands.serve import require_free_port, serve
 from retrieval.data import Collection, load_collection, write_collection_csv
 from retrieval.datasets import icons
 from retrieval.embedders import OnnxEmbedder, PixelEmbedder
-from retrieval.evaluation import evaluate_collection
+from retrieval.evaluation import evaluate_collection, write_plots
 from retrieval.extras import require
-from retrieval.runs import RunDir, write_json
+from retrieval.runs import RunDir, read_json, write_json
+
+STEPS = 4  # train, export, index, evaluate (serving is the fifth, when asked for)
 
 
 @dataclass
@@ -40,19 +44,50 @@ def demo(
     classes: Annotated[
         int | None, typer.Option(help="Use only the first N classes of each split (a quicker look).")
     ] = None,
+    retrain: Annotated[bool, typer.Option("--retrain", help="Train again even if RUN holds a finished demo.")] = False,
     host: Annotated[str, typer.Option(help="Address to bind the app to.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port of the app.")] = 7860,
 ) -> None:
     """Train on the embedded icons dataset, export, index and evaluate its unseen test classes, then serve."""
-    require("torch", "train")
-    outcome = run_demo(RunDir(run), epochs=epochs, classes=classes)
+    if serve_app:
+        require_free_port(host, port)  # before minutes of training, not after
+    run_dir = RunDir(run)
+    outcome = None if retrain else finished_demo(run_dir, epochs, classes)
+    if outcome is None:
+        require("torch", "train")
+        outcome = run_demo(run_dir, epochs=epochs, classes=classes)
+    else:
+        console.print(f"{run} holds a finished demo: reusing it (train it again with --retrain)", soft_wrap=True)
     console.print(
         metrics_table({"trained model": outcome.model_metrics, "raw pixels 16x16 gray": outcome.baseline_metrics})
     )
     console.print(f"run directory: {run}  (train {outcome.train_seconds:.0f}s, total {outcome.total_seconds:.0f}s)")
+    console.print(f"reopen the app later with: {reopen_command(run)}", highlight=False, soft_wrap=True)
     if serve_app:
-        console.print(f"serving the search app at http://{host}:{port}  (Ctrl+C to stop)")
+        step("serve", STEPS + 1, STEPS + 1)
         serve(run, host, port)
+
+
+def reopen_command(run: Path) -> str:
+    """The command that serves this run again, as this program was started (.venv/bin/retrieval by `make demo`)."""
+    program = sys.argv[0] if Path(sys.argv[0]).name == "retrieval" else "retrieval"
+    return f"{shlex.quote(program)} serve {shlex.quote(str(run))}"
+
+
+def step(name: str, number: int, total: int = STEPS) -> None:
+    """A heading for one step of the demo."""
+    console.rule(f"[bold]{number}/{total} {name}", align="left")
+
+
+def finished_demo(run: RunDir, epochs: int | None, classes: int | None) -> DemoOutcome | None:
+    """The outcome of a demo finished in run with the same settings, if its model and index are still there."""
+    record = run.root / "demo.json"
+    if not (record.is_file() and run.model.is_file() and (run.index / "manifest.json").is_file()):
+        return None
+    saved = read_json(record)
+    if saved.get("settings") != {"epochs": epochs, "classes": classes}:
+        return None
+    return DemoOutcome(**saved["outcome"])
 
 
 def run_demo(run: RunDir, epochs: int | None = None, classes: int | None = None, progress: bool = True) -> DemoOutcome:
@@ -73,17 +108,24 @@ def run_demo(run: RunDir, epochs: int | None = None, classes: int | None = None,
     config = (
         TrainConfig(data=str(train_source)) if epochs is None else TrainConfig(data=str(train_source), epochs=epochs)
     )
+    step(f"train: {config.backbone} at {config.image_size} px, {config.loss}, {config.epochs} epochs", 1)
     train(config, run, progress=progress)
     train_seconds = time.perf_counter() - started
-    export(run)
+    step("export to ONNX, checked against PyTorch", 2)
+    console.print(f"{run.model}: {export(run).describe()}", highlight=False, soft_wrap=True)
     embedder = OnnxEmbedder.from_run(run)
     test = load_collection(test_source)
+    step(f"index the {len(test.items)} test images (classes never seen in training)", 3)
     build_index(embedder, test, run.index, rebuild=True, progress=progress)
-    model = evaluate_collection(embedder, test, progress=progress).metrics
-    write_json(run.metrics, model)
+    step("evaluate leave-one-out on the test classes, and a raw-pixel baseline", 4)
+    evaluation = evaluate_collection(embedder, test, progress=progress)
+    write_json(run.metrics, evaluation.metrics)
+    write_plots(evaluation, run.plots)
     baseline = evaluate_collection(PixelEmbedder(16), test, progress=progress).metrics
     write_json(run.root / "baseline_metrics.json", baseline)
-    return DemoOutcome(model, baseline, train_seconds, time.perf_counter() - started)
+    outcome = DemoOutcome(evaluation.metrics, baseline, train_seconds, time.perf_counter() - started)
+    write_json(run.root / "demo.json", {"settings": {"epochs": epochs, "classes": classes}, "outcome": asdict(outcome)})
+    return outcome
 
 
 def _split(folder: Path, classes: int | None, csv_path: Path) -> Path:

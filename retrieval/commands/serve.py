@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import socket
 from typing import Annotated
 
 import typer
 
 from retrieval.commands.output import IndexOption, RunArg
+from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir
 
 HOST_HELP = "Address to bind; 127.0.0.1 keeps the app on this machine (any other address needs --auth)."
@@ -28,5 +31,22 @@ def serve(
     """Serve the search app for the run's index in the browser: search, browse, metrics, embedding map and an API."""
     from app.server import serve as run_server
 
+    require_free_port(host, port)
     options = {"allow_write": allow_write, "auth": auth, "max_upload": max_upload, "mmap": mmap, "max_batch": max_batch}
     run_server(RunDir(run), host, port, index_dir, **options)
+
+
+def require_free_port(host: str, port: int) -> None:
+    """Refuses a port that another program already listens on, before any work, naming a free one to use."""
+    try:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
+            probe.bind((host, port))
+    except OSError as error:
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            free = probe.getsockname()[1]
+        reason = "in use" if error.errno == errno.EADDRINUSE else error.strerror or error
+        raise RetrievalError(
+            f"port {port} on {host} is {reason}: give another with --port (e.g. --port {free}), or stop what holds it"
+        ) from None

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from retrieval.commands.output import BenchmarkOption, DataArg, console, report_skipped
+from retrieval.commands.output import DATA_HELP, BenchmarkOption, DataArg, console, errors, report_skipped
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
 from retrieval.runs import RunDir, read_json
@@ -45,7 +45,9 @@ HELP = {
     "checkpoint_every": "Also save the resumable trainer state every this many steps (0: after each epoch only).",
     "tensorboard": "Also log loss, learning rate and validation metrics to RUN/tensorboard "
     "(needs the tensorboard extra).",
-    "resume": "Continue an interrupted run from its last saved trainer state, with its own config.json.",
+    "resume": "Continue an interrupted run from its last saved trainer state, with its own config.json and data "
+    "(DATA may be left out).",
+    "overwrite": "Train into a run directory that already holds a run, starting it over.",
     "val_classes": "Fraction of the classes held out to validate each epoch (recall@1, MAP@R); "
     "the best epoch is exported.",
     "patience": "Stop after this many epochs without a better validation MAP@R (0: never).",
@@ -55,8 +57,14 @@ HELP = {
 NO_DEFAULT = {"show_default": False}
 
 
+OptionalDataArg = Annotated[
+    Path | None, typer.Argument(help=DATA_HELP + " Not needed with --resume.", show_default=False)
+]
+
+
 def train(
-    data: DataArg,
+    data: OptionalDataArg = None,
+    *,
     run: Annotated[Path, typer.Option("--run", help=HELP["run"])],
     loss: Annotated[str | None, typer.Option(help=HELP["loss"], **NO_DEFAULT)] = None,
     temperature: Annotated[float | None, typer.Option(help=HELP["temperature"], **NO_DEFAULT)] = None,
@@ -81,6 +89,7 @@ def train(
     checkpoint_every: Annotated[int | None, typer.Option(help=HELP["checkpoint_every"], **NO_DEFAULT)] = None,
     tensorboard: Annotated[bool | None, typer.Option("--tensorboard", help=HELP["tensorboard"], **NO_DEFAULT)] = None,
     resume: Annotated[bool, typer.Option("--resume", help=HELP["resume"])] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help=HELP["overwrite"])] = False,
     val_classes: Annotated[float | None, typer.Option(help=HELP["val_classes"], **NO_DEFAULT)] = None,
     patience: Annotated[int | None, typer.Option(help=HELP["patience"], **NO_DEFAULT)] = None,
     device: Annotated[str | None, typer.Option(help=HELP["device"], **NO_DEFAULT)] = None,
@@ -88,29 +97,82 @@ def train(
     benchmark: BenchmarkOption = None,
 ) -> None:
     """Train an embedding model on a labeled image collection (or a benchmark's training split)."""
-    given = {
-        name: value for name, value in locals().items() if name not in ("data", "run", "resume") and value is not None
-    }
+    given = {name: value for name, value in locals().items() if name not in NOT_CONFIG and value is not None}
     require("torch", "train")
     from training.config import TrainConfig
     from training.loop import train as run_training
 
+    run_dir = RunDir(run)
     if resume:
-        config = TrainConfig.from_dict(read_json(RunDir(run).config))
-        if Path(config.data) != data.expanduser().resolve():
+        config = TrainConfig.from_dict(read_json(run_dir.config))
+        if data is not None and Path(config.data) != data.expanduser().resolve():
             raise RetrievalError(
-                f"--resume continues {run} on its own data ({config.data}); give that path, not {data}"
+                f"--resume continues {run} on its own data ({config.data}); leave DATA out or give that path"
             )
+        _refuse_finished(run_dir, config)
     else:
+        if data is None:
+            raise RetrievalError(
+                "give DATA: an image folder ROOT/<label>/<image> or a CSV path,label (or --resume a run)"
+            )
+        _refuse_existing(run_dir, overwrite)
         config = TrainConfig(data=str(data.expanduser().resolve()), **given)
-    result = run_training(config, RunDir(run), resume=resume)
+    try:
+        result = run_training(config, run_dir, resume=resume)
+    except KeyboardInterrupt:
+        _interrupted(run_dir)
     if not result.reporting:
         return  # under torchrun, process 0 reports
-    report_skipped(result.skipped, RunDir(run).root / "skipped.json")
+    report_skipped(result.skipped, run_dir.root / "skipped.json")
     console.print(
         f"trained on {result.num_images} images of {result.num_classes} classes; final loss {result.final_loss:.4f}; "
-        f"checkpoint {RunDir(run).last_checkpoint}"
+        f"checkpoint {run_dir.last_checkpoint}"
     )
+
+
+NOT_CONFIG = ("data", "run", "resume", "overwrite")
+
+
+def _refuse_existing(run: RunDir, overwrite: bool) -> None:
+    """A run directory that holds a run is continued (--resume) or started over (--overwrite), never silently."""
+    if overwrite or not run.config.is_file():
+        return
+    trained = len(run.train_log.read_text(encoding="utf-8").splitlines()) if run.train_log.is_file() else 0
+    raise RetrievalError(
+        f"{run.root} already holds a run ({trained} epoch(s) trained); continue it with "
+        f"`retrieval train --run {run.root} --resume`, or start over with --overwrite"
+    )
+
+
+def _refuse_finished(run: RunDir, config: object) -> None:
+    """Resuming a run that has nothing left to do says so, instead of training nothing."""
+    from training.checkpoints import saved_record
+
+    record = saved_record(run.trainer_state)
+    if record is None:
+        return  # TrainerState.load explains what is missing
+    epochs, patience = config.epochs, config.patience  # type: ignore[attr-defined]
+    if record["epoch"] >= epochs or (patience and record["stale_epochs"] >= patience):
+        raise RetrievalError(
+            f"{run.root} is finished ({record['epoch']} of {epochs} epochs trained): nothing to resume; "
+            f"export it with `retrieval export {run.root}`, or train more in a new run"
+        )
+
+
+def _interrupted(run: RunDir) -> None:
+    """Ctrl+C: one line saying where the last saved state is and how to go on from it; exit status 130."""
+    from training.checkpoints import saved_record
+
+    record = saved_record(run.trainer_state)
+    if record is None:
+        line = "interrupted before the first epoch ended, nothing saved; start again with --overwrite"
+    else:
+        line = (
+            f"interrupted: the trainer state of epoch {record['epoch']}, batch {record['batch']} is kept in "
+            f"{run.trainer_state}; resume with `retrieval train --run {run.root} --resume`"
+        )
+    errors.print(line, soft_wrap=True, highlight=False, markup=False)
+    raise typer.Exit(130)
 
 
 SWEEP_COLUMNS = (
