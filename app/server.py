@@ -300,16 +300,20 @@ def browse_tab(on: Handlers, labels: list[str]) -> gr.Gallery:
 
 
 def metrics_tab(on: Handlers) -> None:
-    """The run's metrics.json and plots, and an evaluation of the index's labeled items on demand."""
+    """The metrics of each set the run was evaluated on (one to choose), its plots, and the index evaluated now."""
     service = on.service
+    names = list(service.metric_sets) or ["(none)"]
     with gr.Row():
-        gr.Dataframe(
-            metrics_rows(service.metrics),
-            headers=["metric", "value"],
-            interactive=False,
-            label="metrics.json of the run",
-        )
-        gr.Gallery(value=run_plots(service), label="Plots of the run", columns=2, height=420)
+        with gr.Column():
+            chosen = gr.Dropdown(
+                names, value=names[0], label="Evaluated set (`retrieval evaluate RUN IMAGES` adds one)"
+            )
+            source = gr.Markdown(on.metric_source(names[0]))
+            table = gr.Dataframe(
+                metrics_rows(service.metric_sets.get(names[0])), headers=["metric", "value"], interactive=False
+            )
+        gr.Gallery(value=run_plots(service), label="Plots of the run (its latest evaluation)", columns=2, height=420)
+    chosen.change(on.metric_set, chosen, [table, source], api_name=False)
     evaluate_button = gr.Button("Evaluate the index's labeled items now (leave-one-out)")
     with gr.Row():
         evaluated = gr.Dataframe(headers=["metric", "value"], interactive=False, label="Evaluation of the index")
@@ -402,6 +406,18 @@ class Handlers:
         except RetrievalError as error:
             raise refused(str(error)) from None
         return metrics_rows(evaluation.metrics), [(str(path), path.stem.replace("_", " ")) for path in plots]
+
+    def metric_set(self, name: str) -> tuple[list[list[str]], str]:
+        """One evaluated set's metrics as table rows, and where they come from."""
+        return metrics_rows(self.service.metric_sets.get(name)), self.metric_source(name)
+
+    def metric_source(self, name: str) -> str:
+        """A line saying what a set of metrics was measured on: protocol, images, query count."""
+        metrics = self.service.metric_sets.get(name)
+        if not metrics:
+            return "No evaluation yet: run `retrieval evaluate RUN IMAGES`, or evaluate the index below."
+        where = metrics.get("images") or f"{metrics.get('queries', '')} against {metrics.get('gallery', '')}"
+        return f"**{name}**: {metrics.get('protocol', '')} over `{where}`, {metrics.get('num_queries', '?')} queries"
 
     def embedding_map(self, projection: str) -> str:
         return str(self.service.embedding_map(projection).image)

@@ -30,7 +30,7 @@ from retrieval.data import Item, Skipped, decode_image, read_image_bytes
 from retrieval.embedders import OnnxEmbedder
 from retrieval.errors import ImageError, RetrievalError
 from retrieval.evaluation import Evaluation, evaluate_embedded, write_plots
-from retrieval.runs import RunDir, read_json, write_atomic
+from retrieval.runs import RunDir, write_atomic
 
 THUMBNAIL = 256  # longest side of the thumbnails the app serves, in pixels
 BROWSE_LIMIT = 200  # thumbnails shown for one label
@@ -95,10 +95,15 @@ class SearchService:
         self._cache = cache
         self._making_cache = threading.Lock()
         self.uploads = self.index_dir.parent / "uploads"  # where images added through the app are kept
-        self.metrics = read_json(run.metrics) if run.metrics.is_file() else None
+        self.metric_sets = run.saved_metrics()  # every evaluated set, the latest first
         self._reload = threading.Lock()
         self._snapshot = self._load()
         self._maps: dict[tuple[tuple[int, int], str], EmbeddingMap] = {}
+
+    @property
+    def metrics(self) -> dict | None:
+        """The metrics of the latest evaluation of the run (metrics.json), if any."""
+        return next(iter(self.metric_sets.values()), None)
 
     @property
     def cache(self) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,26 @@ class RunDir:
         return self.root / "metrics.json"
 
     @property
+    def metric_sets(self) -> Path:
+        """One metrics file per evaluated source and protocol (metrics.json is a copy of the latest)."""
+        return self.root / "metrics"
+
+    def save_metrics(self, name: str, metrics: dict) -> Path:
+        """Writes metrics as RUN/metrics/<name>.json and as the latest, RUN/metrics.json; returns the first."""
+        path = self.metric_sets / f"{metric_set_name(name)}.json"
+        write_json(path, metrics)
+        write_json(self.metrics, metrics)
+        return path
+
+    def saved_metrics(self) -> dict[str, dict]:
+        """Every evaluated set's metrics by name, the latest first ("latest" alone for a run evaluated before sets)."""
+        paths = sorted(self.metric_sets.glob("*.json"), key=lambda path: path.stat().st_mtime_ns, reverse=True)
+        sets = {path.stem: read_json(path) for path in paths}
+        if not sets and self.metrics.is_file():
+            sets["latest"] = read_json(self.metrics)
+        return sets
+
+    @property
     def plots(self) -> Path:
         return self.root / "plots"
 
@@ -89,6 +110,11 @@ class RunDir:
                 f"{self.root}: no exported model (model.onnx + model.json); run `retrieval export {self.root}` first"
             )
         return self.model
+
+
+def metric_set_name(text: str) -> str:
+    """A name for an evaluated set that is safe as a file name: letters, digits, dot, dash and underscore."""
+    return re.sub(r"[^\w.-]+", "-", text).strip(".-") or "set"
 
 
 def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:

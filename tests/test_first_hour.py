@@ -218,3 +218,28 @@ def test_serve_says_where_the_app_is_without_gradios_launch_advice(demo_run: Run
     rest = server.communicate(timeout=60)[0]
     assert first.strip() == f"serving the search app at http://127.0.0.1:{port}  (Ctrl+C to stop)"
     assert "share=True" not in first + rest and "Traceback" not in rest and server.returncode == 0
+
+
+def test_each_evaluated_set_keeps_its_metrics_and_the_app_shows_them_all(demo_run: RunDir, small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    from app.server import Handlers
+    from retrieval.commands import main
+    from retrieval.runs import read_json
+
+    run = RunDir(tmp_path / "run")
+    shutil.copytree(demo_run.root, run.root)
+    test_set = demo_run.root / "demo-test.csv"
+    assert main(["evaluate", str(run.root), str(test_set)]) == 0
+    assert main(["evaluate", str(run.root), str(small_folder)]) == 0  # a scratch folder, evaluated last
+    assert f"wrote {run.root / 'metrics' / 'images.json'}" in " ".join(capsys.readouterr().out.split())
+    sets = {path.stem: read_json(path) for path in (run.root / "metrics").glob("*.json")}
+    assert {"demo-test", "images", "icons-demo-test"} <= set(sets)
+    assert read_json(run.metrics) == sets["images"]  # metrics.json: the latest
+    service = SearchService(run)
+    try:
+        assert list(service.metric_sets)[0] == "images" and service.metrics == sets["images"]
+        rows, source = Handlers(service).metric_set("demo-test")
+        assert ["num_queries", str(sets["demo-test"]["num_queries"])] in rows and str(test_set) in source
+    finally:
+        service.close()

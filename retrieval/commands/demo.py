@@ -119,7 +119,7 @@ def run_demo(run: RunDir, epochs: int | None = None, classes: int | None = None,
     build_index(embedder, test, run.index, rebuild=True, progress=progress)
     step("evaluate leave-one-out on the test classes, and a raw-pixel baseline", 4)
     evaluation = evaluate_collection(embedder, test, progress=progress)
-    write_json(run.metrics, evaluation.metrics)
+    run.save_metrics(f"icons-{Path(test_source).stem}", evaluation.metrics)
     write_plots(evaluation, run.plots)
     baseline = evaluate_collection(PixelEmbedder(16), test, progress=progress).metrics
     write_json(run.root / "baseline_metrics.json", baseline)

@@ -35,7 +35,11 @@ def evaluate(
     benchmark: BenchmarkOption = None,
     compare: Annotated[Path | None, typer.Option("--compare", help=COMPARE_HELP, show_default=False)] = None,
 ) -> None:
-    """Score retrieval on labeled images; writes RUN/metrics.json and RUN/plots/ (and RUN/comparison.json)."""
+    """Score retrieval on labeled images; writes RUN/metrics/<set>.json, RUN/metrics.json (the latest), RUN/plots/.
+
+    Each evaluated source and protocol keeps its own file, named after it (IMAGES' name, Q-vs-G,
+    the benchmark's); the app shows them side by side. With --compare, also RUN/comparison.json.
+    """
     from retrieval.evaluation import write_plots
 
     ks = parse_ks(k)
@@ -44,7 +48,7 @@ def evaluate(
     evaluation = _score(run, sources, ks, split_classes, seed)
     if benchmark:
         evaluation.metrics["benchmark"] = benchmark
-    write_json(run_dir.metrics, evaluation.metrics)
+    saved = run_dir.save_metrics(_set_name(images, query, gallery, split_classes, seed, benchmark), evaluation.metrics)
     write_plots(evaluation, run_dir.plots)
     report_skipped(evaluation.skipped, None)
     columns = {run_dir.root.name: evaluation.metrics}
@@ -53,9 +57,25 @@ def evaluate(
             run_dir, compare, evaluation.metrics, _score(compare, sources, ks, split_classes, seed).metrics
         )
     console.print(metrics_table(columns))
-    console.print(
-        f"wrote {run_dir.metrics}{' and comparison.json' if compare else ''} and the plots in {run_dir.plots}"
-    )
+    also = " and comparison.json" if compare else ""
+    console.print(f"wrote {saved} (also as {run_dir.metrics}){also} and the plots in {run_dir.plots}", soft_wrap=True)
+
+
+def _set_name(
+    images: Path | None,
+    query: Path | None,
+    gallery: Path | None,
+    split_classes: float,
+    seed: int,
+    benchmark: str | None,
+) -> str:
+    """What the evaluated set is called in RUN/metrics/: its source, and the protocol when it is not the default."""
+    if benchmark:
+        return f"{benchmark}-test"
+    if images is None:
+        return f"{Path(str(query)).stem}-vs-{Path(str(gallery)).stem}"
+    name = Path(images).stem if Path(images).suffix else Path(images).name
+    return f"{name}-classes{split_classes:g}-seed{seed}" if split_classes else name
 
 
 def _sources(
