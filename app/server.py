@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import html
+import inspect
 import ipaddress
+import json
 import logging
 import os
 import re
@@ -44,6 +47,59 @@ ANALYTICS_EVENTS = (
 TRIM_VARIABLE = "RETRIEVAL_TRIM_SECONDS"  # how often freed heap memory is handed back to the system (0: never)
 TRIM_SECONDS = 10.0
 _trimmer: threading.Thread | None = None  # one per process, however many apps it launches
+
+
+# Captions wrap instead of being cut; a hit is framed green, a miss red; a result clicked (searched with) is not left
+# highlighted in the results it brings; the map names the point under the pointer.
+CSS = """
+#results .caption-label {
+    white-space: normal !important; overflow: visible !important; text-overflow: clip !important;
+    max-width: 100% !important;
+}
+#results .thumbnail-item.selected {
+    --ring-color: transparent !important; border-color: var(--border-color-primary) !important;
+}
+.thumbnail-item.result-hit { outline: 4px solid #16a34a; outline-offset: -4px; }
+.thumbnail-item.result-miss { outline: 4px solid #dc2626; outline-offset: -4px; }
+#map-tooltip { position: fixed; z-index: 1000; pointer-events: none; background: #111827; color: white;
+    padding: 2px 6px; border-radius: 4px; font-size: 12px; display: none; }
+"""
+HEAD = """
+<script>
+(() => {
+  const mark = () => document.querySelectorAll("#results .thumbnail-item").forEach((item) => {
+    const caption = (item.querySelector(".caption-label") || {}).textContent || "";
+    item.classList.toggle("result-hit", caption.startsWith("HIT"));
+    item.classList.toggle("result-miss", caption.startsWith("miss"));
+  });
+  new MutationObserver(mark).observe(document.documentElement, {subtree: true, childList: true, characterData: true});
+  document.addEventListener("mousemove", (event) => {
+    let tip = document.getElementById("map-tooltip");
+    if (!tip) { tip = document.createElement("div"); tip.id = "map-tooltip"; document.body.appendChild(tip); }
+    const image = event.target.closest ? event.target.closest("#map img") : null;
+    const data = document.getElementById("map-points");
+    if (!image || !data || !image.naturalWidth) { tip.style.display = "none"; return; }
+    const box = image.getBoundingClientRect();
+    const x = (event.clientX - box.left) * image.naturalWidth / box.width;
+    const y = (event.clientY - box.top) * image.naturalHeight / box.height;
+    let best = null, distance = 144;
+    for (const [px, py, text] of JSON.parse(data.dataset.points)) {
+      const gap = (px - x) ** 2 + (py - y) ** 2;
+      if (gap < distance) { distance = gap; best = text; }
+    }
+    tip.textContent = best || "";
+    tip.style.display = best ? "block" : "none";
+    tip.style.left = `${event.clientX + 12}px`;
+    tip.style.top = `${event.clientY + 12}px`;
+    image.title = best || "";
+  });
+})();
+</script>
+"""
+
+
+STYLE = {"css": CSS, "head": HEAD}
+STYLE_AT_LAUNCH = "css" in inspect.signature(gr.Blocks.launch).parameters  # Gradio 6 takes them there, 5 in Blocks()
 
 
 class QueryImage(gr.Image):
@@ -194,7 +250,7 @@ def build_app(service: SearchService, max_batch: int = MAX_BATCH) -> gr.Blocks:
         "concurrency_limit": concurrency,
         "concurrency_id": "embed",
     }
-    with gr.Blocks(title="retrieval · image search") as demo:
+    with gr.Blocks(title="retrieval · image search", **({} if STYLE_AT_LAUNCH else STYLE)) as demo:
         gr.Markdown(
             "# Image search\nRun "
             f"`{service.run.root}` · "
@@ -211,11 +267,11 @@ def build_app(service: SearchService, max_batch: int = MAX_BATCH) -> gr.Blocks:
             with gr.Tab("Metrics", id="metrics"):
                 metrics_tab(on)
             with gr.Tab("Embedding map", id="map"):
-                map_image, projection = map_tab(on)
+                map_image, shown_map = map_tab(on, labels)
         for gallery in (tab.results, tab.picker, browsed):
             picked = gallery.select(on.pick, None, [tab.query, tab.query_label, tabs], api_name=False)
             picked.then(on.search_batch, tab.inputs, tab.outputs, api_name=False, **searching)
-        picked = map_image.select(on.pick_on_map, projection, [tab.query, tab.query_label, tabs], api_name=False)
+        picked = map_image.select(on.pick_on_map, shown_map, [tab.query, tab.query_label, tabs], api_name=False)
         picked.then(on.search_batch, tab.inputs, tab.outputs, api_name=False, **searching)
     return demo
 
@@ -259,6 +315,7 @@ def search_tab(on: Handlers, labels: list[str], searching: dict) -> SearchTab:
     picker = gr.Gallery(
         value=item_gallery(service, service.samples()),
         label="One image per label (click to search with it)",
+        elem_id="picker",
         columns=10,
         height=300,
         allow_preview=False,
@@ -275,12 +332,27 @@ def browse_tab(on: Handlers, labels: list[str]) -> gr.Gallery:
     service = on.service
     with gr.Row():
         with gr.Column(scale=1):
-            counts = gr.Dataframe(on.label_table(), headers=["label", "items"], interactive=False, label="Labels")
-        with gr.Column(scale=2):
-            browse_label = gr.Dropdown(
-                labels, label=f"Label (up to {BROWSE_LIMIT} shown; click an image to search with it)"
+            counts = gr.Dataframe(
+                on.label_table(),
+                headers=["label", "items"],
+                interactive=False,
+                label="Labels (click one to browse it)",
+                column_widths=["75%", "25%"],
+                elem_id="labels",
             )
-            browsed = gr.Gallery(label="Items", columns=8, height=420, allow_preview=False)
+        with gr.Column(scale=2):
+            first = next((label for label, _ in service.label_counts() if label), None)  # the table's first row
+            browse_label = gr.Dropdown(
+                labels, value=first, label=f"Label (up to {BROWSE_LIMIT} shown; click an image to search with it)"
+            )
+            browsed = gr.Gallery(
+                on.browse(first) if first else None,
+                label="Items",
+                columns=8,
+                height=420,
+                allow_preview=False,
+                elem_id="browsed",
+            )
     with gr.Group(visible=service.allow_write):
         gr.Markdown("### Add and remove (started with `--allow-write`)")
         with gr.Row():
@@ -293,6 +365,7 @@ def browse_tab(on: Handlers, labels: list[str]) -> gr.Gallery:
         write_message = gr.Markdown()
     gr.Button(visible=False).click(on.label_table, None, counts, api_name="labels")
     browse_label.change(on.browse, browse_label, browsed, api_name="browse")
+    counts.select(on.label_of_row, None, browse_label, api_name=False)
     if service.allow_write:
         add_button.click(on.add, [uploads, new_label], [write_message, counts], api_name="add", concurrency_limit=1)
         remove_button.click(on.remove, remove_ids, [write_message, counts], api_name="remove", concurrency_limit=1)
@@ -312,24 +385,42 @@ def metrics_tab(on: Handlers) -> None:
             table = gr.Dataframe(
                 metrics_rows(service.metric_sets.get(names[0])), headers=["metric", "value"], interactive=False
             )
-        gr.Gallery(value=run_plots(service), label="Plots of the run (its latest evaluation)", columns=2, height=420)
+        gr.Gallery(
+            value=run_plots(service),
+            label="Plots of the run (its latest evaluation)",
+            columns=2,
+            height="auto",
+            object_fit="contain",
+            elem_id="run-plots",
+        )
     chosen.change(on.metric_set, chosen, [table, source], api_name=False)
     evaluate_button = gr.Button("Evaluate the index's labeled items now (leave-one-out)")
     with gr.Row():
         evaluated = gr.Dataframe(headers=["metric", "value"], interactive=False, label="Evaluation of the index")
-        evaluated_plots = gr.Gallery(label="Its plots", columns=2, height=420)
+        evaluated_plots = gr.Gallery(label="Its plots", columns=2, height="auto", object_fit="contain")
     evaluate_button.click(on.evaluate, None, [evaluated, evaluated_plots], api_name="evaluate", concurrency_limit=1)
 
 
-def map_tab(on: Handlers) -> tuple[gr.Image, gr.Radio]:
-    """The gallery's embeddings drawn in 2-D; returns the map (a click on it searches) and the projection."""
-    projection = gr.Radio(["pca", "tsne"], value="pca", label="Projection")
+def map_tab(on: Handlers, labels: list[str]) -> tuple[gr.Image, list]:
+    """The gallery's embeddings in 2-D, the label and file under the pointer, one label to highlight; returns the
+    map (a click on it searches) and the inputs that say which map is shown."""
+    with gr.Row():
+        projection = gr.Radio(["pca", "tsne"], value="pca", label="Projection")
+        highlight = gr.Dropdown(
+            labels, value=None, label="Highlight a label (type to find it)", allow_custom_value=False
+        )
     draw = gr.Button("Draw the map")
     map_image = gr.Image(
-        label="Gallery embeddings (click a point to search with it)", interactive=False, type="filepath", elem_id="map"
+        label="Gallery embeddings (point at a dot to see its label and file; click it to search with it)",
+        interactive=False,
+        type="filepath",
+        elem_id="map",
     )
-    draw.click(on.embedding_map, projection, map_image, api_name="embedding_map", concurrency_limit=1)
-    return map_image, projection
+    points = gr.HTML(elem_id="map-points-holder")
+    drawn = draw.click(on.embedding_map, projection, map_image, api_name="embedding_map", concurrency_limit=1)
+    drawn.then(on.map_view, [projection, highlight], [map_image, points], api_name=False, concurrency_limit=1)
+    highlight.change(on.map_view, [projection, highlight], [map_image, points], api_name=False, concurrency_limit=1)
+    return map_image, [projection, highlight]
 
 
 class Handlers:
@@ -386,9 +477,9 @@ class Handlers:
         path, label = self.choose(caption_id((event.value or {}).get("caption")))
         return path, label, gr.Tabs(selected="search")
 
-    def pick_on_map(self, projection: str, event: gr.SelectData) -> tuple[str, str, gr.Tabs]:
+    def pick_on_map(self, projection: str, highlight: str | None, event: gr.SelectData) -> tuple[str, str, gr.Tabs]:
         x, y = event.index
-        item_id = self.service.embedding_map(projection).pick(float(x), float(y))
+        item_id = self.service.embedding_map(projection, highlight or None).pick(float(x), float(y))
         if item_id is None:
             raise refused("no gallery item there: click on a point")
         path, label = self.choose(item_id)
@@ -421,6 +512,24 @@ class Handlers:
 
     def embedding_map(self, projection: str) -> str:
         return str(self.service.embedding_map(projection).image)
+
+    def map_view(self, projection: str, highlight: str | None) -> tuple[str, str]:
+        """The map with its label highlighted, and each point's pixel, label and file for the pointer's tooltip."""
+        shown = self.service.embedding_map(projection, highlight or None)
+        items = self.service.items
+        points = [
+            [round(float(x), 1), round(float(y), 1), f"{items[int(i)].label} · {items[int(i)].path.name} · id {int(i)}"]
+            for i, (x, y) in zip(shown.ids, shown.pixels)
+            if int(i) in items
+        ]
+        data = html.escape(json.dumps(points), quote=True)
+        return str(shown.image), f'<div id="map-points" data-points="{data}" style="display:none"></div>'
+
+    def label_of_row(self, event: gr.SelectData) -> str:
+        """The label of the row clicked in the labels table (the Browse tab then shows its items)."""
+        row = event.index[0] if isinstance(event.index, (list, tuple)) else event.index
+        label = self.label_table()[int(row)][0]
+        return "" if label == "(unlabeled)" else label
 
     def add(self, files: list[str] | None, label: str | None) -> tuple[str, list[list]]:
         if not files:
@@ -518,6 +627,7 @@ def launch(
     demo = build_app(service, max_batch)
     release_memory_periodically()
     settings = {"auth": credentials, "allowed_paths": [str(service.cache)], "max_file_size": max_upload.lower()}
+    settings.update(STYLE if STYLE_AT_LAUNCH else {})
     try:  # quiet: Gradio's own lines speak of launch() and share=True, which mean nothing on the command line
         demo.queue(default_concurrency_limit=1).launch(
             server_name=host,

@@ -9,6 +9,7 @@ The index is reloaded when a writer (this app, or a `retrieval index` job) has r
 
 from __future__ import annotations
 
+import hashlib
 import io
 import shutil
 import tempfile
@@ -98,7 +99,8 @@ class SearchService:
         self.metric_sets = run.saved_metrics()  # every evaluated set, the latest first
         self._reload = threading.Lock()
         self._snapshot = self._load()
-        self._maps: dict[tuple[tuple[int, int], str], EmbeddingMap] = {}
+        self._maps: dict[tuple[tuple[int, int], str, str | None], EmbeddingMap] = {}
+        self._projections: dict[tuple[tuple[int, int], str], np.ndarray] = {}  # a t-SNE is drawn, highlighted, again
 
     @property
     def metrics(self) -> dict | None:
@@ -262,25 +264,29 @@ class SearchService:
         folder = self.cache / "evaluations" / str(time.time_ns())
         return evaluation, write_plots(evaluation, folder)
 
-    def embedding_map(self, method: str = "pca") -> EmbeddingMap:
-        """The gallery (a seeded sample above MAP_POINTS) in 2-D by PCA or t-SNE, coloured by label."""
+    def embedding_map(self, method: str = "pca", highlight: str | None = None) -> EmbeddingMap:
+        """The gallery (a seeded sample above MAP_POINTS) in 2-D by PCA or t-SNE, coloured by label.
+
+        highlight: one label drawn large in red over the others in grey.
+        """
         from retrieval.plots import plot_embedding_map
 
         snapshot = self.snapshot
-        key = (snapshot.stamp, method)
+        key = (snapshot.stamp, method, highlight)
         if key not in self._maps:
             ids = np.array(sorted(snapshot.items), dtype=np.int64)
             if len(ids) > MAP_POINTS:
                 ids = np.sort(np.random.default_rng(0).choice(ids, MAP_POINTS, replace=False))
-            points = project_2d(snapshot.index.vectors_of(ids.tolist()), method)
-            target = self.cache / "maps" / f"{snapshot.stamp[0]}-{snapshot.stamp[1]}-{method}.png"
-            pixels = plot_embedding_map(
-                points,
-                [snapshot.items[int(i)].label for i in ids],
-                target,
-                f"{method.upper()} of {len(ids):,} gallery items",
-            )
-            self._maps[key] = EmbeddingMap(target, ids, pixels)
+            points = self._projections.get((snapshot.stamp, method))
+            if points is None:
+                points = self._projections[(snapshot.stamp, method)] = project_2d(
+                    snapshot.index.vectors_of(ids.tolist()), method
+                )
+            name = f"{snapshot.stamp[0]}-{snapshot.stamp[1]}-{method}-{_folder_safe(highlight)}.png"
+            labels = [snapshot.items[int(i)].label for i in ids]
+            title = f"{method.upper()} of {len(ids):,} gallery items"
+            pixels = plot_embedding_map(points, labels, self.cache / "maps" / name, title, highlight=highlight)
+            self._maps[key] = EmbeddingMap(self.cache / "maps" / name, ids, pixels)
         return self._maps[key]
 
     def close(self) -> None:
@@ -322,6 +328,11 @@ def worded(result: QueryResult, label: str, batch: int) -> SearchResult:
             f"hits, first hit at rank {first}"
         )
     return SearchResult(result.hits, summary + "".join(f" ({note})" for note in result.notes), label)
+
+
+def _folder_safe(label: str | None) -> str:
+    """A label as part of a file name (any label, also one with separators)."""
+    return "all" if label is None else hashlib.sha256(label.encode()).hexdigest()[:12]
 
 
 def _stamp(directory: Path) -> tuple[int, int] | None:

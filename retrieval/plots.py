@@ -227,11 +227,17 @@ def plot_diagnostics(metrics: dict, target: Path) -> Path:
 
 
 def plot_embedding_map(
-    points: np.ndarray, labels: Sequence[str], target: Path, title: str, legend_limit: int = 20
+    points: np.ndarray,
+    labels: Sequence[str],
+    target: Path,
+    title: str,
+    legend_limit: int = 20,
+    highlight: str | None = None,
 ) -> np.ndarray:
     """Draws 2-D points coloured by label (a legend up to legend_limit labels) and returns each point's
     position in the PNG's pixels (x right, y down), so that a click on the image can be mapped to a point.
 
+    highlight: one label drawn large in red over the others in grey (the way to find a label among many).
     Uses a Figure of its own rather than pyplot, so that server threads can draw at the same time.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -241,13 +247,19 @@ def plot_embedding_map(
     canvas = FigureCanvasAgg(figure)
     axis = figure.add_subplot()
     names, codes = np.unique(np.asarray(labels, dtype=str), return_inverse=True)
-    colours = matplotlib.colormaps["tab20"](codes % 20)
-    axis.scatter(points[:, 0], points[:, 1], c=colours, s=14, linewidths=0)
-    if len(names) <= legend_limit:
-        for code, name in enumerate(names):
-            axis.scatter(
-                [], [], color=matplotlib.colormaps["tab20"](code % 20), label=_shorten(name or "(unlabeled)"), s=14
-            )
+    if highlight is None:
+        axis.scatter(points[:, 0], points[:, 1], c=matplotlib.colormaps["tab20"](codes % 20), s=14, linewidths=0)
+    else:
+        chosen = np.asarray(labels, dtype=str) == highlight
+        axis.scatter(points[~chosen, 0], points[~chosen, 1], color="#c8c8c8", s=10, linewidths=0, label="other labels")
+        axis.scatter(
+            points[chosen, 0], points[chosen, 1], color="#d62728", s=40, linewidths=0, label=_shorten(highlight)
+        )
+    if highlight is not None or len(names) <= legend_limit:
+        if highlight is None:
+            for code, name in enumerate(names):
+                colour = matplotlib.colormaps["tab20"](code % 20)
+                axis.scatter([], [], color=colour, label=_shorten(name or "(unlabeled)"), s=14)
         axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     axis.set_title(f"{title} · {len(names)} labels · click a point to search with it", fontsize=9)
     axis.set_xticks([])
