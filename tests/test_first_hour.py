@@ -243,3 +243,15 @@ def test_each_evaluated_set_keeps_its_metrics_and_the_app_shows_them_all(demo_ru
         assert ["num_queries", str(sets["demo-test"]["num_queries"])] in rows and str(test_set) in source
     finally:
         service.close()
+
+
+def test_the_depth_field_says_what_zero_means(demo_run: RunDir) -> None:
+    from app.server import BoundedNumber, build_app
+
+    service = SearchService(demo_run)
+    try:
+        with build_app(service) as blocks:
+            fields = [block for block in blocks.blocks.values() if isinstance(block, BoundedNumber)]
+        assert fields and all(not field.label.endswith(" )") and "0: " in field.label for field in fields), [f.label for f in fields]
+    finally:
+        service.close()
