@@ -12,8 +12,8 @@ from rich.table import Table
 from retrieval.data import Skipped
 from retrieval.errors import RetrievalError
 
-console = Console()
-errors = Console(stderr=True)
+console = Console(soft_wrap=True)  # lines of text keep their paths whole; tables still fit the width
+errors = Console(stderr=True, soft_wrap=True)
 
 RUN_HELP = "Run directory (holds config, checkpoints, model.onnx, index/)."
 DATA_HELP = (
