@@ -172,16 +172,17 @@ class TrainerState:
 
 
 def saved_record(path: Path) -> dict | None:
-    """The progress record (epoch, batch, ...) in a trainer state's header, read without its tensors; None if absent."""
+    """The progress record (epoch, batch, ...) of a trainer state, checked against its seal; None if there is none.
+
+    A damaged file raises RetrievalError naming it (read_sealed), as resuming from it would.
+    """
     if not path.is_file():
         return None
+    _, metadata = read_sealed(path)
     try:
-        with open(path, "rb") as handle:
-            size = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(size))
-        return json.loads(header["__metadata__"]["record"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # damaged: TrainerState.load says so when it is resumed
+        return json.loads(metadata["record"])
+    except (KeyError, ValueError):
+        raise RetrievalError(f"{path}: has no progress record; start the run again with --overwrite") from None
 
 
 def load_encoder(run: RunDir) -> tuple[Encoder, TrainConfig]:

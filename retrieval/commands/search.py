@@ -37,8 +37,8 @@ def search(
 ) -> None:
     """Print the k nearest gallery images to a query image, or to an indexed item (--id).
 
-    On a terminal, a table with paths under the folder all hits share; piped or redirected, one
-    tab-separated line per hit with full paths; with --json, JSON.
+    On a terminal, a table with paths under the folder all hits share; piped or redirected, a
+    "# nearest to" line, then one tab-separated line per hit with full paths; with --json, JSON.
     """
     from index.backends import open_index
     from index.search import Query, search_images, search_item
@@ -65,6 +65,7 @@ def search(
     elif console.is_terminal:
         console.print(_table(rows, f"nearest to {image if image is not None else f'item {item_id}'}"))
     else:
+        print(f"# nearest to {image if image is not None else f'item {item_id}'}")
         print("\t".join(("rank", "id", "similarity", "label", "path")))
         for row in rows:
             print(f"{row['rank']}\t{row['id']}\t{row['score']:.4f}\t{row['label']}\t{row['path']}")

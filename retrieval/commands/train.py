@@ -135,8 +135,8 @@ NOT_CONFIG = ("data", "run", "resume", "overwrite")
 
 def _refuse_existing(run: RunDir, overwrite: bool) -> None:
     """A run directory that holds a run is continued (--resume) or started over (--overwrite), never silently."""
-    if overwrite or not run.config.is_file():
-        return
+    if overwrite or not (run.trainer_state.is_file() or run.last_checkpoint.is_file()):
+        return  # nothing trained yet (a run killed before its first save): nothing to lose
     trained = len(run.train_log.read_text(encoding="utf-8").splitlines()) if run.train_log.is_file() else 0
     raise RetrievalError(
         f"{run.root} already holds a run ({trained} epoch(s) trained); continue it with "

@@ -154,7 +154,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_artifact(
         expect_error(["index", str(run.root), str(icons_root / "test"), "--rebuild"], capsys, "No space left on device", "previous version is kept")
     else:
         monkeypatch.setattr(retrieval.runs.os, "fsync", disk_full_for(files[artifact].name))
-        command = ["train", str(data), "--run", str(run.root), "--epochs", "1", "--batch-size", "16", "--image-size", "32"] if artifact == "checkpoint" else ["export", str(run.root)]
+        command = ["train", str(data), "--run", str(run.root), "--epochs", "1", "--batch-size", "16", "--image-size", "32", "--overwrite"] if artifact == "checkpoint" else ["export", str(run.root)]
         expect_error(command, capsys, "No space left on device", "previous version is kept")
     monkeypatch.undo()
     assert files[artifact].read_bytes() == before[artifact]
