@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -51,8 +52,23 @@ def page_url(demo_run: RunDir) -> Iterator[tuple[str, SearchService]]:
         service.close()
 
 
+@contextmanager
+def opened(url: str) -> Iterator[object]:
+    """A page of headless Chromium (Debian's, driven by Playwright) showing url; the browser closed after."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(url)
+            yield page
+        finally:
+            browser.close()
+
+
 def test_a_query_uploaded_in_the_browser_shows_its_nearest_neighbour(page_url: tuple[str, SearchService], tmp_path: Path) -> None:
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     url, service = page_url
     item_id, item = next(iter(service.items.items()))
@@ -63,99 +79,87 @@ def test_a_query_uploaded_in_the_browser_shows_its_nearest_neighbour(page_url: t
     expected = service.search(query, k=1).hits[0]
     assert expected.id == item_id
     ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(url)
-            page.locator("#query input[type=file]").set_input_files(str(query))
-            page.locator("#search").click()
-            first = page.locator("#results .caption-label").first
-            expect(first).to_contain_text(f"id {item_id}", timeout=60_000)
-            expect(first).to_contain_text(Path(item.path).name)
-            expect(page.locator("#summary")).to_contain_text("results in")
-            page.screenshot(path=str(ARTIFACTS / "app-search.png"), full_page=True)
-            second = page.locator("#results .caption-label").nth(1).inner_text()
-            page.locator("#results .thumbnail-item").nth(1).click()  # searching with a result: its label is known
-            expect(page.locator("#summary")).to_contain_text(f"label {service.items[int(second.rsplit('id ', 1)[1])].label}", timeout=60_000)
-            page.get_by_role("tab", name="Embedding map").click()
-            page.get_by_role("button", name="Draw the map").click()
-            picture = page.locator("#map img")
-            expect(picture).to_be_visible(timeout=60_000)
-            embedding_map = service.embedding_map("pca")
-            natural = picture.evaluate("image => [image.naturalWidth, image.naturalHeight]")
-            box = picture.bounding_box()
-            gaps = np.linalg.norm(embedding_map.pixels[:, None] - embedding_map.pixels[None], axis=-1) + np.eye(len(embedding_map.ids)) * 1e9
-            loneliest = int(gaps.min(axis=1).argmax())  # a point no other lies close to: the click cannot pick a neighbour
-            x, y = embedding_map.pixels[loneliest]
-            picture.click(position={"x": x * box["width"] / natural[0], "y": y * box["height"] / natural[1]})
-            picked = service.items[int(embedding_map.ids[loneliest])]
-            expect(page.locator("#summary")).to_contain_text(f"label {picked.label}", timeout=60_000)
-            page.screenshot(path=str(ARTIFACTS / "app-map-pick.png"), full_page=True)
-        finally:
-            browser.close()
+    with opened(url) as page:
+        page.locator("#query input[type=file]").set_input_files(str(query))
+        page.locator("#search").click()
+        first = page.locator("#results .caption-label").first
+        expect(first).to_contain_text(f"id {item_id}", timeout=60_000)
+        expect(first).to_contain_text(Path(item.path).name)
+        expect(page.locator("#summary")).to_contain_text("results in")
+        page.screenshot(path=str(ARTIFACTS / "app-search.png"), full_page=True)
+        second = page.locator("#results .caption-label").nth(1).inner_text()
+        page.locator("#results .thumbnail-item").nth(1).click()  # searching with a result: its label is known
+        expect(page.locator("#summary")).to_contain_text(f"label {service.items[int(second.rsplit('id ', 1)[1])].label}", timeout=60_000)
+        page.get_by_role("tab", name="Embedding map").click()
+        page.get_by_role("button", name="Draw the map").click()
+        picture = page.locator("#map img")
+        expect(picture).to_be_visible(timeout=60_000)
+        embedding_map = service.embedding_map("pca")
+        natural = picture.evaluate("image => [image.naturalWidth, image.naturalHeight]")
+        box = picture.bounding_box()
+        gaps = np.linalg.norm(embedding_map.pixels[:, None] - embedding_map.pixels[None], axis=-1) + np.eye(len(embedding_map.ids)) * 1e9
+        loneliest = int(gaps.min(axis=1).argmax())  # a point no other lies close to: the click cannot pick a neighbour
+        x, y = embedding_map.pixels[loneliest]
+        picture.click(position={"x": x * box["width"] / natural[0], "y": y * box["height"] / natural[1]})
+        picked = service.items[int(embedding_map.ids[loneliest])]
+        expect(page.locator("#summary")).to_contain_text(f"label {picked.label}", timeout=60_000)
+        page.screenshot(path=str(ARTIFACTS / "app-map-pick.png"), full_page=True)
 
 
 def test_the_first_hour_in_the_browser(page_url: tuple[str, SearchService], tmp_path: Path) -> None:
     """The label picked before an upload is kept; hits and misses are framed; captions wrap; Browse opens on a label
     and a row of its table browses that label; plots are shown whole; the map highlights a label and names a point."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     url, service = page_url
     item_id, item = next(iter(service.items.items()))
     query = tmp_path / "query.png"
     Image.open(item.path).convert("RGB").save(query)
     ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(url)
-            page.get_by_label("Query label (optional: marks hits and misses)").fill(item.label)
-            page.keyboard.press("Enter")
-            page.locator("#query input[type=file]").set_input_files(str(query))
-            page.locator("#search").click()
-            expect(page.locator("#summary")).to_contain_text(f"label {item.label}", timeout=60_000)  # kept across the upload
-            marked = page.locator("#results .thumbnail-item.result-hit, #results .thumbnail-item.result-miss")
-            expect(marked).to_have_count(10, timeout=10_000)
-            caption = page.locator("#results .caption-label").first
-            assert caption.evaluate("node => getComputedStyle(node).whiteSpace") == "normal"
-            assert caption.evaluate("node => node.scrollWidth <= node.clientWidth + 1")  # the whole caption is shown
-            page.screenshot(path=str(ARTIFACTS / "app-upload-keeps-label.png"), full_page=True)
-            page.locator("#results .thumbnail-item").nth(2).click()
-            expect(page.locator("#summary")).to_contain_text("results in", timeout=60_000)
-            page.wait_for_timeout(1500)
-            rings = page.locator("#results .thumbnail-item.selected").evaluate_all("nodes => nodes.map(node => getComputedStyle(node).getPropertyValue('--ring-color').trim())")
-            assert all(ring == "transparent" for ring in rings), rings
-            page.get_by_role("tab", name="Browse").click()
-            first_label, second_label = [label for label, _ in service.label_counts()][:2]  # the table's order
-            expect(page.locator("#browsed .caption-label").first).to_contain_text(first_label, timeout=30_000)  # not empty on opening
-            header = page.locator("#labels th").nth(1)
-            assert header.evaluate("node => node.scrollWidth <= node.clientWidth + 1")  # "items" is not cut off
-            page.locator("#labels").get_by_text(second_label, exact=True).last.click()
-            expect(page.locator("#browsed .caption-label").first).to_contain_text(second_label, timeout=30_000)
-            page.screenshot(path=str(ARTIFACTS / "app-browse.png"), full_page=True)
-            page.get_by_role("tab", name="Metrics").click()
-            expect(page.locator("#run-plots img").first).to_be_visible(timeout=30_000)
-            fits = page.locator("#run-plots img").evaluate_all("nodes => nodes.map(node => getComputedStyle(node).objectFit)")
-            assert fits and all(fit == "contain" for fit in fits), fits
-            page.screenshot(path=str(ARTIFACTS / "app-metrics.png"), full_page=True)
-            page.get_by_role("tab", name="Embedding map").click()
-            page.get_by_role("button", name="Draw the map").click()
-            picture = page.locator("#map img")
-            expect(picture).to_be_visible(timeout=60_000)
-            page.get_by_label("Highlight a label (type to find it)").fill(item.label)
-            page.keyboard.press("Enter")
-            page.wait_for_timeout(3000)
-            shown = service.embedding_map("pca", item.label)
-            natural = picture.evaluate("image => [image.naturalWidth, image.naturalHeight]")
-            box = picture.bounding_box()
-            position = list(shown.ids).index(item_id)
-            x, y = shown.pixels[position]
-            page.mouse.move(box["x"] + x * box["width"] / natural[0], box["y"] + y * box["height"] / natural[1])
-            tooltip = page.locator("#map-tooltip")
-            expect(tooltip).to_be_visible(timeout=10_000)
-            expect(tooltip).to_contain_text(" · ")
-            page.screenshot(path=str(ARTIFACTS / "app-map-hover.png"), full_page=True)
-        finally:
-            browser.close()
+    with opened(url) as page:
+        page.get_by_label("Query label (optional: marks hits and misses)").fill(item.label)
+        page.keyboard.press("Enter")
+        page.locator("#query input[type=file]").set_input_files(str(query))
+        page.locator("#search").click()
+        expect(page.locator("#summary")).to_contain_text(f"label {item.label}", timeout=60_000)  # kept across the upload
+        marked = page.locator("#results .thumbnail-item.result-hit, #results .thumbnail-item.result-miss")
+        expect(marked).to_have_count(10, timeout=10_000)
+        caption = page.locator("#results .caption-label").first
+        assert caption.evaluate("node => getComputedStyle(node).whiteSpace") == "normal"
+        assert caption.evaluate("node => node.scrollWidth <= node.clientWidth + 1")  # the whole caption is shown
+        page.screenshot(path=str(ARTIFACTS / "app-upload-keeps-label.png"), full_page=True)
+        page.locator("#results .thumbnail-item").nth(2).click()
+        expect(page.locator("#summary")).to_contain_text("results in", timeout=60_000)
+        page.wait_for_timeout(1500)
+        rings = page.locator("#results .thumbnail-item.selected").evaluate_all("nodes => nodes.map(node => getComputedStyle(node).getPropertyValue('--ring-color').trim())")
+        assert all(ring == "transparent" for ring in rings), rings
+        page.get_by_role("tab", name="Browse").click()
+        first_label, second_label = [label for label, _ in service.label_counts()][:2]  # the table's order
+        expect(page.locator("#browsed .caption-label").first).to_contain_text(first_label, timeout=30_000)  # not empty on opening
+        header = page.locator("#labels th").nth(1)
+        assert header.evaluate("node => node.scrollWidth <= node.clientWidth + 1")  # "items" is not cut off
+        page.locator("#labels").get_by_text(second_label, exact=True).last.click()
+        expect(page.locator("#browsed .caption-label").first).to_contain_text(second_label, timeout=30_000)
+        page.screenshot(path=str(ARTIFACTS / "app-browse.png"), full_page=True)
+        page.get_by_role("tab", name="Metrics").click()
+        expect(page.locator("#run-plots img").first).to_be_visible(timeout=30_000)
+        fits = page.locator("#run-plots img").evaluate_all("nodes => nodes.map(node => getComputedStyle(node).objectFit)")
+        assert fits and all(fit == "contain" for fit in fits), fits
+        page.screenshot(path=str(ARTIFACTS / "app-metrics.png"), full_page=True)
+        page.get_by_role("tab", name="Embedding map").click()
+        page.get_by_role("button", name="Draw the map").click()
+        picture = page.locator("#map img")
+        expect(picture).to_be_visible(timeout=60_000)
+        page.get_by_label("Highlight a label (type to find it)").fill(item.label)
+        page.keyboard.press("Enter")
+        page.wait_for_timeout(3000)
+        shown = service.embedding_map("pca", item.label)
+        natural = picture.evaluate("image => [image.naturalWidth, image.naturalHeight]")
+        box = picture.bounding_box()
+        position = list(shown.ids).index(item_id)
+        x, y = shown.pixels[position]
+        page.mouse.move(box["x"] + x * box["width"] / natural[0], box["y"] + y * box["height"] / natural[1])
+        tooltip = page.locator("#map-tooltip")
+        expect(tooltip).to_be_visible(timeout=10_000)
+        expect(tooltip).to_contain_text(" · ")
+        page.screenshot(path=str(ARTIFACTS / "app-map-hover.png"), full_page=True)
