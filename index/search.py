@@ -74,10 +74,9 @@ def search_item(index: GalleryBackend, item_id: int, query: Query = Query()) -> 
     started = time.perf_counter()
     if item_id not in index.rows([item_id]):
         return QueryResult(error=f"no item with id {item_id} in {index.directory}; {IDS_HINT}")
-    if (unknown := unknown_label(index, [query])) is not None:
-        return QueryResult(error=unknown)
-    hits = search_items(index, [item_id], query)[0]
-    return QueryResult(hits, seconds=time.perf_counter() - started)
+    result = QueryResult(search_items(index, [item_id], query)[0], seconds=time.perf_counter() - started)
+    explain_empty(index, [result], [query])
+    return result
 
 
 def search_images(
@@ -87,8 +86,6 @@ def search_images(
     if len(images) != len(queries):
         raise RetrievalError(f"{len(images)} images for {len(queries)} queries")
     started = time.perf_counter()
-    if (unknown := unknown_label(index, queries)) is not None:
-        return [QueryResult(error=unknown) for _ in images]
     results = [QueryResult() for _ in images]
     decoded, digests, good = [], [], []
     for position, path in enumerate(images):
@@ -109,19 +106,25 @@ def search_images(
             results[position].hits = [hit for hit in hits if hit.sha256 != digest][: queries[position].k]
     for result in results:
         result.seconds = time.perf_counter() - started
+    explain_empty(index, results, queries)
     return results
 
 
-def unknown_label(index: GalleryBackend, queries: Sequence[Query]) -> str | None:
-    """Why a label filter of these queries can find nothing (no item has that label, with the closest ones), or None."""
-    wanted = {query.label for query in queries if query.label is not None}
-    if not wanted:
-        return None
-    labels = {label for _, label, _ in index.rows().values()}
-    for label in sorted(wanted - labels):
-        closest = difflib.get_close_matches(label, sorted(labels), n=3, cutoff=0.0)
-        return f"no item of {index.directory} has the label {label!r}; the closest labels are {', '.join(closest)}"
-    return None
+def explain_empty(index: GalleryBackend, results: Sequence[QueryResult], queries: Sequence[Query]) -> None:
+    """Turns an empty result of a label filter into an error when no item has that label, naming the closest ones.
+
+    Only empty results are looked at, so the index's labels are read only when a filter found nothing.
+    """
+    empty = [(result, query) for result, query in zip(results, queries) if not result.hits and result.error is None]
+    if not any(query.label is not None for _, query in empty):
+        return
+    labels = sorted({label for _, label, _ in index.rows().values()})
+    for result, query in empty:
+        if query.label is not None and query.label not in labels:
+            closest = ", ".join(difflib.get_close_matches(query.label, labels, n=3, cutoff=0.0))
+            result.error = (
+                f"no item of {index.directory} has the label {query.label!r}; the closest labels are {closest}"
+            )
 
 
 def _groups(queries: Sequence[Query]) -> dict[tuple[int | None, str | None], list[int]]:

@@ -257,3 +257,15 @@ def test_the_depth_field_says_what_zero_means(demo_run: RunDir) -> None:
         assert fields and all(not field.label.endswith(" )") and "0: " in field.label for field in fields), [f.label for f in fields]
     finally:
         service.close()
+
+
+def test_an_unknown_label_fails_only_its_own_query(demo_run: RunDir) -> None:
+    service = SearchService(demo_run)
+    try:
+        query = first_test_image(demo_run)
+        label = next(iter(service.items.values())).label
+        results = service.search_images([query, query], [3, 3], ["", ""], [None, None], ["no-such-label", label])
+        assert results[0].error and "has the label 'no-such-label'" in results[0].summary
+        assert not results[1].error and len(results[1].hits) == 3
+    finally:
+        service.close()
