@@ -98,16 +98,20 @@ def train(
 ) -> None:
     """Train an embedding model on a labeled image collection (or a benchmark's training split)."""
     given = {name: value for name, value in locals().items() if name not in NOT_CONFIG and value is not None}
+    run_training(data, RunDir(run), resume, overwrite, given)
+
+
+def run_training(data: Path | None, run_dir: RunDir, resume: bool, overwrite: bool, given: dict) -> None:
+    """Builds the run's TrainConfig (its own, to resume) from the options given, trains, and reports."""
     require("torch", "train")
     from training.config import TrainConfig
-    from training.loop import train as run_training
+    from training.loop import train
 
-    run_dir = RunDir(run)
     if resume:
         config = TrainConfig.from_dict(read_json(run_dir.config))
         if data is not None and Path(config.data) != data.expanduser().resolve():
             raise RetrievalError(
-                f"--resume continues {run} on its own data ({config.data}); leave DATA out or give that path"
+                f"--resume continues {run_dir.root} on its own data ({config.data}); leave DATA out or give that path"
             )
         _refuse_finished(run_dir, config)
     else:
@@ -118,7 +122,7 @@ def train(
         _refuse_existing(run_dir, overwrite)
         config = TrainConfig(data=str(data.expanduser().resolve()), **given)
     try:
-        result = run_training(config, run_dir, resume=resume)
+        result = train(config, run_dir, resume=resume)
     except KeyboardInterrupt:
         _interrupted(run_dir)
     if not result.reporting:
