@@ -124,28 +124,25 @@ def refused(message: str) -> gr.Error:
     return gr.Error(message, print_exception=False)
 
 
-class BoundedSlider(gr.Slider):
-    """gr.Slider whose out-of-range values (an API call with k=0) are refused in one log line, not a traceback."""
+class _RefusedQuietly:
+    """A mixin for input components: a value out of their range (an API call with k=0) is refused in one log line,
+    not a traceback."""
 
-    is_template = True  # drawn by the frontend's Slider component
-
-    def preprocess(self, payload: float) -> float:
-        try:
-            return super().preprocess(payload)
-        except gr.Error as error:
-            raise refused(error.message) from None
-
-
-class BoundedNumber(gr.Number):
-    """gr.Number whose out-of-range values are refused in one log line, not a traceback."""
-
-    is_template = True  # drawn by the frontend's Number component
+    is_template = True  # drawn by the frontend's component of the class it is mixed into
 
     def preprocess(self, payload: float | None) -> float | int | None:
         try:
-            return super().preprocess(payload)
+            return super().preprocess(payload)  # type: ignore[misc]
         except gr.Error as error:
             raise refused(error.message) from None
+
+
+class BoundedSlider(_RefusedQuietly, gr.Slider):
+    """gr.Slider, refusing out-of-range values quietly."""
+
+
+class BoundedNumber(_RefusedQuietly, gr.Number):
+    """gr.Number, refusing out-of-range values quietly."""
 
 
 def result_gallery(service: SearchService, result: SearchResult) -> list[tuple[str, str]]:

@@ -278,6 +278,7 @@ class Trainer:
         run = self.run
         if resume:
             self.record = self.state.load()
+            self._refuse_finished()
             if self.ranks.is_main:
                 lines = (
                     run.train_log.read_text(encoding="utf-8").splitlines()[: self.record["epoch"]]
@@ -292,6 +293,15 @@ class Trainer:
             run.best_checkpoint.unlink(
                 missing_ok=True
             )  # a best checkpoint of an earlier run would be taken for this one's
+
+    def _refuse_finished(self) -> None:
+        """A resumed run with nothing left to do (all epochs, or stopped early) says so instead of training nothing."""
+        record, epochs, patience = self.record, self.config.epochs, self.config.patience
+        if record["epoch"] >= epochs or (patience and record["stale_epochs"] >= patience):
+            raise RetrievalError(
+                f"{self.run.root} is finished ({record['epoch']} of {epochs} epochs trained): nothing to resume; "
+                f"export it with `retrieval export {self.run.root}`, or train more in a new run"
+            )
 
     def epoch(self, epoch: int) -> float:
         """One pass over the batches, then checkpoint, validation, log and trainer state; returns the loss."""

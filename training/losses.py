@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.nn import functional as F
 
 from retrieval.errors import RetrievalError
@@ -33,12 +33,8 @@ class SupConLoss(nn.Module):
         self.temperature = temperature
 
     def forward(
-        self,
-        embeddings: torch.Tensor,
-        labels: torch.Tensor,
-        queue: torch.Tensor | None = None,
-        queue_labels: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        self, embeddings: Tensor, labels: Tensor, queue: Tensor | None = None, queue_labels: Tensor | None = None
+    ) -> Tensor:
         z = F.normalize(embeddings.float(), dim=1)
         keys, key_labels = _queue_keys(queue, queue_labels, z, "SupConLoss")
         all_labels = torch.cat([labels, key_labels]) if len(keys) else labels
@@ -141,12 +137,8 @@ class InfoNCELoss(nn.Module):
         self.temperature = temperature
 
     def forward(
-        self,
-        embeddings: torch.Tensor,
-        labels: torch.Tensor,
-        queue: torch.Tensor | None = None,
-        queue_labels: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        self, embeddings: Tensor, labels: Tensor, queue: Tensor | None = None, queue_labels: Tensor | None = None
+    ) -> Tensor:
         z, positives, negatives = _normalised_pairs(embeddings, labels, "InfoNCELoss")
         logits = z @ z.T / self.temperature
         negative_logits = logits.masked_fill(~negatives, float("-inf"))

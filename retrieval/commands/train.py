@@ -113,7 +113,6 @@ def run_training(data: Path | None, run_dir: RunDir, resume: bool, overwrite: bo
             raise RetrievalError(
                 f"--resume continues {run_dir.root} on its own data ({config.data}); leave DATA out or give that path"
             )
-        _refuse_finished(run_dir, config)
     else:
         if data is None:
             raise RetrievalError(
@@ -146,21 +145,6 @@ def _refuse_existing(run: RunDir, overwrite: bool) -> None:
         f"{run.root} already holds a run ({trained} epoch(s) trained); continue it with "
         f"`retrieval train --run {run.root} --resume`, or start over with --overwrite"
     )
-
-
-def _refuse_finished(run: RunDir, config: object) -> None:
-    """Resuming a run that has nothing left to do says so, instead of training nothing."""
-    from training.checkpoints import saved_record
-
-    record = saved_record(run.trainer_state)
-    if record is None:
-        return  # TrainerState.load explains what is missing
-    epochs, patience = config.epochs, config.patience  # type: ignore[attr-defined]
-    if record["epoch"] >= epochs or (patience and record["stale_epochs"] >= patience):
-        raise RetrievalError(
-            f"{run.root} is finished ({record['epoch']} of {epochs} epochs trained): nothing to resume; "
-            f"export it with `retrieval export {run.root}`, or train more in a new run"
-        )
 
 
 def _interrupted(run: RunDir) -> None:
