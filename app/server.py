@@ -28,8 +28,10 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gradio as gr
 
@@ -124,25 +126,31 @@ def refused(message: str) -> gr.Error:
     return gr.Error(message, print_exception=False)
 
 
-class _RefusedQuietly:
-    """A mixin for input components: a value out of their range (an API call with k=0) is refused in one log line,
-    not a traceback."""
+# Two classes, not one mixin: Gradio finds the frontend of a template component through its first base class.
+class BoundedSlider(gr.Slider):
+    """gr.Slider whose out-of-range values (an API call with k=0) are refused in one log line, not a traceback."""
 
-    is_template = True  # drawn by the frontend's component of the class it is mixed into
+    is_template = True  # drawn by the frontend's Slider component
+
+    def preprocess(self, payload: float) -> float:
+        return quietly(super().preprocess, payload)
+
+
+class BoundedNumber(gr.Number):
+    """gr.Number whose out-of-range values are refused in one log line, not a traceback."""
+
+    is_template = True  # drawn by the frontend's Number component
 
     def preprocess(self, payload: float | None) -> float | int | None:
-        try:
-            return super().preprocess(payload)  # type: ignore[misc]
-        except gr.Error as error:
-            raise refused(error.message) from None
+        return quietly(super().preprocess, payload)
 
 
-class BoundedSlider(_RefusedQuietly, gr.Slider):
-    """gr.Slider, refusing out-of-range values quietly."""
-
-
-class BoundedNumber(_RefusedQuietly, gr.Number):
-    """gr.Number, refusing out-of-range values quietly."""
+def quietly(preprocess: Callable[[Any], Any], payload: Any) -> Any:
+    """A component's preprocessing, with its range error refused in one log line."""
+    try:
+        return preprocess(payload)
+    except gr.Error as error:
+        raise refused(error.message) from None
 
 
 def result_gallery(service: SearchService, result: SearchResult) -> list[tuple[str, str]]:
