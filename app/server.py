@@ -37,6 +37,7 @@ import gradio as gr
 
 from app.service import BROWSE_LIMIT, SearchResult, SearchService
 from retrieval.errors import RetrievalError
+from retrieval.rerank import NO_RERANK, Rerank
 from retrieval.runs import RunDir
 
 log = logging.getLogger("retrieval.app")
@@ -675,11 +676,12 @@ def serve(
     max_upload: str = "20MB",
     mmap: bool = False,
     max_batch: int = MAX_BATCH,
+    rerank: Rerank = NO_RERANK,
 ) -> None:
     """Starts the app and blocks until Ctrl+C or SIGTERM (systemd, docker stop); then removes its cache."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, stop_like_ctrl_c)
-    service = SearchService(run, index_dir, mmap=mmap, allow_write=allow_write)
+    service = SearchService(run, index_dir, mmap=mmap, allow_write=allow_write, rerank=rerank)
     try:
         launch(service, host, port, auth, max_upload, max_batch=max_batch)
     except KeyboardInterrupt:

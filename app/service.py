@@ -31,6 +31,7 @@ from retrieval.data import Item, Skipped, decode_image, read_image_bytes
 from retrieval.embedders import OnnxEmbedder
 from retrieval.errors import ImageError, RetrievalError
 from retrieval.evaluation import Evaluation, evaluate_embedded, write_plots
+from retrieval.rerank import NO_RERANK, Rerank
 from retrieval.runs import RunDir, write_atomic
 
 THUMBNAIL = 256  # longest side of the thumbnails the app serves, in pixels
@@ -86,8 +87,10 @@ class SearchService:
         allow_write: bool = False,
         threads: int | None = None,
         cache: Path | None = None,
+        rerank: Rerank = NO_RERANK,
     ) -> None:
         self.run = run
+        self.rerank = rerank  # the re-ranking of every search and of "evaluate now" (retrieval.rerank)
         self.index_dir = Path(index_dir or run.index)
         self.mmap = mmap
         self.allow_write = allow_write
@@ -164,7 +167,7 @@ class SearchService:
     ) -> list[SearchResult]:
         """Answers a batch of image queries with one embedding call (index.search.search_images); labels mark hits."""
         only = list(only) if only is not None else [None] * len(paths)
-        queries = [Query(int(k), depth, label) for k, depth, label in zip(ks, depths, only)]
+        queries = [Query(int(k), depth, label, self.rerank) for k, depth, label in zip(ks, depths, only)]
         found = search_images(self.snapshot.index, self.embedder, paths, queries)
         return [worded(result, label, len(paths)) for result, label in zip(found, labels)]
 
@@ -177,7 +180,7 @@ class SearchService:
                 f"no item with id {item_id} in {self.index_dir}; ids are shown "
                 "with every result (`retrieval search`, the app's captions)"
             )
-        result = worded(search_item(snapshot.index, int(item_id), Query(k, depth, only)), item.label, 1)
+        result = worded(search_item(snapshot.index, int(item_id), Query(k, depth, only, self.rerank)), item.label, 1)
         result.summary = f"item {item_id} ({item.path.name}): {result.summary}"
         return result
 
@@ -259,7 +262,7 @@ class SearchService:
             "images": str(self.index_dir),
             "encoder": self.embedder.fingerprint,
         }
-        evaluation = evaluate_embedded(vectors, [item for _, item in labeled], [], protocol)
+        evaluation = evaluate_embedded(vectors, [item for _, item in labeled], [], protocol, rerank=self.rerank)
         progress(0.8, "drawing the plots")
         folder = self.cache / "evaluations" / str(time.time_ns())
         return evaluation, write_plots(evaluation, folder)

@@ -13,9 +13,12 @@ empty string is the shipped recipe). Every run goes through the command line in 
 per configuration, the mean and the spread (half the range) over the seeds of the validation
 recall@1 and MAP@R, the test recall@1, recall@5, MAP@R, uniformity and tolerance, and the training time.
 
-    python bench/recipe.py [--split validation|full] [--seeds 0,1,2] [--epochs N] [--only NAME,...] [--out docs/recipe.json] [--markdown table.md]
+    python bench/recipe.py [--split validation|full] [--seeds 0,1,2] [--epochs N] [--only NAME,...] [--variants NAME,...] [--out docs/recipe.json] [--markdown table.md]
 
---epochs shortens every run (the table says so); --only runs some of the configurations.
+--epochs shortens every run (the table says so); --only runs some of the configurations; --variants
+scores each trained run again with other export or evaluate options (VARIANTS: whitening, re-ranking),
+as rows named "configuration + variant" with the run's training time; a run already trained in
+--work is scored without training it again.
 """
 
 from __future__ import annotations
@@ -73,6 +76,20 @@ CONFIGURATIONS = {
     "weight decay 5e-4": "--weight-decay 5e-4",
     "image size 96": "--image-size 96",
     "validation 15 % with patience 10": "--val-classes 0.15 --patience 10",
+    "gem": "--pooling gem",
+    "stages 3 and 4": "--layers 3,4",
+    "gem and stages 3 and 4": "--pooling gem --layers 3,4",
+    "ema 0.99": "--ema 0.99",
+    "ema 0.995": "--ema 0.995",
+    "bf16": "--precision bf16",
+}
+# Variants scored on the same trained run: options of `retrieval export` and of `retrieval evaluate`.
+VARIANTS = {
+    "": ("", ""),
+    "no whitening": ("--whiten none", ""),
+    "whitened 0.1": ("--whiten 0.1", ""),
+    "whitened 0.3": ("--whiten 0.3", ""),
+    "whitened 0.6": ("--whiten 0.6", ""),
 }
 SHOWN = ("recall@1", "recall@5", "map@r", "uniformity", "tolerance")
 VALIDATION_SHOWN = ("val recall@1", "val map@r")
@@ -93,27 +110,40 @@ def run_quietly(*arguments: str) -> None:
     subprocess.run([RETRIEVAL, *arguments], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def scores(run: Path, images: Path) -> dict:
-    """`retrieval evaluate RUN IMAGES` (leave-one-out), and the metrics.json it writes."""
-    run_quietly("evaluate", str(run), str(images))
+def scores(run: Path, images: Path, options: str = "") -> dict:
+    """`retrieval evaluate RUN IMAGES [options]` (leave-one-out), and the metrics.json it writes."""
+    run_quietly("evaluate", str(run), str(images), *shlex.split(options))
     return json.loads((run / "metrics.json").read_text())
 
 
-def one_run(name: str, options: str, seed: int, epochs: int | None, split: str, data: tuple[Path, Path | None], work: Path) -> dict:
-    """Trains on data's first part, exports, and scores data's held-out classes (if any) and test/; returns the figures."""
-    fit, validation = data
-    run = work / split / f"{name.replace(' ', '_').replace('=', '')}-seed{seed}"
+def trained(name: str, options: str, seed: int, epochs: int | None, split: str, fit: Path, work: Path) -> tuple[Path, float]:
+    """The run of a configuration, trained unless --work already holds it finished; and its training time."""
+    run = work / split / f"{name.replace(' ', '_').replace('=', '').replace(',', '')}-seed{seed}{'' if epochs is None else f'-{epochs}ep'}"
+    timing = run / "train_seconds.json"
+    if timing.is_file():
+        return run, json.loads(timing.read_text())
     extra = shlex.split(options) + (["--epochs", str(epochs)] if epochs else [])
     started = time.perf_counter()
-    run_quietly("train", str(fit), "--run", str(run), "--seed", str(seed), *extra)
+    run_quietly("train", str(fit), "--run", str(run), "--seed", str(seed), "--overwrite", *extra)
     seconds = time.perf_counter() - started
-    run_quietly("export", str(run))
+    timing.write_text(json.dumps(seconds))
+    return run, seconds
+
+
+def one_run(name: str, variant: str, seed: int, epochs: int | None, split: str, data: tuple[Path, Path | None], work: Path) -> dict:
+    """Trains on data's first part (once per configuration), exports and scores the variant on data's held-out
+    classes (if any) and test/; returns the figures."""
+    fit, validation = data
+    run, seconds = trained(name, CONFIGURATIONS[name], seed, epochs, split, fit, work)
+    export_options, evaluate_options = VARIANTS[variant]
+    run_quietly("export", str(run), *shlex.split(export_options))
     figures = {}
     if validation is not None:
-        held_out = scores(run, validation)
+        held_out = scores(run, validation, evaluate_options)
         figures = {"val recall@1": held_out["recall@1"], "val map@r": held_out["map@r"]}
-    test = scores(run, icons() / "test")
-    return {"name": name, "options": options, "seed": seed, "epochs": epochs, "split": split, "train_seconds": seconds, **figures, **{key: test[key] for key in SHOWN}}
+    test = scores(run, icons() / "test", evaluate_options)
+    options = " ".join(part for part in (CONFIGURATIONS[name], export_options, evaluate_options) if part)
+    return {"name": name + (f" + {variant}" if variant else ""), "options": options, "seed": seed, "epochs": epochs, "split": split, "train_seconds": seconds, **figures, **{key: test[key] for key in SHOWN}}
 
 
 def main() -> None:
@@ -122,6 +152,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--epochs", type=int, default=None, help="shorten every run to this many epochs")
     parser.add_argument("--only", default=None, help="configuration names separated by commas")
+    parser.add_argument("--variants", default="", help="VARIANTS names separated by commas, scored on each run ('' is the plain export)")
     parser.add_argument("--out", type=Path, default=Path("recipe.json"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/recipe"))
     parser.add_argument("--markdown", type=Path, default=None, help="also write the table here as Markdown")
@@ -131,14 +162,15 @@ def main() -> None:
     seeds = [int(seed) for seed in args.seeds.split(",")]
     rows = json.loads(args.out.read_text()) if args.out.is_file() else []  # later runs add to earlier ones
     data = training_data(args.split, args.work)
-    for name in names:
-        for seed in seeds:
-            if any(same_setting(row, args.epochs, args.split) and row["name"] == name and row["seed"] == seed for row in rows):
-                continue
-            rows.append(one_run(name, CONFIGURATIONS[name], seed, args.epochs, args.split, data, args.work))
-            chosen_on = f"validation recall@1 {rows[-1]['val recall@1']:.3f}, MAP@R {rows[-1]['val map@r']:.3f}; " if args.split == "validation" else ""
-            console.print(f"{name} seed {seed}: {chosen_on}test recall@1 {rows[-1]['recall@1']:.3f}, MAP@R {rows[-1]['map@r']:.3f}, {rows[-1]['train_seconds']:.0f} s")
-            args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    variants = args.variants.split(",")
+    for name, seed, variant in ((name, seed, variant) for name in names for seed in seeds for variant in variants):
+        shown_name = name + (f" + {variant}" if variant else "")
+        if any(same_setting(row, args.epochs, args.split) and row["name"] == shown_name and row["seed"] == seed for row in rows):
+            continue
+        rows.append(one_run(name, variant, seed, args.epochs, args.split, data, args.work))
+        chosen_on = f"validation recall@1 {rows[-1]['val recall@1']:.3f}, MAP@R {rows[-1]['val map@r']:.3f}; " if args.split == "validation" else ""
+        console.print(f"{shown_name} seed {seed}: {chosen_on}test recall@1 {rows[-1]['recall@1']:.3f}, MAP@R {rows[-1]['map@r']:.3f}, {rows[-1]['train_seconds']:.0f} s")
+        args.out.write_text(json.dumps(rows, indent=1) + "\n")
     epochs = "the shipped number of epochs" if args.epochs is None else f"{args.epochs} epochs"
     shown = (*VALIDATION_SHOWN, *SHOWN) if args.split == "validation" else SHOWN
     header = ("configuration", "options", "seeds", *shown, "train s")
@@ -169,7 +201,12 @@ def summary(rows: list[dict], epochs: int | None, split: str, shown: tuple[str, 
     """One line per configuration run in this setting, in the order of CONFIGURATIONS: its options, seeds, mean ± half-range of each figure, training time."""
     lines = []
     order = list(CONFIGURATIONS)
-    for name in sorted(dict.fromkeys(row["name"] for row in rows), key=lambda name: order.index(name) if name in order else len(order)):
+
+    def place(name: str) -> int:
+        base = name.split(" + ")[0]
+        return order.index(base) if base in order else len(order)
+
+    for name in sorted(dict.fromkeys(row["name"] for row in rows), key=place):
         runs = [row for row in rows if row["name"] == name and same_setting(row, epochs, split)]
         if not runs:
             continue

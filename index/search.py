@@ -13,8 +13,8 @@ from __future__ import annotations
 import difflib
 import io
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,17 +24,20 @@ from index.types import GalleryBackend, Hit
 from retrieval.data import decode_image, read_image_bytes
 from retrieval.embedders import Embedder
 from retrieval.errors import ImageError, RetrievalError
+from retrieval.rerank import NO_RERANK, Rerank, rerank
 
 IDS_HINT = "the ids are in the id column of `retrieval search` (and its --json) and in the app's captions"
 
 
 @dataclass(frozen=True)
 class Query:
-    """How one query is answered: k hits, at a search depth (None: the tuned one), of one label only (None: any)."""
+    """How one query is answered: k hits, at a search depth (None: the tuned one), of one label only (None: any),
+    its shortlist re-ranked (retrieval.rerank; by default not)."""
 
     k: int = 10
     depth: int | None = None
     label: str | None = None
+    rerank: Rerank = NO_RERANK
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -51,22 +54,98 @@ class QueryResult:
     seconds: float = 0.0  # the whole batch's time, decoding and embedding included
 
 
-def search_vectors(index: GalleryBackend, vectors: np.ndarray, queries: Sequence[Query]) -> list[list[Hit]]:
-    """The hits of each row of vectors, answered together for queries that share a depth and a label."""
+Itself = Callable[[Hit], bool]  # whether a hit is the query itself (its id, or its image's sha256)
+
+
+def search_vectors(
+    index: GalleryBackend,
+    vectors: np.ndarray,
+    queries: Sequence[Query],
+    itself: Sequence[Itself | None] | None = None,
+) -> list[list[Hit]]:
+    """The hits of each row of vectors, answered together for queries that share a depth, a label and a re-ranker.
+
+    itself[i] tells query i's own gallery item, left out of its hits, and, when re-ranking, of its
+    shortlist and of its candidates' augmentation, as evaluation leaves a query out.
+    """
     found: list[list[Hit]] = [[] for _ in queries]
     vectors = np.atleast_2d(np.asarray(vectors, np.float32))
-    for (depth, label), rows in _groups(queries).items():
-        k = max(queries[row].k for row in rows)
-        for row, hits in zip(rows, index.search(vectors[rows], k, depth, label=label)):
+    itself = list(itself) if itself is not None else [None] * len(queries)
+    for (depth, label, reranker), rows in _groups(queries).items():
+        k = max(queries[row].k for row in rows) + any(itself[row] is not None for row in rows)
+        own = [itself[row] for row in rows]
+        if reranker.active:
+            hits_of = _reranked(index, vectors[rows], own, max(k, reranker.shortlist + 1), depth, label, reranker)
+        else:
+            hits_of = [
+                _without(hits, mine)[0] for hits, mine in zip(index.search(vectors[rows], k, depth, label=label), own)
+            ]
+        for row, hits in zip(rows, hits_of):
             found[row] = hits[: queries[row].k]
     return found
 
 
+def _without(hits: list[Hit], itself: Itself | None) -> tuple[list[Hit], int]:
+    """The hits other than the query itself, and its id (the first, if its bytes are indexed twice; -2: not there)."""
+    if itself is None:
+        return hits, -2
+    own = next((hit.id for hit in hits if itself(hit)), -2)
+    return [hit for hit in hits if not itself(hit)], own
+
+
+def _reranked(
+    index: GalleryBackend,
+    vectors: np.ndarray,
+    itself: Sequence[Itself | None],
+    shortlist: int,
+    depth: int | None,
+    label: str | None,
+    spec: Rerank,
+) -> list[list[Hit]]:
+    """Each query's shortlist from the index, re-ranked by spec (database augmentation with the index's neighbours)."""
+    lists, own = [], []
+    for hits, mine in zip(index.search(vectors, shortlist, depth, label=label), itself):
+        kept, own_id = _without(hits, mine)
+        lists.append(kept)
+        own.append(own_id)
+    ids, scores = _as_arrays(lists, max((len(hits) for hits in lists), default=0))
+
+    def neighbours(items: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        return _as_arrays(search_items(index, items.tolist(), Query(n, depth)), n)
+
+    def stored(items: np.ndarray) -> np.ndarray:
+        return index.vectors_of(items.tolist())
+
+    ids, scores = rerank(spec, vectors, ids, scores, stored, neighbours, np.asarray(own, np.int64))
+    by_id = {hit.id: hit for hits in lists for hit in hits}
+    return [
+        [replace(by_id[int(i)], score=float(s)) for i, s in zip(row_ids, row_scores) if i >= 0]
+        for row_ids, row_scores in zip(ids, scores)
+    ]
+
+
+def _as_arrays(lists: Sequence[Sequence[Hit]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Hit lists as (ids [Q, width], scores), -1 and -inf where a list is shorter."""
+    ids = np.full((len(lists), width), -1, np.int64)
+    scores = np.full((len(lists), width), -np.inf, np.float32)
+    for row, hits in enumerate(lists):
+        ids[row, : len(hits)] = [hit.id for hit in hits[:width]]
+        scores[row, : len(hits)] = [hit.score for hit in hits[:width]]
+    return ids, scores
+
+
 def search_items(index: GalleryBackend, ids: Sequence[int], query: Query = Query()) -> list[list[Hit]]:
     """The hits of items already indexed, by their stored vectors, each item itself left out."""
-    wider = Query(query.k + 1, query.depth, query.label)
-    found = search_vectors(index, index.vectors_of(ids), [wider] * len(ids))
-    return [[hit for hit in hits if hit.id != item][: query.k] for hits, item in zip(found, ids)]
+    itself = [_same_id(item) for item in ids]
+    return search_vectors(index, index.vectors_of(ids), [query] * len(ids), itself)
+
+
+def _same_id(item: int) -> Itself:
+    return lambda hit: hit.id == item
+
+
+def _same_bytes(digest: str) -> Itself:
+    return lambda hit: hit.sha256 == digest
 
 
 def search_item(index: GalleryBackend, item_id: int, query: Query = Query()) -> QueryResult:
@@ -100,10 +179,10 @@ def search_images(
         digests.append(digest)
         good.append(position)
     if good:
-        wider = [Query(queries[p].k + 1, queries[p].depth, queries[p].label) for p in good]
-        found = search_vectors(index, embedder.embed(decoded), wider)
-        for position, digest, hits in zip(good, digests, found):
-            results[position].hits = [hit for hit in hits if hit.sha256 != digest][: queries[position].k]
+        itself = [_same_bytes(digest) for digest in digests]
+        found = search_vectors(index, embedder.embed(decoded), [queries[p] for p in good], itself)
+        for position, hits in zip(good, found):
+            results[position].hits = hits
     for result in results:
         result.seconds = time.perf_counter() - started
     explain_empty(index, results, queries)
@@ -127,11 +206,11 @@ def explain_empty(index: GalleryBackend, results: Sequence[QueryResult], queries
             )
 
 
-def _groups(queries: Sequence[Query]) -> dict[tuple[int | None, str | None], list[int]]:
-    """Query positions by (depth, label): each group is one search call."""
-    groups: dict[tuple[int | None, str | None], list[int]] = {}
+def _groups(queries: Sequence[Query]) -> dict[tuple[int | None, str | None, Rerank], list[int]]:
+    """Query positions by (depth, label, re-ranker): each group is one search call."""
+    groups: dict[tuple[int | None, str | None, Rerank], list[int]] = {}
     for position, query in enumerate(queries):
-        groups.setdefault((query.depth, query.label), []).append(position)
+        groups.setdefault((query.depth, query.label, query.rerank), []).append(position)
     return groups
 
 

@@ -16,6 +16,7 @@ from retrieval.data import Collection, Item, Skipped, split_by_class
 from retrieval.embedders import Embedder, embed_items
 from retrieval.errors import RetrievalError
 from retrieval.metrics import QueryScores, clustering_metrics, embedding_diagnostics, score_queries
+from retrieval.rerank import NO_RERANK, Rerank
 
 WORST_CLASSES = 10  # classes listed in metrics.json, lowest recall@1 first
 
@@ -74,9 +75,10 @@ def evaluate_collection(
     progress: bool = True,
     split_classes: float = 0.0,
     seed: int = 0,
+    rerank: Rerank = NO_RERANK,
 ) -> Evaluation:
     """Scores leave-one-out retrieval over a labeled collection (or over a seeded held-out fraction of its
-    classes), with NMI/AMI and the embedding diagnostics."""
+    classes), with NMI/AMI and the embedding diagnostics; the lists re-ranked by rerank (retrieval.rerank)."""
     protocol = "leave-one-out"
     if split_classes:
         labeled = [item for item in collection.items if item.label]
@@ -95,11 +97,17 @@ def evaluate_collection(
         skipped,
         {"protocol": protocol, "images": str(collection.source), "encoder": embedder.fingerprint},
         ks,
+        rerank,
     )
 
 
 def evaluate_embedded(
-    vectors: np.ndarray, items: list[Item], skipped: list[Skipped], described: dict, ks: Sequence[int] = (1, 5, 10)
+    vectors: np.ndarray,
+    items: list[Item],
+    skipped: list[Skipped],
+    described: dict,
+    ks: Sequence[int] = (1, 5, 10),
+    rerank: Rerank = NO_RERANK,
 ) -> Evaluation:
     """Scores leave-one-out retrieval over embeddings already made (of labeled items, in their order),
     e.g. the vectors an index stores; described (protocol, images, encoder) goes into the metrics."""
@@ -108,12 +116,17 @@ def evaluate_embedded(
         raise RetrievalError(
             f"{described.get('images', 'the collection')}: fewer than two classes have readable images"
         )
-    scores = score_queries(vectors, labels, ks=ks)
-    return _evaluation(scores, vectors, items, items, skipped, described)
+    scores = score_queries(vectors, labels, ks=ks, rerank=rerank)
+    return _evaluation(scores, vectors, items, items, skipped, {**described, "rerank": rerank.describe()})
 
 
 def evaluate_query_gallery(
-    embedder: Embedder, queries: Collection, gallery: Collection, ks: Sequence[int] = (1, 5, 10), progress: bool = True
+    embedder: Embedder,
+    queries: Collection,
+    gallery: Collection,
+    ks: Sequence[int] = (1, 5, 10),
+    progress: bool = True,
+    rerank: Rerank = NO_RERANK,
 ) -> Evaluation:
     """Scores each query against a separate gallery (neither contains the other's items)."""
     query_vectors, query_items, skipped = _embed_labeled(embedder, queries, progress)
@@ -124,8 +137,14 @@ def evaluate_query_gallery(
         gallery_vectors,
         [item.label for item in gallery_items],
         ks=ks,
+        rerank=rerank,
     )
-    described = {"queries": str(queries.source), "gallery": str(gallery.source), "encoder": embedder.fingerprint}
+    described = {
+        "queries": str(queries.source),
+        "gallery": str(gallery.source),
+        "encoder": embedder.fingerprint,
+        "rerank": rerank.describe(),
+    }
     return _evaluation(scores, query_vectors, query_items, gallery_items, skipped + gallery_skipped, described)
 
 

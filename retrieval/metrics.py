@@ -27,6 +27,8 @@ import numpy as np
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
 from retrieval.knn import QUERY_BLOCK, flat_index, search_flat
+from retrieval.rerank import NO_RERANK, Rerank
+from retrieval.rerank import rerank as rerank_shortlist
 
 FULL_RANKING_LIMIT = 10_000  # gallery size up to which mAP over the full ranking is computed by default
 # FAISS k-means: 20 iterations (as pytorch-metric-learning runs it), the best of 5 seeded starts (one
@@ -123,13 +125,16 @@ def score_queries(
     gallery_labels: Sequence[str] | None = None,
     ks: Sequence[int] = (1, 5, 10),
     full_ranking: bool | None = None,
+    rerank: Rerank = NO_RERANK,
 ) -> QueryScores:
     """Scores every query: recall@k and precision@k for each k, R-precision, MAP@R, mAP and its nearest items.
 
     Without a gallery, the protocol is leave-one-out: every item queries all the others. mAP over the
     full ranking sorts every query's similarities to the whole gallery (about 1 ms per query for
     10,000 items here); by default (full_ranking=None) it is computed for galleries up to
-    FULL_RANKING_LIMIT items and left out above, unless full_ranking=True.
+    FULL_RANKING_LIMIT items and left out above, unless full_ranking=True. With a re-ranker
+    (retrieval.rerank), every metric is of the re-ranked lists, as search returns them, and mAP over
+    the full ranking is left out (only the shortlist is re-ranked).
     """
     leave_one_out = gallery_embeddings is None
     if leave_one_out:
@@ -146,12 +151,13 @@ def score_queries(
     shown = min(ks[-1], depth)
     index = flat_index(gallery)
     if full_ranking is None:
-        full_ranking = len(gallery) <= FULL_RANKING_LIMIT
+        full_ranking = len(gallery) <= FULL_RANKING_LIMIT and not rerank.active
+    ranking = _Ranking(index, gallery, depth, rerank, leave_one_out)
     parts: dict[str, list[np.ndarray]] = {}
     first_hits, neighbour_blocks, similarity_blocks = [], [], []
     for start in range(0, len(chosen), QUERY_BLOCK):
         block = chosen[start : start + QUERY_BLOCK]
-        neighbours, scores = search_flat(index, queries[block], depth, block if leave_one_out else None)
+        neighbours, scores = ranking(queries[block], block)
         hits = gallery_codes[neighbours] == query_codes[block, None]
         values = _block_values(hits, relevant[block], ks)
         if full_ranking:
@@ -173,6 +179,36 @@ def score_queries(
         max_k=ks[-1],
         leave_one_out=leave_one_out,
     )
+
+
+class _Ranking:
+    """Each query's `depth` nearest gallery rows by exact search, re-ranked over a shortlist when asked."""
+
+    def __init__(self, index: object, gallery: np.ndarray, depth: int, rerank: Rerank, leave_one_out: bool) -> None:
+        self.index, self.gallery, self.depth, self.rerank, self.leave_one_out = (
+            index,
+            gallery,
+            depth,
+            rerank,
+            leave_one_out,
+        )
+        total = len(gallery) - (1 if leave_one_out else 0)
+        self.fetched = min(max(depth, rerank.shortlist), total) if rerank.active else depth
+
+    def __call__(self, queries: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        own = rows if self.leave_one_out else None
+        ids, scores = search_flat(self.index, queries, self.fetched, own)
+        if not self.rerank.active:
+            return ids, scores
+        ids, scores = rerank_shortlist(self.rerank, queries, ids, scores, self.vectors, self.neighbours, own)
+        return ids[:, : self.depth], scores[:, : self.depth]
+
+    def vectors(self, ids: np.ndarray) -> np.ndarray:
+        return self.gallery[ids]
+
+    def neighbours(self, ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each gallery row's n nearest other gallery rows (for database-side augmentation)."""
+        return search_flat(self.index, self.gallery[ids], n, ids)
 
 
 def _relevant_counts(

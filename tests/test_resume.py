@@ -45,8 +45,8 @@ def saved_record(run: RunDir) -> dict:
 
 
 EPOCH_CHECKPOINTS = ["--epochs", "4", "--batch-size", "16", "--image-size", "32", "--val-classes", "0.34"]
-# 4 batches an epoch, the trainer state saved after every step, a MoCo queue and momentum encoder to restore
-STEP_CHECKPOINTS_WITH_QUEUE = ["--epochs", "3", "--batch-size", "8", "--image-size", "32", "--val-classes", "0.34", "--checkpoint-every", "1", "--queue-size", "24"]
+# 4 batches an epoch, the trainer state saved after every step, a MoCo queue and momentum encoder and a weight average to restore
+STEP_CHECKPOINTS_WITH_QUEUE = ["--epochs", "3", "--batch-size", "8", "--image-size", "32", "--val-classes", "0.34", "--checkpoint-every", "1", "--queue-size", "24", "--ema", "0.9"]
 
 
 def killed_after(run: RunDir, record: dict) -> bool:
@@ -54,7 +54,7 @@ def killed_after(run: RunDir, record: dict) -> bool:
     return logged_epochs(run) >= 2 if not record else record.get("epoch", 0) >= 1 and record.get("batch", 0) >= 1
 
 
-@pytest.mark.parametrize("options", [EPOCH_CHECKPOINTS, STEP_CHECKPOINTS_WITH_QUEUE], ids=["after-epochs", "mid-epoch-with-queue"])
+@pytest.mark.parametrize("options", [EPOCH_CHECKPOINTS, STEP_CHECKPOINTS_WITH_QUEUE], ids=["after-epochs", "mid-epoch-with-queue-and-ema"])
 def test_sigkill_then_resume_gives_the_uninterrupted_weights(icons_root: Path, tmp_path: Path, options: list[str]) -> None:
     data = copy_classes(icons_root, tmp_path / "data", 6)
     step_checkpoints = "--checkpoint-every" in options

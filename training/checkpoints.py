@@ -86,8 +86,8 @@ class TrainerState:
     """Everything a resumed run needs, in one safetensors file written atomically by process 0.
 
     Tensors: the model's weights, the optimizer's per-parameter state, the memory queue and its key
-    encoder, and every process's torch random state; metadata (JSON): the progress record, the
-    optimizer's parameter groups and the schedule's, loss scaler's and queue's counters.
+    encoder, the weight average (--ema), and every process's torch random state; metadata (JSON): the
+    progress record, the optimizer's parameter groups and the schedule's, loss scaler's and queue's counters.
     """
 
     def __init__(
@@ -99,6 +99,7 @@ class TrainerState:
         scaler: torch.amp.GradScaler,
         queue: MemoryQueue | None,
         ranks: distributed.Ranks,
+        average: nn.Module | None = None,
     ) -> None:
         self.path, self.model, self.optimizer, self.schedule, self.scaler, self.queue, self.ranks = (
             path,
@@ -109,6 +110,7 @@ class TrainerState:
             queue,
             ranks,
         )
+        self.average = average  # the moving average of the weights (--ema), with its count of averaged steps
 
     def save(self, record: dict) -> None:
         """Writes the state after record's step (a collective call: every process must make it)."""
@@ -120,6 +122,8 @@ class TrainerState:
         for index, values in optimizer_state["state"].items():
             for name, value in values.items():
                 tensors[f"optimizer/{index}/{name}"] = torch.as_tensor(value).detach().cpu().contiguous()
+        if self.average is not None:
+            tensors.update(_weights(self.average, prefix="average/"))
         for rank, random_state in enumerate(random_states):
             tensors[f"rng/torch/{rank}"] = random_state
         metadata = {
@@ -160,6 +164,11 @@ class TrainerState:
                     raise RetrievalError(f"{self.path}: saved without a memory queue, but the run has --queue-size")
                 self.queue.encoder.load_state_dict(_prefixed(tensors, "queue/encoder/"))
                 self.queue.load_state(_prefixed(tensors, "queue/"), json.loads(metadata["queue"]))
+            if self.average is not None:
+                averaged = _prefixed(tensors, "average/")
+                if not averaged:
+                    raise RetrievalError(f"{self.path}: saved without a weight average, but the run has --ema")
+                self.average.load_state_dict(averaged)
             torch.set_rng_state(tensors[f"rng/torch/{self.ranks.rank}"])
             return json.loads(metadata["record"])
         except RetrievalError:
@@ -189,7 +198,14 @@ def load_encoder(run: RunDir) -> tuple[Encoder, TrainConfig]:
     """Rebuilds the run's encoder from config.json and its best (else last) checkpoint (no unpickling)."""
     checkpoint = run.require_checkpoint()
     config = TrainConfig.from_dict(read_json(run.config))
-    model = Encoder(config.backbone, config.embedding_dim, image_size=config.image_size, stem=config.stem)
+    model = Encoder(
+        config.backbone,
+        config.embedding_dim,
+        image_size=config.image_size,
+        stem=config.stem,
+        pooling=config.pooling,
+        layers=config.layers,
+    )
     state, _ = read_sealed(checkpoint)
     try:
         model.load_state_dict(state)

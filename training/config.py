@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+import torch
+
 from retrieval.errors import RetrievalError
 from retrieval.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 from training.augment import DEFAULT_AUGMENT, parse_augment
 from training.losses import DEFAULT_TEMPERATURES
-from training.model import STEMS
+from training.model import POOLINGS, STEMS, parse_layers, weights_cached
 
 OPTIMIZERS = ("adamw", "sgd")
+# The default recipe, by whether ImageNet weights are used (docs/recipe.md): from scratch, small inputs and long
+# training; from pretrained weights, larger inputs and a short fine-tuning (the weights' own 224 px on a GPU).
+RECIPE = {"scratch": {"image_size": 64, "epochs": 50}, "pretrained": {"image_size": 128, "epochs": 15}}
+GPU_IMAGE_SIZE = 224
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 QUEUE_LOSSES = ("supcon", "infonce")
 
@@ -23,15 +29,18 @@ class TrainConfig:
     benchmark: str | None = None  # cub, cars196, sop or inshop: data is that archive, trained on its training split
     loss: str = "supcon"
     temperature: float | None = None  # None: the loss's default (training.losses.DEFAULT_TEMPERATURES)
-    epochs: int = 50
+    epochs: int | None = None  # None: the recipe's (RECIPE)
     batch_size: int = 128
     images_per_class: int = 4
     backbone: str = "resnet18"
-    pretrained: bool = False
-    image_size: int = 64
+    pretrained: bool | None = None  # None: ImageNet weights when torchvision has them cached (never downloads)
+    image_size: int | None = None  # None: the recipe's (RECIPE)
     stem: str = "imagenet"  # imagenet, or small (resnets: a 3x3 stride-1 first convolution for small inputs)
     augment: str | None = None  # training.augment step names separated by commas, or none; None: DEFAULT_AUGMENT
     embedding_dim: int | None = None  # None: the backbone's feature width
+    pooling: str = "avg"  # avg, or gem (generalised mean, p learned; resnets)
+    layers: str = "4"  # the resnet stages pooled into the embedding, e.g. 3,4 (each part L2-normalised, concatenated)
+    ema: float = 0.0  # decay of an exponential moving average of the weights, which is then exported (0: none)
     learning_rate: float = 1e-3
     weight_decay: float = 1e-4
     optimizer: str = "adamw"  # adamw, or sgd (momentum 0.9, Nesterov)
@@ -50,6 +59,14 @@ class TrainConfig:
     workers: int = 0
 
     def __post_init__(self) -> None:
+        if self.pretrained is None:
+            self.pretrained = self.stem == "imagenet" and weights_cached(self.backbone)
+        recipe = RECIPE["pretrained" if self.pretrained else "scratch"]
+        if self.image_size is None:
+            on_gpu = self.device != "cpu" and gpu_available()
+            self.image_size = GPU_IMAGE_SIZE if self.pretrained and on_gpu else recipe["image_size"]
+        if self.epochs is None:
+            self.epochs = recipe["epochs"]
         if self.loss not in DEFAULT_TEMPERATURES:
             raise RetrievalError(f"unknown loss {self.loss!r}; choose one of {', '.join(sorted(DEFAULT_TEMPERATURES))}")
         if self.temperature is None:
@@ -75,6 +92,11 @@ class TrainConfig:
             raise RetrievalError(f"--momentum must be in [0, 1), got {self.momentum}")
         if self.stem not in STEMS:
             raise RetrievalError(f"--stem must be one of {', '.join(STEMS)}, got {self.stem!r}")
+        if self.pooling not in POOLINGS:
+            raise RetrievalError(f"--pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
+        parse_layers(self.layers)
+        if not 0 <= self.ema < 1:
+            raise RetrievalError(f"--ema is a decay in [0, 1) (e.g. 0.99; 0: no averaging), got {self.ema}")
         if self.augment is None:
             self.augment = DEFAULT_AUGMENT
         parse_augment(self.augment)
@@ -83,6 +105,7 @@ class TrainConfig:
 
     @property
     def preprocessing(self) -> Preprocessing:
+        assert self.image_size is not None  # resolved in __post_init__
         return Preprocessing(self.image_size, IMAGENET_MEAN, IMAGENET_STD)
 
     def to_dict(self) -> dict:
@@ -96,3 +119,8 @@ class TrainConfig:
         if unknown:
             raise RetrievalError(f"config.json has unknown keys {sorted(unknown)}; it was written by another version")
         return cls(**values)
+
+
+def gpu_available() -> bool:
+    """Whether training would run on a GPU with --device auto."""
+    return torch.cuda.is_available()

@@ -16,13 +16,14 @@ import onnx
 import torch
 
 from retrieval.benchmarks import load_training_data
-from retrieval.data import load_image
+from retrieval.data import load_image, split_by_class
 from retrieval.embedders import OnnxEmbedder
 from retrieval.errors import ImageError, RetrievalError
 from retrieval.knn import nearest_neighbours
 from retrieval.runs import RunDir, write_atomic, write_json
 from training.checkpoints import load_encoder
 from training.config import TrainConfig
+from training.whitening import whiten_encoder
 
 OPSET = 18
 PARITY_BATCH_SIZES = (1, 2, 7, 64, 256)  # 64 and 256: the batch sizes OnnxEmbedder uses on CPU and CUDA
@@ -30,6 +31,7 @@ MAX_ABS_DIFFERENCE = 1e-4
 MIN_COSINE = 0.9999
 MIN_COSINE_FLOAT16 = 0.999
 NEIGHBOURS = 10
+DEFAULT_WHITENING: float | None = None  # the shrinkage of the whitening fitted at export (None: none); docs/recipe.md
 # Layers that stay in float32 in a float16 export: normalisations (BatchNorm is folded into the
 # convolutions by the exporter) and the final L2 normalisation (ReduceL2, Clip of its epsilon, Div).
 FLOAT32_OPS = [
@@ -70,8 +72,18 @@ class Parity:
         )
 
 
-def export(run: RunDir, parity_images: Sequence[Path] = (), float16: bool = False) -> Parity:
+def export(
+    run: RunDir,
+    parity_images: Sequence[Path] = (),
+    float16: bool = False,
+    whiten: float | None = DEFAULT_WHITENING,
+    whiten_dim: int | None = None,
+) -> Parity:
     """Exports RUN's encoder to RUN/model.onnx + RUN/model.json after a parity check against PyTorch.
+
+    With whiten (a shrinkage in [0, 1]), PCA-whitening fitted on the run's training images (its
+    validation classes left out; training.whitening) is part of the exported graph, optionally
+    keeping the whiten_dim strongest directions.
 
     The check runs random inputs at batch sizes 1, 2, 7, 64 and 256 plus real images (parity_images, or
     the training data listed in config.json when it is still there): float32 must agree within
@@ -82,6 +94,10 @@ def export(run: RunDir, parity_images: Sequence[Path] = (), float16: bool = Fals
     model, config = load_encoder(run)
     preprocessing = config.preprocessing
     size = preprocessing.image_size
+    whitening = None
+    if whiten is not None:
+        model, fitted_on = whiten_encoder(model, _fit_images(config), preprocessing, whiten, whiten_dim)
+        whitening = {"shrinkage": whiten, "dim": model.embedding_dim, "fitted_on_images": fitted_on}
     example = torch.randn(2, 3, size, size)
     with tempfile.TemporaryDirectory(dir=run.root, prefix=".export-") as scratch:
         candidate = Path(scratch) / "model.onnx"
@@ -91,6 +107,7 @@ def export(run: RunDir, parity_images: Sequence[Path] = (), float16: bool = Fals
         onnx.checker.check_model(str(candidate), full_check=True)
         model_bytes = candidate.read_bytes()
         card = _model_card(run, config, model.embedding_dim, hashlib.sha256(model_bytes).hexdigest(), float16)
+        card["whitening"] = whitening
         embedder = OnnxEmbedder(candidate, card)
         inputs = [
             np.random.default_rng(n).standard_normal((n, 3, size, size)).astype(np.float32) for n in PARITY_BATCH_SIZES
@@ -190,6 +207,18 @@ def _export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path) -> N
             external_data=False,
             verbose=False,
         )
+
+
+def _fit_images(config: TrainConfig) -> list[Path]:
+    """The images the run trained on (its validation classes left out), to fit the whitening on."""
+    try:
+        items = [item for item in load_training_data(config.data, config.benchmark).items if item.label]
+    except RetrievalError as error:
+        raise RetrievalError(
+            f"whitening is fitted on the run's training images, which cannot be read ({error}); "
+            "put them back, or export with --whiten none"
+        ) from None
+    return [item.path for item in split_by_class(items, config.val_classes, config.seed)[0]]
 
 
 def _training_images(data: str, benchmark: str | None) -> list[Path]:

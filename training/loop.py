@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, Dataset
 
 from retrieval.benchmarks import load_training_data
@@ -216,7 +217,13 @@ class Trainer:
             Validator(data.validation, config.preprocessing, device) if data.validation and ranks.is_main else None
         )
         self.model = Encoder(
-            config.backbone, config.embedding_dim, config.pretrained, config.image_size, config.stem
+            config.backbone,
+            config.embedding_dim,
+            config.pretrained,
+            config.image_size,
+            config.stem,
+            config.pooling,
+            config.layers,
         ).to(device, memory_format=self.memory_format)
         self.queue = MemoryQueue(self.model, config.queue_size, config.momentum) if config.queue_size else None
         self.loss_fn = make_loss(config.loss, config.temperature)
@@ -232,12 +239,17 @@ class Trainer:
             images, batch_sampler=self.sampler, num_workers=config.workers, pin_memory=cuda, generator=generator
         )
         self.optimizer = make_optimizer(config, self.model)
+        self.average = (
+            AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(config.ema), use_buffers=True)
+            if config.ema
+            else None
+        )
         self.schedule = warmup_cosine(self.optimizer, config.epochs * len(self.sampler), config.warmup)
         self.dtype = autocast_dtype(config.precision, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype is torch.float16)
         self.forward = self._wrapped()
         self.state = TrainerState(
-            run.trainer_state, self.model, self.optimizer, self.schedule, self.scaler, self.queue, ranks
+            run.trainer_state, self.model, self.optimizer, self.schedule, self.scaler, self.queue, ranks, self.average
         )
         self.board = _tensorboard(run) if config.tensorboard and ranks.is_main else None
         self.record = {"epoch": 0, "batch": 0, "step": 0, "losses": [], "best_map": -1.0, "stale_epochs": 0}
@@ -374,6 +386,8 @@ class Trainer:
         self.schedule.step()
         if queue is not None:
             queue.follow(self.model)
+        if self.average is not None:
+            self.average.update_parameters(self.model)
         value, lr = loss.item(), self.schedule.get_last_lr()[0]
         record["losses"].append(value)
         record["step"] += 1
@@ -383,17 +397,22 @@ class Trainer:
             self.board.add_scalar("train/lr", lr, record["step"])
         return value, lr, len(labels)
 
+    @property
+    def exported(self) -> Encoder:
+        """The weights that are checkpointed, validated and exported: their moving average with --ema."""
+        return self.average.module if self.average is not None else self.model  # type: ignore[return-value]
+
     def _finish_epoch(self, entry: dict) -> None:
         """Process 0: the last (and best) checkpoint, validation, the log line and TensorBoard's scalars."""
-        run, record = self.run, self.record
+        run, record, model = self.run, self.record, self.exported
         metadata = {"epoch": str(entry["epoch"]), "step": str(record["step"])}
-        save_checkpoint(run.last_checkpoint, self.model, metadata)
+        save_checkpoint(run.last_checkpoint, model, metadata)
         if self.validator is not None:
-            scores = self.validator(self.model)
+            scores = self.validator(model)
             entry.update({f"val_{name}": value for name, value in scores.items() if name in VALIDATION_KEYS})
             if scores["map@r"] > record["best_map"]:
                 record.update(best_map=scores["map@r"], stale_epochs=0)
-                save_checkpoint(run.best_checkpoint, self.model, metadata)
+                save_checkpoint(run.best_checkpoint, model, metadata)
             else:
                 record["stale_epochs"] += 1
         with run.train_log.open("a", encoding="utf-8") as log:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torchvision
 from torch import nn
@@ -24,6 +26,71 @@ TIMM_PREFIX = "timm:"  # "timm:<model name>" builds the model with timm.create_m
 
 PROJECTION_DIM = 128
 STEMS = ("imagenet", "small")
+POOLINGS = ("avg", "gem")
+RESNET_STAGES = (1, 2, 3, 4)
+GEM_P = 3.0  # GeM's initial exponent (Radenović et al. 2018), learned with the rest
+
+
+class GeM(nn.Module):
+    """Generalised-mean pooling: (mean of x^p)^(1/p) over the spatial positions, p learned; p=1 is average pooling."""
+
+    def __init__(self, p: float = GEM_P, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.tensor(float(p)))
+        self.eps = eps
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        p = self.p.float()
+        pooled = features.float().clamp(min=self.eps).pow(p).mean(dim=(2, 3))
+        return pooled.pow(1.0 / p)
+
+
+def make_pool(pooling: str) -> nn.Module:
+    """The spatial pooling of a feature map [N, C, H, W] -> [N, C]: average (torchvision's default) or GeM."""
+    if pooling not in POOLINGS:
+        raise RetrievalError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
+    return GeM() if pooling == "gem" else nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(1))
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """--layers "3,4" -> (3, 4): the ResNet stages whose pooled features make the embedding."""
+    try:
+        stages = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        stages = ()
+    if not stages or any(stage not in RESNET_STAGES for stage in stages):
+        raise RetrievalError(f"--layers takes ResNet stages from 1 to 4 separated by commas (e.g. 3,4), got {text!r}")
+    return stages
+
+
+class MultiStage(nn.Module):
+    """A ResNet whose stages `stages` are pooled and L2-normalised one by one, then concatenated.
+
+    Mid-level stages keep more of what transfers to classes and styles never seen in training; each
+    part is normalised so that no stage dominates by the scale of its activations.
+    """
+
+    def __init__(self, resnet: nn.Module, stages: tuple[int, ...], pooling: str) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(resnet.conv1, resnet.bn1, resnet.relu, resnet.maxpool)
+        self.stages = nn.ModuleList(getattr(resnet, f"layer{n}") for n in range(1, max(stages) + 1))
+        self.pooled = tuple(stages)
+        self.pools = nn.ModuleList(make_pool(pooling) for _ in stages)
+        self.width = sum(_stage_width(self.stages[n - 1]) for n in stages)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x, parts = self.stem(images), []
+        for number, stage in enumerate(self.stages, start=1):
+            x = stage(x)
+            if number in self.pooled:
+                parts.append(F.normalize(self.pools[len(parts)](x), dim=1))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _stage_width(stage: nn.Sequential) -> int:
+    """The output channels of a ResNet stage (its last block's last batch norm)."""
+    norms = [module for module in stage[-1].modules() if isinstance(module, nn.BatchNorm2d)]
+    return norms[-1].num_features
 
 
 class Encoder(nn.Module):
@@ -42,9 +109,13 @@ class Encoder(nn.Module):
         pretrained: bool = False,
         image_size: int = 224,
         stem: str = "imagenet",
+        pooling: str = "avg",
+        layers: str = "4",
     ) -> None:
         super().__init__()
         self.backbone, width = make_backbone(backbone, pretrained, image_size, stem)
+        if pooling != "avg" or layers != "4":
+            self.backbone, width = _pooled_stages(self.backbone, backbone, pooling, layers)
         self.embedding_dim = embedding_dim or width
         self.embedding = nn.Identity() if self.embedding_dim == width else nn.Linear(width, self.embedding_dim)
         self.projection = nn.Sequential(
@@ -65,6 +136,16 @@ class Encoder(nn.Module):
         """Returns the unit embeddings and the unit projections of images, from one pass of the backbone."""
         features = self.embedding(self.backbone(images))
         return F.normalize(features, dim=1), F.normalize(self.projection(features), dim=1)
+
+
+def _pooled_stages(model: nn.Module, name: str, pooling: str, layers: str) -> tuple[nn.Module, int]:
+    """A ResNet backbone rebuilt to pool with `pooling` the stages `layers` (e.g. "3,4"); other backbones refuse."""
+    stages = parse_layers(layers)
+    make_pool(pooling)  # refuses an unknown pooling before the backbone check
+    if not name.startswith("resnet"):
+        raise RetrievalError(f"--pooling gem and --layers are for the resnet backbones, not {name!r}")
+    backbone = MultiStage(model, stages, pooling)
+    return backbone, backbone.width
 
 
 def make_backbone(name: str, pretrained: bool, image_size: int = 224, stem: str = "imagenet") -> tuple[nn.Module, int]:
@@ -123,6 +204,17 @@ def make_backbone(name: str, pretrained: bool, image_size: int = 224, stem: str 
         width = next(m for m in model.classifier.modules() if isinstance(m, nn.Linear)).in_features
         model.classifier = nn.Identity()
     return model, width
+
+
+def weights_cached(name: str) -> bool:
+    """Whether torchvision's ImageNet weights for backbone `name` are already on disk (TORCH_HOME's hub cache).
+
+    The default recipe uses them only then, so that no run downloads anything unasked; --pretrained fetches them.
+    """
+    if name not in BACKBONES:
+        return False
+    url = torchvision.models.get_model_weights(name).DEFAULT.url
+    return (Path(torch.hub.get_dir()) / "checkpoints" / Path(url).name).is_file()
 
 
 def _timm_backbone(name: str, pretrained: bool) -> tuple[nn.Module, int]:

@@ -10,6 +10,8 @@ import typer
 from retrieval.commands.output import BenchmarkOption, RunArg, console, metrics_table, parse_ks, report_skipped
 from retrieval.data import Collection
 from retrieval.errors import RetrievalError
+from retrieval.rerank import SPEC_HELP as RERANK_HELP
+from retrieval.rerank import Rerank, parse_rerank
 from retrieval.runs import RunDir, write_json
 
 IMAGES_HELP = (
@@ -34,6 +36,7 @@ def evaluate(
     seed: Annotated[int, typer.Option(help="Seed of --split-classes.")] = 0,
     benchmark: BenchmarkOption = None,
     compare: Annotated[Path | None, typer.Option("--compare", help=COMPARE_HELP, show_default=False)] = None,
+    rerank: Annotated[str, typer.Option(help=RERANK_HELP)] = "none",
 ) -> None:
     """Score retrieval on labeled images; writes RUN/metrics/<set>.json, RUN/metrics.json (the latest), RUN/plots/.
 
@@ -43,18 +46,20 @@ def evaluate(
     from retrieval.evaluation import write_plots
 
     ks = parse_ks(k)
+    reranker = parse_rerank(rerank)
     sources = _sources(images, query, gallery, split_classes, benchmark)
     run_dir = RunDir(run)
-    evaluation = _score(run, sources, ks, split_classes, seed)
+    evaluation = _score(run, sources, ks, split_classes, seed, reranker)
     if benchmark:
         evaluation.metrics["benchmark"] = benchmark
-    saved = run_dir.save_metrics(_set_name(images, query, gallery, split_classes, seed, benchmark), evaluation.metrics)
+    name = _set_name(images, query, gallery, split_classes, seed, benchmark)
+    saved = run_dir.save_metrics(name + (f"-{reranker.method}" if reranker.active else ""), evaluation.metrics)
     write_plots(evaluation, run_dir.plots)
     report_skipped(evaluation.skipped, None)
     columns = {run_dir.root.name: evaluation.metrics}
     if compare is not None:
         columns = _compared(
-            run_dir, compare, evaluation.metrics, _score(compare, sources, ks, split_classes, seed).metrics
+            run_dir, compare, evaluation.metrics, _score(compare, sources, ks, split_classes, seed, reranker).metrics
         )
     console.print(metrics_table(columns))
     also = " and comparison.json" if compare else ""
@@ -105,7 +110,7 @@ def _sources(
     return None, load_collection(query), load_collection(gallery)  # type: ignore[arg-type]
 
 
-def _score(run: Path, sources: tuple, ks: list[int], split_classes: float, seed: int) -> object:
+def _score(run: Path, sources: tuple, ks: list[int], split_classes: float, seed: int, rerank: Rerank) -> object:
     """The evaluation of one run's exported model on the sources."""
     from retrieval.embedders import OnnxEmbedder
     from retrieval.evaluation import evaluate_collection, evaluate_query_gallery
@@ -113,8 +118,8 @@ def _score(run: Path, sources: tuple, ks: list[int], split_classes: float, seed:
     test, queries, pool = sources
     embedder = OnnxEmbedder.from_run(RunDir(run))
     if test is not None:
-        return evaluate_collection(embedder, test, ks, split_classes=split_classes, seed=seed)
-    return evaluate_query_gallery(embedder, queries, pool, ks)
+        return evaluate_collection(embedder, test, ks, split_classes=split_classes, seed=seed, rerank=rerank)
+    return evaluate_query_gallery(embedder, queries, pool, ks, rerank=rerank)
 
 
 def _compared(run_dir: RunDir, compare: Path, ours: dict, theirs: dict) -> dict[str, dict]:

@@ -7,16 +7,40 @@ from typing import Annotated
 import typer
 
 from retrieval.commands.output import RunArg, console
+from retrieval.errors import RetrievalError
 from retrieval.extras import require
 from retrieval.runs import RunDir
 
 FP16_HELP = "Export in float16 for GPUs (float32 inputs and outputs, normalisations kept in float32)."
+WHITEN_HELP = (
+    "PCA-whitening fitted on the run's training images and exported in the graph: a covariance shrinkage "
+    "in [0, 1] (0: full whitening), or none. Default: the recipe's (docs/recipe.md)."
+)
+WHITEN_DIM_HELP = "Keep only this many whitened dimensions (the strongest); default: all."
 
 
-def export(run: RunArg, fp16: Annotated[bool, typer.Option("--fp16", help=FP16_HELP)] = False) -> None:
+def export(
+    run: RunArg,
+    fp16: Annotated[bool, typer.Option("--fp16", help=FP16_HELP)] = False,
+    whiten: Annotated[str | None, typer.Option(help=WHITEN_HELP, show_default=False)] = None,
+    whiten_dim: Annotated[int | None, typer.Option(help=WHITEN_DIM_HELP, show_default=False)] = None,
+) -> None:
     """Export the run's encoder to RUN/model.onnx and RUN/model.json, checked against PyTorch."""
     require("torch", "train")
+    from training.exporting import DEFAULT_WHITENING
     from training.exporting import export as run_export
 
-    parity = run_export(RunDir(run), float16=fp16)
-    console.print(f"wrote {RunDir(run).model} ({parity.precision}; vs PyTorch: {parity.describe()})")
+    shrinkage = DEFAULT_WHITENING if whiten is None else _shrinkage(whiten)
+    parity = run_export(RunDir(run), float16=fp16, whiten=shrinkage, whiten_dim=whiten_dim)
+    whitened = "" if shrinkage is None else f", whitened (shrinkage {shrinkage:g})"
+    console.print(f"wrote {RunDir(run).model} ({parity.precision}{whitened}; vs PyTorch: {parity.describe()})")
+
+
+def _shrinkage(text: str) -> float | None:
+    """--whiten none -> None; --whiten 0.2 -> 0.2; anything else is refused with what it takes."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise RetrievalError(f"--whiten takes a shrinkage in [0, 1] or none, got {text!r}") from None

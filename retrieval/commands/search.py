@@ -12,6 +12,8 @@ from rich.table import Table
 
 from retrieval.commands.output import IndexOption, RunArg, console
 from retrieval.errors import RetrievalError
+from retrieval.rerank import SPEC_HELP as RERANK_HELP
+from retrieval.rerank import parse_rerank
 from retrieval.runs import RunDir
 
 IMAGE_HELP = "Query image file (or give --id)."
@@ -34,6 +36,7 @@ def search(
         str | None, typer.Option("--label", help="Only gallery items with this label.", **NO_DEFAULT)
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
+    rerank: Annotated[str, typer.Option(help=RERANK_HELP)] = "none",
 ) -> None:
     """Print the k nearest gallery images to a query image, or to an indexed item (--id).
 
@@ -49,7 +52,7 @@ def search(
     run_dir = RunDir(run)
     embedder = OnnxEmbedder.from_run(run_dir, spinning=False)
     gallery = open_index(index_dir or run_dir.index, embedder.fingerprint, embedder.dim, mmap=mmap)
-    query = Query(k, depth, label)
+    query = Query(k, depth, label, parse_rerank(rerank))
     if image is not None:
         result = search_images(gallery, embedder, [image], [query])[0]
     else:

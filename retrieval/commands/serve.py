@@ -10,6 +10,8 @@ import typer
 
 from retrieval.commands.output import IndexOption, RunArg
 from retrieval.errors import RetrievalError
+from retrieval.rerank import SPEC_HELP as RERANK_HELP
+from retrieval.rerank import parse_rerank
 from retrieval.runs import RunDir
 
 HOST_HELP = "Address to bind; 127.0.0.1 keeps the app on this machine (any other address needs --auth)."
@@ -27,12 +29,15 @@ def serve(
     max_upload: Annotated[str, typer.Option(help="Largest upload accepted, e.g. 20MB.")] = "20MB",
     mmap: Annotated[bool, typer.Option("--mmap", help="Leave the index vectors on disk (memory-mapped).")] = False,
     max_batch: Annotated[int, typer.Option(min=1, help="Queued searches embedded together in one call.")] = 16,
+    rerank: Annotated[str, typer.Option(help=RERANK_HELP + " Applies to every search and to evaluate now.")] = "none",
 ) -> None:
     """Serve the search app for the run's index in the browser: search, browse, metrics, embedding map and an API."""
     from app.server import serve as run_server
 
+    reranker = parse_rerank(rerank)
     require_free_port(host, port)
     options = {"allow_write": allow_write, "auth": auth, "max_upload": max_upload, "mmap": mmap, "max_batch": max_batch}
+    options["rerank"] = reranker
     run_server(RunDir(run), host, port, index_dir, **options)
 
 

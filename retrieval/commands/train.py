@@ -20,17 +20,23 @@ HELP = {
     "hard (Wang & Liu 2021); default supcon.",
     "temperature": "Softmax temperature of the loss "
     "(default: supcon 0.05, infonce 0.07, npair 1.0, hcl 0.5, hard 0.2).",
-    "epochs": "Passes over the data.",
+    "epochs": "Passes over the data (default 50, or 15 from pretrained weights).",
     "batch_size": "Images per batch (classes x images per class).",
     "images_per_class": "Images of each class in a batch.",
     "backbone": "torchvision backbone (resnet18, resnet34, resnet50, mobilenet_v3_small, mobilenet_v3_large, "
     "efficientnet_b0, convnext_tiny, vit_b_16) or timm:<model> with timm installed.",
-    "pretrained": "Start from ImageNet weights (downloaded by torchvision; needs a network once).",
-    "image_size": "Input size in pixels (square).",
+    "pretrained": "--pretrained: start from ImageNet weights (torchvision downloads them once); --scratch: "
+    "random weights. Default: the weights when they are already cached, then 128-px inputs (224 on a GPU) and 15 "
+    "epochs; else from scratch at 64 px for 50 epochs (docs/recipe.md).",
+    "image_size": "Input size in pixels, square (default 64, or 128 from pretrained weights; 224 on a GPU).",
     "stem": "imagenet, or small: a ResNet's first convolution 3x3 stride 1 for small inputs (4x the compute).",
     "augment": "Augmentation steps, comma-separated, from crop, color, hue, grayscale, invert, blur, affine, erase; "
     "or none (default: the recipe's, see docs/recipe.md).",
     "embedding_dim": "Embedding dimension (default: the backbone's feature width, e.g. 512 for resnet18).",
+    "pooling": "Spatial pooling of the resnet features: avg, or gem (generalised mean, its exponent learned).",
+    "layers": "The resnet stages pooled into the embedding, comma-separated (e.g. 3,4: each L2-normalised, "
+    "concatenated); default 4, the last.",
+    "ema": "Export an exponential moving average of the weights with this decay per step (e.g. 0.99; 0: none).",
     "learning_rate": "Peak learning rate, reached after the warm-up, then decayed to 0 along a cosine.",
     "weight_decay": "Weight decay of the optimizer.",
     "optimizer": "adamw, or sgd (Nesterov momentum 0.9; give it a larger --learning-rate, e.g. 0.1).",
@@ -72,11 +78,16 @@ def train(
     batch_size: Annotated[int | None, typer.Option(help=HELP["batch_size"], **NO_DEFAULT)] = None,
     images_per_class: Annotated[int | None, typer.Option(help=HELP["images_per_class"], **NO_DEFAULT)] = None,
     backbone: Annotated[str | None, typer.Option(help=HELP["backbone"], **NO_DEFAULT)] = None,
-    pretrained: Annotated[bool | None, typer.Option("--pretrained", help=HELP["pretrained"], **NO_DEFAULT)] = None,
+    pretrained: Annotated[
+        bool | None, typer.Option("--pretrained/--scratch", help=HELP["pretrained"], **NO_DEFAULT)
+    ] = None,
     image_size: Annotated[int | None, typer.Option(help=HELP["image_size"], **NO_DEFAULT)] = None,
     stem: Annotated[str | None, typer.Option(help=HELP["stem"], **NO_DEFAULT)] = None,
     augment: Annotated[str | None, typer.Option(help=HELP["augment"], **NO_DEFAULT)] = None,
     embedding_dim: Annotated[int | None, typer.Option(help=HELP["embedding_dim"], **NO_DEFAULT)] = None,
+    pooling: Annotated[str | None, typer.Option(help=HELP["pooling"], **NO_DEFAULT)] = None,
+    layers: Annotated[str | None, typer.Option(help=HELP["layers"], **NO_DEFAULT)] = None,
+    ema: Annotated[float | None, typer.Option(help=HELP["ema"], **NO_DEFAULT)] = None,
     learning_rate: Annotated[float | None, typer.Option(help=HELP["learning_rate"], **NO_DEFAULT)] = None,
     weight_decay: Annotated[float | None, typer.Option(help=HELP["weight_decay"], **NO_DEFAULT)] = None,
     optimizer: Annotated[str | None, typer.Option(help=HELP["optimizer"], **NO_DEFAULT)] = None,
