@@ -677,11 +677,12 @@ def serve(
     mmap: bool = False,
     max_batch: int = MAX_BATCH,
     rerank: Rerank = NO_RERANK,
+    model: str = "float32",
 ) -> None:
     """Starts the app and blocks until Ctrl+C or SIGTERM (systemd, docker stop); then removes its cache."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, stop_like_ctrl_c)
-    service = SearchService(run, index_dir, mmap=mmap, allow_write=allow_write, rerank=rerank)
+    service = SearchService(run, index_dir, mmap=mmap, allow_write=allow_write, rerank=rerank, model=model)
     try:
         launch(service, host, port, auth, max_upload, max_batch=max_batch)
     except KeyboardInterrupt:

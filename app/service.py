@@ -88,13 +88,14 @@ class SearchService:
         threads: int | None = None,
         cache: Path | None = None,
         rerank: Rerank = NO_RERANK,
+        model: str = "float32",
     ) -> None:
         self.run = run
         self.rerank = rerank  # the re-ranking of every search and of "evaluate now" (retrieval.rerank)
         self.index_dir = Path(index_dir or run.index)
         self.mmap = mmap
         self.allow_write = allow_write
-        self.embedder = OnnxEmbedder.from_run(run, threads, spinning=False)
+        self.embedder = OnnxEmbedder.from_run(run, threads, spinning=False, model=model)
         self.threads = int(self.embedder.session.get_session_options().intra_op_num_threads)
         self._cache = cache
         self._making_cache = threading.Lock()

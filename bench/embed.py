@@ -1,9 +1,11 @@
 """Embedding and indexing speed, and indexing memory, measured side by side in one run.
 
-1. Encoder throughput of ONNX Runtime against PyTorch eager for the same encoder (freshly
-   initialised: speed does not depend on the weights) at batch sizes 1, 32 and 128.
+1. Encoder throughput of ONNX Runtime (float32, and the int8 model of `retrieval export --int8`:
+   static QDQ quantisation calibrated on 300 of the images) against PyTorch eager for the same encoder
+   (freshly initialised: speed does not depend on the weights) at batch sizes 1, 32, 64 and 128.
 2. End-to-end `build_index` (read, hash, decode, preprocess, embed, journal, commit) against the
-   encoder alone on the same images: the ratio shows how well decoding is hidden behind inference.
+   encoder alone on the same images, with each model: the ratio shows how well decoding is hidden
+   behind inference.
 3. Peak memory of `retrieval index` on galleries of two sizes, each in its own process.
 
     python bench/embed.py [--backbone resnet18] [--image-size 64] [--small 2000] [--large 10000] [--fp16]
@@ -38,6 +40,7 @@ from training.config import TrainConfig
 from training.exporting import export
 from training.model import Encoder
 from training.checkpoints import save_checkpoint
+from training.quantise import quantise
 
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork and exec
 PEAK_MEMORY = """
@@ -99,12 +102,15 @@ def main() -> None:
         save_checkpoint(run.last_checkpoint, model, {})
         export(run, float16=args.fp16)
         embedder = OnnxEmbedder.from_run(run)
+        int8_path = Path(scratch) / "model.int8.onnx"
+        quantise(embedder, load_collection(source).items[:300], int8_path)
+        int8 = OnnxEmbedder(int8_path, {**embedder.card, "precision": "int8"})
         model = model.to(device, dtype)
         providers = ", ".join(embedder.session.get_providers())
 
         title = f"encoder throughput, {args.backbone} at {args.image_size}px, {'float16' if args.fp16 else 'float32'}, torch on {device}, ONNX Runtime on {providers}"
         table = Table(title=f"{title} ({torch.get_num_threads()} CPU threads; images/s)")
-        for column in ("batch", "PyTorch eager", "ONNX Runtime", "ONNX Runtime / PyTorch"):
+        for column in ("batch", "PyTorch eager", "ONNX Runtime", "ONNX Runtime / PyTorch", "ORT int8", "int8 / PyTorch", "int8 / ORT float32"):
             table.add_column(column, justify="right")
         for batch_size in (1, 32, 64, 128):
             batch = np.random.default_rng(batch_size).standard_normal((batch_size, 3, args.image_size, args.image_size)).astype(np.float32)
@@ -115,26 +121,28 @@ def main() -> None:
                     for _ in range(steps):
                         model(torch.from_numpy(batch).to(device, dtype)).cpu()
 
-            def run_onnx() -> None:
+            def run_onnx(session: OnnxEmbedder = embedder) -> None:
                 for _ in range(steps):
-                    embedder.embed_prepared(batch)
+                    session.embed_prepared(batch)
 
             torch_rate = steps * batch_size / best_seconds(run_torch, args.repeats)
             onnx_rate = steps * batch_size / best_seconds(run_onnx, args.repeats)
-            table.add_row(str(batch_size), f"{torch_rate:,.0f}", f"{onnx_rate:,.0f}", f"{onnx_rate / torch_rate:.2f}x")
+            int8_rate = steps * batch_size / best_seconds(lambda: run_onnx(int8), args.repeats)
+            table.add_row(str(batch_size), f"{torch_rate:,.0f}", f"{onnx_rate:,.0f}", f"{onnx_rate / torch_rate:.2f}x", f"{int8_rate:,.0f}", f"{int8_rate / torch_rate:.2f}x", f"{int8_rate / onnx_rate:.2f}x")
         console.print(table)
 
         gallery = make_gallery(source, Path(scratch) / "gallery", args.small)
         collection = load_collection(gallery)
         prepared = [embedder.prepare([load_image(item.path) for item in collection.items[i : i + embedder.batch_size]]) for i in range(0, len(collection.items), embedder.batch_size)]
-        encoder_only = best_seconds(lambda: [embedder.embed_prepared(batch) for batch in prepared], args.repeats)
-        end_to_end = best_seconds(lambda: build_index(embedder, collection, Path(scratch) / "index", rebuild=True, progress=False), args.repeats)
         n = len(collection.items)
         table = Table(title=f"indexing {n:,} images (batch {embedder.batch_size})")
-        for column in ("path", "images/s", "vs encoder only"):
+        for column in ("model", "path", "images/s", "vs encoder only"):
             table.add_column(column, justify="right")
-        table.add_row("encoder only (prepared batches)", f"{n / encoder_only:,.0f}", "1.00x")
-        table.add_row("build_index end to end", f"{n / end_to_end:,.0f}", f"{encoder_only / end_to_end:.2f}x")
+        for name, session in (("float32", embedder), ("int8", int8)):
+            encoder_only = best_seconds(lambda: [session.embed_prepared(batch) for batch in prepared], args.repeats)
+            end_to_end = best_seconds(lambda: build_index(session, collection, Path(scratch) / f"index-{name}", rebuild=True, progress=False), args.repeats)
+            table.add_row(name, "encoder only (prepared batches)", f"{n / encoder_only:,.0f}", "1.00x")
+            table.add_row(name, "build_index end to end", f"{n / end_to_end:,.0f}", f"{encoder_only / end_to_end:.2f}x")
         console.print(table)
 
         large = make_gallery(source, Path(scratch) / "large", args.large)

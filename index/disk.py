@@ -119,7 +119,8 @@ def read_manifest(directory: Path, encoder_sha256: str | None = None, dim: int |
     if encoder_sha256 is not None and manifest.get("encoder_sha256") != encoder_sha256:
         raise RetrievalError(
             f"{directory}: built with encoder {str(manifest.get('encoder_sha256'))[:12]}…, not with this model "
-            f"({encoder_sha256[:12]}…); rebuild it with `retrieval index RUN IMAGES`"
+            f"({encoder_sha256[:12]}…); use the model it was built with (--model float32 or int8), "
+            "or rebuild it with `retrieval index RUN IMAGES --rebuild`"
         )
     if dim is not None and manifest.get("dim") != dim:
         raise RetrievalError(

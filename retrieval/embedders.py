@@ -53,6 +53,9 @@ def l2_normalise(vectors: np.ndarray) -> np.ndarray:
     return vectors / np.maximum(norms, 1e-12)
 
 
+MODELS = ("float32", "int8")  # the exported models of a run that serving can load
+
+
 class OnnxEmbedder(Embedder):
     """Runs an exported encoder (model.onnx + model.json) with ONNX Runtime, on CUDA when available."""
 
@@ -82,10 +85,22 @@ class OnnxEmbedder(Embedder):
         self.batch_size = 256 if "CUDAExecutionProvider" in self.session.get_providers() else 64
 
     @classmethod
-    def from_run(cls, run: RunDir, threads: int | None = None, spinning: bool = True) -> OnnxEmbedder:
-        """Loads the run's exported model, checking it against the sha256 in its model card."""
+    def from_run(
+        cls, run: RunDir, threads: int | None = None, spinning: bool = True, model: str = "float32"
+    ) -> OnnxEmbedder:
+        """Loads the run's exported model (model: float32, or int8 for model.int8.onnx), checked against the sha256
+        in its model card; the fingerprint is that file's, so an index built with one refuses the other."""
         model_path = run.require_model()
         card = read_json(run.model_card)
+        if model not in MODELS:
+            raise RetrievalError(f"--model must be one of {', '.join(MODELS)}, got {model!r}")
+        if model == "int8":
+            if "int8" not in card or not run.int8_model.is_file():
+                raise RetrievalError(
+                    f"{run.root}: no int8 model (model.int8.onnx); make it with `retrieval export {run.root} --int8`"
+                )
+            model_path = run.int8_model
+            card = {**card, "precision": "int8", "sha256": card["int8"]["sha256"]}
         digest = hashlib.sha256(model_path.read_bytes()).hexdigest()
         if digest != card.get("sha256"):
             raise RetrievalError(

@@ -53,6 +53,10 @@ class RunDir:
         return self.root / "model.onnx"
 
     @property
+    def int8_model(self) -> Path:
+        return self.root / "model.int8.onnx"
+
+    @property
     def model_card(self) -> Path:
         return self.root / "model.json"
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,10 @@ from PIL import Image
 from retrieval.commands import main
 from retrieval.datasets import icons
 from retrieval.runs import RunDir
+
+# torchvision's weight cache, empty: the default recipe uses ImageNet weights when they are cached, and the tests
+# (and the commands they start) must train the same recipe on every machine
+os.environ["TORCH_HOME"] = tempfile.mkdtemp(prefix="retrieval-tests-torch-")
 
 
 @pytest.fixture(scope="session")

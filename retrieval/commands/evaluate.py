@@ -7,7 +7,15 @@ from typing import Annotated
 
 import typer
 
-from retrieval.commands.output import BenchmarkOption, RunArg, console, metrics_table, parse_ks, report_skipped
+from retrieval.commands.output import (
+    BenchmarkOption,
+    ModelOption,
+    RunArg,
+    console,
+    metrics_table,
+    parse_ks,
+    report_skipped,
+)
 from retrieval.data import Collection
 from retrieval.errors import RetrievalError
 from retrieval.rerank import SPEC_HELP as RERANK_HELP
@@ -37,6 +45,7 @@ def evaluate(
     benchmark: BenchmarkOption = None,
     compare: Annotated[Path | None, typer.Option("--compare", help=COMPARE_HELP, show_default=False)] = None,
     rerank: Annotated[str, typer.Option(help=RERANK_HELP)] = "none",
+    model: ModelOption = "float32",
 ) -> None:
     """Score retrieval on labeled images; writes RUN/metrics/<set>.json, RUN/metrics.json (the latest), RUN/plots/.
 
@@ -49,17 +58,21 @@ def evaluate(
     reranker = parse_rerank(rerank)
     sources = _sources(images, query, gallery, split_classes, benchmark)
     run_dir = RunDir(run)
-    evaluation = _score(run, sources, ks, split_classes, seed, reranker)
+    evaluation = _score(run, sources, ks, split_classes, seed, reranker, model)
     if benchmark:
         evaluation.metrics["benchmark"] = benchmark
     name = _set_name(images, query, gallery, split_classes, seed, benchmark)
-    saved = run_dir.save_metrics(name + (f"-{reranker.method}" if reranker.active else ""), evaluation.metrics)
+    name += (f"-{reranker.method}" if reranker.active else "") + ("-int8" if model == "int8" else "")
+    saved = run_dir.save_metrics(name, evaluation.metrics)
     write_plots(evaluation, run_dir.plots)
     report_skipped(evaluation.skipped, None)
     columns = {run_dir.root.name: evaluation.metrics}
     if compare is not None:
         columns = _compared(
-            run_dir, compare, evaluation.metrics, _score(compare, sources, ks, split_classes, seed, reranker).metrics
+            run_dir,
+            compare,
+            evaluation.metrics,
+            _score(compare, sources, ks, split_classes, seed, reranker, model).metrics,
         )
     console.print(metrics_table(columns))
     also = " and comparison.json" if compare else ""
@@ -110,13 +123,15 @@ def _sources(
     return None, load_collection(query), load_collection(gallery)  # type: ignore[arg-type]
 
 
-def _score(run: Path, sources: tuple, ks: list[int], split_classes: float, seed: int, rerank: Rerank) -> object:
+def _score(
+    run: Path, sources: tuple, ks: list[int], split_classes: float, seed: int, rerank: Rerank, model: str
+) -> object:
     """The evaluation of one run's exported model on the sources."""
     from retrieval.embedders import OnnxEmbedder
     from retrieval.evaluation import evaluate_collection, evaluate_query_gallery
 
     test, queries, pool = sources
-    embedder = OnnxEmbedder.from_run(RunDir(run))
+    embedder = OnnxEmbedder.from_run(RunDir(run), model=model)
     if test is not None:
         return evaluate_collection(embedder, test, ks, split_classes=split_classes, seed=seed, rerank=rerank)
     return evaluate_query_gallery(embedder, queries, pool, ks, rerank=rerank)

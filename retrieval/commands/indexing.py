@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from retrieval.commands.output import IndexOption, RunArg, console, format_value, report_skipped
+from retrieval.commands.output import IndexOption, ModelOption, RunArg, console, format_value, report_skipped
 from retrieval.data import load_collection
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
@@ -59,6 +59,7 @@ def index(
     backend: Annotated[str, typer.Option(help=BACKEND_HELP)] = "faiss",
     uri: Annotated[str | None, typer.Option(help=URI_HELP, **NO_DEFAULT)] = None,
     milvus_index: Annotated[str | None, typer.Option("--milvus-index", help=MILVUS_INDEX_HELP, **NO_DEFAULT)] = None,
+    model: ModelOption = "float32",
 ) -> None:
     """Embed a gallery with the run's ONNX model and add it to its FAISS index (incremental and resumable).
 
@@ -71,7 +72,7 @@ def index(
 
     run_dir = RunDir(run)
     budget = parse_memory(memory) if memory else None
-    embedder = OnnxEmbedder.from_run(run_dir, threads)
+    embedder = OnnxEmbedder.from_run(run_dir, threads, model=model)
     target = index_dir or run_dir.index
     ray, milvus = _engine_and_backend(engine, address, workers, backend, uri, milvus_index)
     options = {

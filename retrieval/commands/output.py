@@ -29,6 +29,8 @@ RunArg = Annotated[Path, typer.Argument(help=RUN_HELP, show_default=False)]
 DataArg = Annotated[Path, typer.Argument(help=DATA_HELP, show_default=False)]
 BenchmarkOption = Annotated[str | None, typer.Option(help=BENCHMARK_HELP, show_default=False)]
 IndexOption = Annotated[Path | None, typer.Option("--index", help=INDEX_HELP)]
+MODEL_HELP = "The exported model that embeds: float32 (model.onnx) or int8 (model.int8.onnx, from `export --int8`)."
+ModelOption = Annotated[str, typer.Option("--model", help=MODEL_HELP)]
 
 
 def parse_ks(text: str) -> list[int]:

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from retrieval.commands.output import IndexOption, RunArg, console
+from retrieval.commands.output import IndexOption, ModelOption, RunArg, console
 from retrieval.errors import RetrievalError
 from retrieval.rerank import SPEC_HELP as RERANK_HELP
 from retrieval.rerank import parse_rerank
@@ -37,6 +37,7 @@ def search(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
     rerank: Annotated[str, typer.Option(help=RERANK_HELP)] = "none",
+    model: ModelOption = "float32",
 ) -> None:
     """Print the k nearest gallery images to a query image, or to an indexed item (--id).
 
@@ -50,7 +51,7 @@ def search(
     if (image is None) == (item_id is None):
         raise RetrievalError("give a query IMAGE or --id of an indexed item (one of the two)")
     run_dir = RunDir(run)
-    embedder = OnnxEmbedder.from_run(run_dir, spinning=False)
+    embedder = OnnxEmbedder.from_run(run_dir, spinning=False, model=model)
     gallery = open_index(index_dir or run_dir.index, embedder.fingerprint, embedder.dim, mmap=mmap)
     query = Query(k, depth, label, parse_rerank(rerank))
     if image is not None:

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from retrieval.commands.output import IndexOption, RunArg
+from retrieval.commands.output import IndexOption, ModelOption, RunArg
 from retrieval.errors import RetrievalError
 from retrieval.rerank import SPEC_HELP as RERANK_HELP
 from retrieval.rerank import parse_rerank
@@ -30,6 +30,7 @@ def serve(
     mmap: Annotated[bool, typer.Option("--mmap", help="Leave the index vectors on disk (memory-mapped).")] = False,
     max_batch: Annotated[int, typer.Option(min=1, help="Queued searches embedded together in one call.")] = 16,
     rerank: Annotated[str, typer.Option(help=RERANK_HELP + " Applies to every search and to evaluate now.")] = "none",
+    model: ModelOption = "float32",
 ) -> None:
     """Serve the search app for the run's index in the browser: search, browse, metrics, embedding map and an API."""
     from app.server import serve as run_server
@@ -37,7 +38,7 @@ def serve(
     reranker = parse_rerank(rerank)
     require_free_port(host, port)
     options = {"allow_write": allow_write, "auth": auth, "max_upload": max_upload, "mmap": mmap, "max_batch": max_batch}
-    options["rerank"] = reranker
+    options.update(rerank=reranker, model=model)
     run_server(RunDir(run), host, port, index_dir, **options)
 
 
