@@ -613,6 +613,32 @@ def release_memory_periodically(every: float | None = None) -> threading.Thread 
     return _trimmer
 
 
+class Server:
+    """The app and the JSON API on one uvicorn server, in a thread of this process."""
+
+    def __init__(self, app: object, host: str, port: int) -> None:
+        import uvicorn
+
+        self.url = f"http://{host}:{port}"
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+
+    def start(self, port: int, host: str) -> None:
+        """Starts serving; refuses a port that was taken between the check and the start."""
+        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # Ctrl+C is the main thread's
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RetrievalError(f"port {port} on {host} is in use; give another with --port")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        """Stops the server and waits for it (at most a few seconds)."""
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
 def launch(
     service: SearchService,
     host: str = "127.0.0.1",
@@ -621,8 +647,10 @@ def launch(
     max_upload: str = "20MB",
     block: bool = True,
     max_batch: int = MAX_BATCH,
-) -> gr.Blocks:
-    """Starts the app on host:port: auth off loopback, uploads capped, only the app's cache served."""
+) -> Server:
+    """Starts the app and the JSON API on host:port: auth off loopback, uploads capped, only the app's cache served."""
+    from app.api import build_api
+
     credentials = parse_auth(auth)
     if credentials is None and not loopback(host):
         raise RetrievalError(
@@ -632,33 +660,26 @@ def launch(
     os.environ.setdefault("GRADIO_ANALYTICS_MAX_EVENTS", str(ANALYTICS_EVENTS))  # read when the queue is made
     demo = build_app(service, max_batch)
     release_memory_periodically()
+    api = build_api(service, credentials, max_upload, max_batch)
     settings = {"auth": credentials, "allowed_paths": [str(service.cache)], "max_file_size": max_upload.lower()}
     settings.update(STYLE if STYLE_AT_LAUNCH else {})
-    try:  # quiet: Gradio's own lines speak of launch() and share=True, which mean nothing on the command line
-        demo.queue(default_concurrency_limit=1).launch(
-            server_name=host,
-            server_port=port,
-            show_error=True,
-            inbrowser=False,
-            quiet=True,
-            prevent_thread_lock=True,
-            **settings,
-        )
-    except OSError as error:  # the port was taken between the check and the launch
-        raise RetrievalError(f"port {port} on {host} is in use ({error}); give another with --port") from None
+    demo.queue(default_concurrency_limit=1)
+    app = gr.mount_gradio_app(api, demo, path="", show_error=True, **settings)
+    server = Server(app, host, port)
+    server.start(port, host)
     if block:
-        wait_until_stopped(demo, f"http://{host}:{port}")
-    return demo
+        wait_until_stopped(server)
+    return server
 
 
-def wait_until_stopped(demo: gr.Blocks, url: str) -> None:
+def wait_until_stopped(server: Server) -> None:
     """Says where the app is and serves until Ctrl+C (or SIGTERM, turned into it), then closes the server."""
-    print(f"serving the search app at {url}  (Ctrl+C to stop)", flush=True)
+    print(f"serving the search app at {server.url}, its JSON API at {server.url}/docs  (Ctrl+C to stop)", flush=True)
     try:
         while True:
             time.sleep(0.5)
     finally:
-        demo.close()
+        server.close()
 
 
 def stop_like_ctrl_c(signum: int, frame: object) -> None:

@@ -11,6 +11,7 @@ same sha256 is the query). Works with any backend (index.types.GalleryBackend).
 from __future__ import annotations
 
 import difflib
+import hashlib
 import io
 import time
 from collections.abc import Callable, Sequence
@@ -164,19 +165,39 @@ def search_images(
     """The hits of each image file, embedded in one call; a gallery item with an image's exact bytes is left out."""
     if len(images) != len(queries):
         raise RetrievalError(f"{len(images)} images for {len(queries)} queries")
+    read: list[tuple[str, bytes] | ImageError] = []
+    for path in images:
+        try:
+            read.append((Path(path).name, read_image_bytes(Path(path))[0]))
+        except ImageError as error:
+            read.append(error)
+    return search_image_bytes(index, embedder, read, queries)
+
+
+def search_image_bytes(
+    index: GalleryBackend,
+    embedder: Embedder,
+    images: Sequence[tuple[str, bytes] | ImageError],
+    queries: Sequence[Query],
+) -> list[QueryResult]:
+    """The hits of each (name, bytes) image (uploads; an ImageError is that query's failure), embedded in one call."""
+    if len(images) != len(queries):
+        raise RetrievalError(f"{len(images)} images for {len(queries)} queries")
     started = time.perf_counter()
     results = [QueryResult() for _ in images]
     decoded, digests, good = [], [], []
-    for position, path in enumerate(images):
+    for position, image in enumerate(images):
         try:
-            data, digest = read_image_bytes(Path(path))
-            decoded.append(decode_image(data, Path(path).name))
+            if isinstance(image, ImageError):
+                raise image
+            name, data = image
+            decoded.append(decode_image(data, name))
         except ImageError as error:
             results[position].error = str(error)
             continue
         if _animated(data):
             results[position].notes.append("animated: searched with its first frame")
-        digests.append(digest)
+        digests.append(hashlib.sha256(data).hexdigest())
         good.append(position)
     if good:
         itself = [_same_bytes(digest) for digest in digests]

@@ -218,7 +218,8 @@ def test_serve_says_where_the_app_is_without_gradios_launch_advice(demo_run: Run
     first = server.stdout.readline()
     server.send_signal(signal.SIGINT)
     rest = server.communicate(timeout=60)[0]
-    assert first.strip() == f"serving the search app at http://127.0.0.1:{port}  (Ctrl+C to stop)"
+    url = f"http://127.0.0.1:{port}"
+    assert first.strip() == f"serving the search app at {url}, its JSON API at {url}/docs  (Ctrl+C to stop)"
     assert "share=True" not in first + rest and "Traceback" not in rest and server.returncode == 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -79,6 +80,36 @@ def test_the_api_example_runs(demo_run: RunDir) -> None:
         assert len(names["results"]) == 10 and names["summary"].startswith("10 results")
     finally:
         demo.close()
+        service.close()
+
+
+def example(marker: str, language: str) -> str:
+    """The code block of the README that follows an example marker."""
+    return README.split(f"<!-- {marker} (run by tests/test_readme.py) -->")[1].split(f"```{language}")[1].split("```")[0]
+
+
+def test_the_json_api_examples_run(demo_run: RunDir, tmp_path: Path) -> None:
+    import subprocess
+
+    from app.server import launch
+    from app.service import SearchService
+    from tests.test_app import free_port
+
+    service = SearchService(demo_run)
+    port = free_port()
+    server = launch(service, port=port, block=False)
+    query = tmp_path / "query.jpg"
+    query.write_bytes(next(iter(service.items.values())).path.read_bytes())
+    try:
+        curl = example("curl-example", "bash").strip().replace("7860", str(port))
+        done = subprocess.run(curl, shell=True, capture_output=True, text=True, cwd=tmp_path, check=True)  # noqa: S602
+        assert len(json.loads(done.stdout)["hits"]) == 5
+        names: dict = {}
+        code = example("json-example", "python").replace("7860", str(port)).replace('"query.jpg"', repr(str(query)))
+        exec(code, names)  # noqa: S102
+        assert len(names["hits"]) == 5 and set(names["hits"][0]) == {"id", "score", "path", "label"}
+    finally:
+        server.close()
         service.close()
 
 

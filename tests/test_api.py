@@ -1,0 +1,130 @@
+"""The JSON API beside the app: search by upload or raw bytes, neighbours of an item, health and stats, its
+errors (one line each, never a 500), the upload limit, HTTP Basic auth, and batching of concurrent queries."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.server import launch
+from app.service import SearchService
+from index.search import Query, search_images, search_item
+from retrieval.runs import RunDir
+from tests.conftest import write_bad_files
+from tests.test_app import free_port
+
+
+@pytest.fixture(scope="module")
+def served(demo_run: RunDir) -> Iterator[tuple[SearchService, str]]:
+    service = SearchService(demo_run)
+    port = free_port()
+    server = launch(service, port=port, max_upload="1MB", block=False)
+    try:
+        yield service, f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        service.close()
+
+
+def query_image(service: SearchService) -> Path:
+    return next(iter(service.items.values())).path
+
+
+def test_search_by_upload_and_by_raw_bytes_is_the_one_search_path(served: tuple[SearchService, str]) -> None:
+    service, url = served
+    image = query_image(service)
+    expected = search_images(service.index, service.embedder, [image], [Query(5)])[0].hits
+    uploaded = httpx.post(f"{url}/api/v1/search", params={"k": 5}, files={"image": (image.name, image.read_bytes())})
+    raw = httpx.post(f"{url}/api/v1/search", params={"k": 5}, content=image.read_bytes())
+    for response in (uploaded, raw):
+        assert response.status_code == 200
+        body = response.json()
+        assert [hit["id"] for hit in body["hits"]] == [hit.id for hit in expected]
+        assert set(body["hits"][0]) == {"id", "score", "path", "label"} and body["took_ms"] > 0
+
+
+def test_neighbours_of_an_item_and_the_label_filter(served: tuple[SearchService, str]) -> None:
+    service, url = served
+    item_id, item = next(iter(service.items.items()))
+    expected = search_item(service.index, item_id, Query(3, label=item.label)).hits
+    response = httpx.get(f"{url}/api/v1/items/{item_id}/neighbours", params={"k": 3, "label": item.label})
+    assert response.status_code == 200
+    hits = response.json()["hits"]
+    assert [hit["id"] for hit in hits] == [hit.id for hit in expected] and {hit["label"] for hit in hits} == {item.label}
+    reranked = httpx.get(f"{url}/api/v1/items/{item_id}/neighbours", params={"k": 3, "rerank": "dba:n=1"})
+    assert reranked.status_code == 200 and item_id not in [hit["id"] for hit in reranked.json()["hits"]]
+
+
+def test_health_stats_and_docs(served: tuple[SearchService, str]) -> None:
+    service, url = served
+    assert httpx.get(f"{url}/api/v1/health").json() == {"status": "ok", "items": len(service.items), "encoder": service.embedder.fingerprint}
+    stats = httpx.get(f"{url}/api/v1/stats").json()
+    assert stats["items"] == len(service.items) and stats["dim"] == service.embedder.dim and stats["index_type"] == "Flat"
+    assert "/api/v1/search" in httpx.get(f"{url}/openapi.json").json()["paths"]
+    assert httpx.get(f"{url}/docs").status_code == 200 and httpx.get(f"{url}/").status_code == 200
+
+
+def test_mistakes_get_one_line_and_the_right_status(served: tuple[SearchService, str], tmp_path: Path) -> None:
+    service, url = served
+    bad = write_bad_files(tmp_path / "bad")
+    image = query_image(service).read_bytes()
+    cases = [
+        (httpx.post(f"{url}/api/v1/search", content=bad["truncated"].read_bytes()), 422, "image: "),
+        (httpx.post(f"{url}/api/v1/search", files={"image": ("notes.jpg", bad["text"].read_bytes())}), 422, "notes.jpg: "),
+        (httpx.post(f"{url}/api/v1/search", content=b""), 422, "empty file"),
+        (httpx.post(f"{url}/api/v1/search", files={"file": ("a.png", image)}), 422, 'multipart field "image"'),
+        (httpx.post(f"{url}/api/v1/search", params={"label": "no-such"}, content=image), 422, "has the label 'no-such'"),
+        (httpx.post(f"{url}/api/v1/search", params={"k": 0}, content=image), 422, "k: Input should be greater than or equal to 1"),
+        (httpx.post(f"{url}/api/v1/search", params={"rerank": "magic"}, content=image), 422, "unknown re-ranker 'magic'"),
+        (httpx.post(f"{url}/api/v1/search", content=b"x" * (2 * 1024 * 1024)), 413, "over this server's limit of 1,048,576 bytes"),
+        (httpx.get(f"{url}/api/v1/items/987654/neighbours"), 404, "no item with id 987654"),
+    ]
+    for response, status, words in cases:
+        assert response.status_code == status, response.text
+        detail = response.json()["detail"]
+        assert isinstance(detail, str) and "\n" not in detail and words in detail, detail
+
+
+def test_concurrent_queries_share_embedding_calls(served: tuple[SearchService, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    service, url = served
+    sizes: list[int] = []
+    embed = service.embedder.embed
+
+    def counted(images: list) -> object:
+        sizes.append(len(images))
+        return embed(images)
+
+    monkeypatch.setattr(service.embedder, "embed", counted)
+    image = query_image(service).read_bytes()
+    statuses: list[int] = []
+    start = threading.Barrier(16)
+
+    def one() -> None:
+        start.wait()
+        statuses.append(httpx.post(f"{url}/api/v1/search", content=image, timeout=60).status_code)
+
+    threads = [threading.Thread(target=one) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert statuses == [200] * 16 and sum(sizes) == 16 and len(sizes) < 16 and max(sizes) > 1
+
+
+def test_the_api_asks_for_the_apps_password(demo_run: RunDir) -> None:
+    service = SearchService(demo_run)
+    port = free_port()
+    server = launch(service, port=port, auth="ann:secret", block=False)
+    try:
+        url = f"http://127.0.0.1:{port}/api/v1/health"
+        refused = httpx.get(url)
+        assert refused.status_code == 401 and refused.json()["detail"] == "give the app's user:password (HTTP Basic)"
+        assert httpx.get(url, auth=("ann", "wrong")).status_code == 401
+        assert httpx.get(url, auth=("ann", "secret")).json()["status"] == "ok"
+    finally:
+        server.close()
+        service.close()
