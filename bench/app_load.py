@@ -1,4 +1,16 @@
-"""Load on the search app: N concurrent gradio_client users querying a 10,000-image index for a fixed time.
+"""Load on the search server: concurrent clients querying a 10,000-image index for a fixed time.
+
+By default, one asynchronous client process (httpx, one connection per client, closed loop: each
+client sends its next query when the last is answered) drives one `retrieval serve`: rows for 1, 16
+and 64 clients on the JSON API (POST /api/v1/search, the image as the body, k=10) and 16 on the
+Gradio route (upload, /gradio_api/call/search, its event stream: what gradio_client and the browser
+do), --seconds each; queries/s, p50/p95/p99, errors, and the server's CPU milliseconds per query
+(its utime + stime over the row, from /proc). The clients share one process, so they do not eat the
+server's cores the way a process per user does.
+
+    python bench/app_load.py [--clients 1,16,64] [--gradio-clients 16] [--seconds 30] [--images 10000]
+
+--processes runs the earlier setting: N gradio_client users, each a process of its own:
 
 The script makes what it needs in --work: a small run (`retrieval demo --no-serve`, 8 classes, 2
 epochs: the model's quality does not matter here, its cost does), a gallery of 10,000 images (the
@@ -12,7 +24,7 @@ users are also run with batching off (--max-batch 1), and with a pause of about 
 between a user's queries (people look at the results), side by side. Before each row, every query
 image is searched once, so that the thumbnails of its results exist (a server that has been up a while).
 
-    python bench/app_load.py [--users 1,4,16] [--seconds 30] [--think 1.0] [--images 10000] [--work /tmp/app_load]
+    python bench/app_load.py --processes [--users 1,4,16] [--seconds 30] [--think 1.0] [--images 10000] [--work /tmp/app_load]
 
 --mixed runs the hardening issue's setting instead: --users users (default 32) of which each query
 is, with probability --bad-share, a bad upload from the adversarial corpus (tests/robustness/corpus.py:
@@ -31,6 +43,7 @@ app's memory settings off (RETRIEVAL_TRIM_SECONDS=0, Gradio's default of 10,000 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import multiprocessing
 import os
@@ -230,6 +243,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="with --mixed: also write the figures here")
     parser.add_argument("--service-only", action="store_true", help="the --mixed queries on the search service in this process, no server")
     parser.add_argument("--queries", type=int, default=4800, help="with --service-only: how many")
+    parser.add_argument("--processes", action="store_true", help="gradio_client users, a process each (--users)")
+    parser.add_argument("--clients", default="1,16,64", help="concurrent asynchronous clients of the JSON API, per row")
+    parser.add_argument("--gradio-clients", default="16", help="concurrent asynchronous clients of the Gradio route, per row")
     args = parser.parse_args()
     console = Console(width=150)
     run, index, queries = prepare(args.work, args.images)
@@ -238,6 +254,9 @@ def main() -> None:
         return
     if args.service_only:
         service_only(run, index, queries, bad_uploads(args.work), args.bad_share, args.queries, args.work, console)
+        return
+    if not args.processes:
+        asynchronous(args, run, index, queries, console)
         return
     args.users = args.users or "1,4,16"
     most = max(int(users) for users in args.users.split(","))
@@ -311,6 +330,82 @@ def service_only(run: Path, index: Path, good: list[Path], bad: list[Path], bad_
         for result in service.search_images(batch, [10] * 4, [""] * 4, [None] * 4):
             service.thumbnails([hit.id for hit in result.hits])
     console.print(f"search service alone, {count:,} queries ({bad_share:.0%} bad) with thumbnails: resident memory {before:.0f} → {resident_mib(os.getpid()):.0f} MiB")
+
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (all its threads), from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def json_query(client: object, url: str, image: bytes) -> None:
+    response = await client.post(f"{url}api/v1/search", params={"k": 10}, content=image)  # type: ignore[attr-defined]
+    if response.status_code != 200 or len(response.json()["hits"]) != 10:
+        raise ValueError(f"{response.status_code}: {response.text[:200]}")
+
+
+async def gradio_query(client: object, url: str, image: bytes) -> None:
+    """What gradio_client does for /search: upload the file, start the call, read its event stream to the end."""
+    uploaded = await client.post(f"{url}gradio_api/upload", files={"files": ("query.png", image, "image/png")})  # type: ignore[attr-defined]
+    path = uploaded.json()[0]
+    data = [{"path": path, "meta": {"_type": "gradio.FileData"}}, 10, "", 0, False]
+    started = await client.post(f"{url}gradio_api/call/search", json={"data": data})  # type: ignore[attr-defined]
+    event = started.json()["event_id"]
+    stream = await client.get(f"{url}gradio_api/call/search/{event}")  # type: ignore[attr-defined]
+    if "event: complete" not in stream.text:
+        raise ValueError(stream.text[:200])
+    results = json.loads(stream.text.split("event: complete", 1)[1].split("data:", 1)[1].strip().splitlines()[0])
+    if len(results[0]) != 10:
+        raise ValueError(f"{len(results[0])} results")
+
+
+async def closed_loop(url: str, clients: int, seconds: float, images: list[bytes], query: object) -> tuple[list[float], int]:
+    """clients concurrent loops of queries for seconds; every latency (s) and the number of errors."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(limits=limits, timeout=60) as client:
+        stop = time.monotonic() + seconds
+
+        async def one(seed: int) -> tuple[list[float], int]:
+            rng, latencies, errors = random.Random(seed), [], 0
+            while time.monotonic() < stop:
+                started = time.perf_counter()
+                try:
+                    await query(client, url, rng.choice(images))  # type: ignore[operator]
+                    latencies.append(time.perf_counter() - started)
+                except Exception:  # noqa: BLE001 - every failure counts as an error
+                    errors += 1
+            return latencies, errors
+
+        done = await asyncio.gather(*(one(seed) for seed in range(clients)))
+    return [latency for latencies, _ in done for latency in latencies], sum(errors for _, errors in done)
+
+
+def asynchronous(args: argparse.Namespace, run: Path, index: Path, queries: list[Path], console: Console) -> None:
+    """The default table: the JSON API and the Gradio route under one asynchronous client process."""
+    images = [path.read_bytes() for path in queries]
+    rows = [("JSON API", int(n), json_query) for n in args.clients.split(",") if n] + [("Gradio /search", int(n), gradio_query) for n in args.gradio_clients.split(",") if n]
+    table = Table(title=f"retrieval serve, {args.images:,}-image Flat index, one asynchronous client process, closed loop, {args.seconds:.0f} s per row, k=10")
+    for column in ("route", "clients", "queries", "queries/s", "p50 ms", "p95 ms", "p99 ms", "errors", "server CPU ms/query"):
+        table.add_column(column, justify="right")
+    server, url = serve(run, index, 16)
+    try:
+        for _, _, query in rows[:1] + rows[-1:]:  # warm-up: the first calls of each route, thumbnails made
+            asyncio.run(closed_loop(url, 4, 3.0, images, query))
+        for route, clients, query in rows:
+            cpu = cpu_seconds(server.pid)
+            latencies, errors = asyncio.run(closed_loop(url, clients, args.seconds, images, query))
+            used = cpu_seconds(server.pid) - cpu
+            milliseconds = np.asarray(latencies or [float("nan")]) * 1000
+            p50, p95, p99 = np.percentile(milliseconds, [50, 95, 99])
+            table.add_row(route, str(clients), f"{len(latencies):,}", f"{len(latencies) / args.seconds:.1f}", f"{p50:.0f}", f"{p95:.0f}", f"{p99:.0f}", str(errors), f"{1000 * used / max(1, len(latencies)):.1f}")
+            console.print(f"{route}, {clients} clients: {len(latencies) / args.seconds:.1f} queries/s, p95 {p95:.0f} ms, {errors} errors")
+    finally:
+        server.terminate()
+        server.wait()
+    console.print(table)
 
 
 if __name__ == "__main__":
