@@ -82,6 +82,7 @@ CONFIGURATIONS = {
     "ema 0.99": "--ema 0.99",
     "ema 0.995": "--ema 0.995",
     "bf16": "--precision bf16",
+    "bf16, 80 epochs": "--precision bf16 --epochs 80",
 }
 # Variants scored on the same trained run: options of `retrieval export` and of `retrieval evaluate`.
 VARIANTS = {
@@ -90,6 +91,13 @@ VARIANTS = {
     "whitened 0.1": ("--whiten 0.1", ""),
     "whitened 0.3": ("--whiten 0.3", ""),
     "whitened 0.6": ("--whiten 0.6", ""),
+    "whitened 0.8": ("--whiten 0.8", ""),
+    "qe n=1": ("--whiten none", "--rerank qe:n=1"),
+    "qe n=2": ("--whiten none", "--rerank qe:n=2"),
+    "dba n=1": ("--whiten none", "--rerank dba:n=1"),
+    "dba n=2": ("--whiten none", "--rerank dba:n=2"),
+    "k-reciprocal k1=20": ("--whiten none", "--rerank kreciprocal:k1=20,k2=6,lambda=0.3"),
+    "k-reciprocal k1=6": ("--whiten none", "--rerank kreciprocal:k1=6,k2=3,lambda=0.3"),
 }
 SHOWN = ("recall@1", "recall@5", "map@r", "uniformity", "tolerance")
 VALIDATION_SHOWN = ("val recall@1", "val map@r")

@@ -141,6 +141,25 @@ def search_items(index: GalleryBackend, ids: Sequence[int], query: Query = Query
     return search_vectors(index, index.vectors_of(ids), [query] * len(ids), itself)
 
 
+def deployed_ranking(
+    index: GalleryBackend, ids: Sequence[int], rerank: Rerank = NO_RERANK
+) -> Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]:
+    """The index's own search, as retrieval.metrics.score_queries takes it: the items `ids` (rows 0..) search the
+    index at its tuned depth (each itself left out); hits become rows of ids, -1 for an item not among them."""
+    row_of = {int(item): row for row, item in enumerate(ids)}
+
+    def search(rows: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
+        found = search_items(index, [int(ids[row]) for row in rows], Query(depth, rerank=rerank))
+        out = np.full((len(rows), depth), -1, np.int64)
+        scores = np.full((len(rows), depth), -np.inf, np.float32)
+        for position, hits in enumerate(found):
+            out[position, : len(hits)] = [row_of.get(hit.id, -1) for hit in hits]
+            scores[position, : len(hits)] = [hit.score for hit in hits]
+        return out, scores
+
+    return search
+
+
 def _same_id(item: int) -> Itself:
     return lambda hit: hit.id == item
 

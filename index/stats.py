@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -9,11 +10,14 @@ import numpy as np
 from index.backends import open_index
 from index.faiss_ops import stored_vectors
 from index.milvus import MilvusIndex
+from index.search import deployed_ranking
 from index.store import GalleryIndex
 from index.tuning import recall_at_10
 from index.types import ITEMS, VECTORS, GalleryBackend
 from retrieval.errors import RetrievalError
+from retrieval.evaluation import Evaluation, evaluate_embedded
 from retrieval.knn import nearest_neighbours
+from retrieval.rerank import NO_RERANK, Rerank
 
 
 def index_stats(directory: Path, sample: int = 1000, mmap: bool = False, seed: int = 0) -> dict:
@@ -77,3 +81,33 @@ def _milvus_stats(index: MilvusIndex, sample: int, seed: int) -> dict:
         "updated": index.manifest.get("updated", ""),
     }
     return {**stats, **_measured_recall(index, ids, index.vectors_of(ids.tolist()), sample, seed)}
+
+
+def exact_and_deployed(
+    index: GalleryBackend, rerank: Rerank = NO_RERANK, ks: Sequence[int] = (1, 5, 10)
+) -> tuple[Evaluation, Evaluation]:
+    """Leave-one-out metrics over the index's labeled items, with exact search and with the index's own search.
+
+    Both rank the same stored vectors (for compressed types, the exact ones kept for re-ranking): the
+    first exactly, the second as the deployed index searches (its type, tuned depth and re-scoring of
+    compressed codes, and the re-ranker), so that the gap is what the approximate index costs.
+    """
+    labeled = [(item_id, item) for item_id, item in sorted(index.items().items()) if item.label]
+    if len({item.label for _, item in labeled}) < 2:
+        raise RetrievalError(
+            f"{index.directory}: evaluation needs labeled items of at least two labels; index a labeled folder or CSV"
+        )
+    ids = [item_id for item_id, _ in labeled]
+    vectors, items = index.vectors_of(ids), [item for _, item in labeled]
+    described = {
+        "protocol": "leave-one-out over the index's labeled items",
+        "images": str(index.directory),
+        "encoder": index.encoder_sha256,
+    }
+    exact = evaluate_embedded(vectors, items, [], {**described, "search": "exact"}, ks, rerank)
+    depth = "".join(f", {key} {value}" for key, value in index.manifest.get("search", {}).items())
+    searched = f"{index.manifest.get('index_type', 'Flat')}{depth}"
+    deployed = evaluate_embedded(
+        vectors, items, [], {**described, "search": searched}, ks, rerank, search=deployed_ranking(index, ids, rerank)
+    )
+    return exact, deployed

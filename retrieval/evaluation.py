@@ -15,7 +15,7 @@ import numpy as np
 from retrieval.data import Collection, Item, Skipped, split_by_class
 from retrieval.embedders import Embedder, embed_items
 from retrieval.errors import RetrievalError
-from retrieval.metrics import QueryScores, clustering_metrics, embedding_diagnostics, score_queries
+from retrieval.metrics import QueryScores, Ranking, clustering_metrics, embedding_diagnostics, score_queries
 from retrieval.rerank import NO_RERANK, Rerank
 
 WORST_CLASSES = 10  # classes listed in metrics.json, lowest recall@1 first
@@ -108,15 +108,17 @@ def evaluate_embedded(
     described: dict,
     ks: Sequence[int] = (1, 5, 10),
     rerank: Rerank = NO_RERANK,
+    search: Ranking | None = None,
 ) -> Evaluation:
     """Scores leave-one-out retrieval over embeddings already made (of labeled items, in their order),
-    e.g. the vectors an index stores; described (protocol, images, encoder) goes into the metrics."""
+    e.g. the vectors an index stores; described (protocol, images, encoder) goes into the metrics.
+    search: rank with it instead of exact search (a deployed index's own, index.search.deployed_ranking)."""
     labels = [item.label for item in items]
     if len(set(labels)) < 2:
         raise RetrievalError(
             f"{described.get('images', 'the collection')}: fewer than two classes have readable images"
         )
-    scores = score_queries(vectors, labels, ks=ks, rerank=rerank)
+    scores = score_queries(vectors, labels, ks=ks, rerank=NO_RERANK if search else rerank, search=search)
     return _evaluation(scores, vectors, items, items, skipped, {**described, "rerank": rerank.describe()})
 
 

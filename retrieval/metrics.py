@@ -19,7 +19,7 @@ many items share a score.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,6 +126,7 @@ def score_queries(
     ks: Sequence[int] = (1, 5, 10),
     full_ranking: bool | None = None,
     rerank: Rerank = NO_RERANK,
+    search: Ranking | None = None,
 ) -> QueryScores:
     """Scores every query: recall@k and precision@k for each k, R-precision, MAP@R, mAP and its nearest items.
 
@@ -134,7 +135,9 @@ def score_queries(
     10,000 items here); by default (full_ranking=None) it is computed for galleries up to
     FULL_RANKING_LIMIT items and left out above, unless full_ranking=True. With a re-ranker
     (retrieval.rerank), every metric is of the re-ranked lists, as search returns them, and mAP over
-    the full ranking is left out (only the shortlist is re-ranked).
+    the full ranking is left out (only the shortlist is re-ranked). search replaces exact search
+    (leave-one-out only): search(query rows, depth) -> (gallery rows [Q, depth], scores), -1 where
+    a hit is no labeled gallery row, e.g. the lists of a deployed approximate index; mAP is left out.
     """
     leave_one_out = gallery_embeddings is None
     if leave_one_out:
@@ -151,14 +154,18 @@ def score_queries(
     shown = min(ks[-1], depth)
     index = flat_index(gallery)
     if full_ranking is None:
-        full_ranking = len(gallery) <= FULL_RANKING_LIMIT and not rerank.active
-    ranking = _Ranking(index, gallery, depth, rerank, leave_one_out)
+        full_ranking = len(gallery) <= FULL_RANKING_LIMIT and not rerank.active and search is None
+    exact = _Ranking(index, gallery, depth, rerank, leave_one_out)
+
+    def ranking(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return exact(queries[rows], rows) if search is None else search(rows, depth)
+
     parts: dict[str, list[np.ndarray]] = {}
     first_hits, neighbour_blocks, similarity_blocks = [], [], []
     for start in range(0, len(chosen), QUERY_BLOCK):
         block = chosen[start : start + QUERY_BLOCK]
-        neighbours, scores = ranking(queries[block], block)
-        hits = gallery_codes[neighbours] == query_codes[block, None]
+        neighbours, scores = ranking(block)
+        hits = (neighbours >= 0) & (gallery_codes[neighbours] == query_codes[block, None])
         values = _block_values(hits, relevant[block], ks)
         if full_ranking:
             values["map"] = _full_ranking_map(
@@ -179,6 +186,10 @@ def score_queries(
         max_k=ks[-1],
         leave_one_out=leave_one_out,
     )
+
+
+# search(query rows, depth) -> (gallery rows [Q, depth], scores [Q, depth]), best first, -1 for no labeled row
+Ranking = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
 
 
 class _Ranking:

@@ -132,7 +132,9 @@ def test_evaluate_now_scores_the_index_items(service: SearchService, demo_run: R
     assert evaluation.metrics["num_queries"] + evaluation.metrics["num_skipped_queries"] == len(service.items)
     assert 0.0 <= evaluation.metrics["recall@1"] <= evaluation.metrics["recall@10"] <= 1.0
     assert [path.name for path in plots] == ["recall_at_k.png", "similarities.png", "class_recall.png", "worst_queries.png", "diagnostics.png"]
-    assert len(steps) == 3 and all(path.is_relative_to(service.cache) for path in plots)
+    assert len(steps) == 2 and all(path.is_relative_to(service.cache) for path in plots)
+    assert evaluation.metrics["recall@1 (exact search)"] == evaluation.metrics["recall@1"]  # a Flat index is exact
+    assert evaluation.metrics["search"] == "Flat"
 
 
 def test_embedding_map_picks_the_point_clicked(service: SearchService) -> None:

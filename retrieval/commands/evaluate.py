@@ -9,6 +9,7 @@ import typer
 
 from retrieval.commands.output import (
     BenchmarkOption,
+    IndexOption,
     ModelOption,
     RunArg,
     console,
@@ -28,6 +29,10 @@ IMAGES_HELP = (
 )
 SPLIT_HELP = "Score only a seeded, class-disjoint fraction of the classes of IMAGES (0: all)."
 COMPARE_HELP = "A second run directory, scored on the same protocol and shown side by side."
+DEPLOYED_HELP = (
+    "Score the index as deployed (its type, tuned depth and re-scoring) beside exact search, leave-one-out over "
+    "its labeled items; no IMAGES."
+)
 
 
 def evaluate(
@@ -46,6 +51,8 @@ def evaluate(
     compare: Annotated[Path | None, typer.Option("--compare", help=COMPARE_HELP, show_default=False)] = None,
     rerank: Annotated[str, typer.Option(help=RERANK_HELP)] = "none",
     model: ModelOption = "float32",
+    deployed: Annotated[bool, typer.Option("--deployed", help=DEPLOYED_HELP)] = False,
+    index_dir: IndexOption = None,
 ) -> None:
     """Score retrieval on labeled images; writes RUN/metrics/<set>.json, RUN/metrics.json (the latest), RUN/plots/.
 
@@ -56,6 +63,11 @@ def evaluate(
 
     ks = parse_ks(k)
     reranker = parse_rerank(rerank)
+    if deployed:
+        if images is not None or query is not None or benchmark or compare is not None:
+            raise RetrievalError("--deployed scores the run's index itself; give no IMAGES, --query or --compare")
+        _deployed(RunDir(run), index_dir, ks, reranker, model)
+        return
     sources = _sources(images, query, gallery, split_classes, benchmark)
     run_dir = RunDir(run)
     evaluation = _score(run, sources, ks, split_classes, seed, reranker, model)
@@ -77,6 +89,25 @@ def evaluate(
     console.print(metrics_table(columns))
     also = " and comparison.json" if compare else ""
     console.print(f"wrote {saved} (also as {run_dir.metrics}){also} and the plots in {run_dir.plots}", soft_wrap=True)
+
+
+def _deployed(run: RunDir, index_dir: Path | None, ks: list[int], rerank: Rerank, model: str) -> None:
+    """The deployed index against exact search over the same stored vectors: both metric sets and their gap."""
+    from index.backends import open_index
+    from index.stats import exact_and_deployed
+    from retrieval.embedders import OnnxEmbedder
+
+    embedder = OnnxEmbedder.from_run(run, model=model)
+    index = open_index(index_dir or run.index, embedder.fingerprint, embedder.dim)
+    exact, deployed = exact_and_deployed(index, rerank, ks)
+    name = f"{Path(index.directory).name}-{'-'.join(filter(None, [rerank.method if rerank.active else '', model]))}"
+    run.save_metrics(f"{name}-exact", exact.metrics)
+    saved = run.save_metrics(f"{name}-deployed", deployed.metrics)
+    numbers = [key for key, value in exact.metrics.items() if isinstance(value, float)]
+    gap = {key: deployed.metrics[key] - exact.metrics[key] for key in numbers if key in deployed.metrics}
+    columns = {"exact search": exact.metrics, f"deployed: {deployed.metrics['search']}": deployed.metrics}
+    console.print(metrics_table({**columns, "deployed - exact": gap}))
+    console.print(f"wrote {saved} and its exact counterpart beside it (also as {run.metrics})", soft_wrap=True)
 
 
 def _set_name(
