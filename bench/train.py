@@ -53,7 +53,8 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype) -> float:
 def step_rate(args: argparse.Namespace, device: torch.device, precision: str) -> tuple[float, float]:
     """Returns (images/s, FLOPs per image) of training steps on random images."""
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    model = Encoder(args.backbone, image_size=args.image_size).to(device, memory_format=memory_format).train()
+    model = Encoder(args.backbone, image_size=args.image_size, pooling=args.pooling, layers=args.layers)
+    model = model.to(device, memory_format=memory_format).train()
     forward = torch.compile(model.project) if args.compile else model.project
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     loss_fn = SupConLoss(0.1)
@@ -101,6 +102,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
     parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--pooling", default="avg", help="avg or gem (training.model)")
+    parser.add_argument("--layers", default="4", help="resnet stages pooled into the embedding, e.g. 3,4")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
@@ -111,7 +114,7 @@ def main() -> None:
     torch.manual_seed(0)
 
     peaks = {name: matmul_tflops(device, dtype) for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
-    table = Table(title=f"training throughput: {args.backbone}, {args.image_size} px, batch {args.batch_size}, {device}" + (", channels_last" if args.channels_last else ""))
+    table = Table(title=f"training throughput: {args.backbone} ({args.pooling} pooling of stages {args.layers}), {args.image_size} px, batch {args.batch_size}, {device}" + (", channels_last" if args.channels_last else ""))
     for column in ("what", "precision", "images/s", "vs fp32 step", "model TFLOP/s", "matmul TFLOP/s", "utilisation"):
         table.add_column(column, justify="right" if column != "what" else "left")
     base = None
