@@ -82,7 +82,7 @@ CONFIGURATIONS = {
     "ema 0.99": "--ema 0.99",
     "ema 0.995": "--ema 0.995",
     "bf16": "--precision bf16",
-    "bf16, 80 epochs": "--precision bf16 --epochs 80",
+    "bf16 for 80 epochs": "--precision bf16 --epochs 80",
 }
 # Variants scored on the same trained run: options of `retrieval export` and of `retrieval evaluate`.
 VARIANTS = {
