@@ -107,12 +107,11 @@ def export_int8(run: RunDir, method: str = DEFAULT_METHOD) -> Int8Report:
 def quantise(float32: OnnxEmbedder, calibration: Sequence[Item], output: Path, method: str = DEFAULT_METHOD) -> None:
     """Writes the static QDQ int8 quantisation of float32's model to output, calibrated on the images of calibration.
 
-    The calibration batches are all of one size (the histogram calibrators stack them), so a remainder
-    of fewer than CALIBRATION_BATCH images is left out.
+    The calibration batches are all of one size (the histogram calibrators stack them): the last one is
+    filled up with the first images again.
     """
     quantization = _quantization()
-    batch = min(CALIBRATION_BATCH, len(calibration))
-    reader = _Calibration(float32, calibration[: len(calibration) // batch * batch], batch)
+    reader = _Calibration(float32, calibration)
     with tempfile.TemporaryDirectory(prefix="retrieval-int8-") as scratch:
         prepared = Path(scratch) / "prepared.onnx"
         try:
@@ -173,37 +172,40 @@ def _samples(run: RunDir) -> tuple[list[Item], list[Item]]:
 
 
 class _Calibration:
-    """ONNX Runtime's CalibrationDataReader over preprocessed batches of images."""
+    """ONNX Runtime's CalibrationDataReader: the readable images, preprocessed, in batches of one size (the last
+    filled up with the first images again)."""
 
-    def __init__(self, embedder: OnnxEmbedder, items: Sequence[Item], batch: int = 32) -> None:
+    def __init__(self, embedder: OnnxEmbedder, items: Sequence[Item]) -> None:
         self.name = embedder.input_name
-        self.batches: Iterator[np.ndarray] = (embedder.prepare(images) for images in _decoded(items, batch) if images)
+        images = _readable(items)
+        if not images:
+            raise RetrievalError("none of the calibration images could be read; check the run's training data")
+        batch = min(CALIBRATION_BATCH, len(images))
+        images += images[: -len(images) % batch or 0]
+        self.batches: Iterator[np.ndarray] = (
+            embedder.prepare(images[start : start + batch]) for start in range(0, len(images), batch)
+        )
 
     def get_next(self) -> dict[str, np.ndarray] | None:
         batch = next(self.batches, None)
         return None if batch is None else {self.name: batch}
 
 
-def _decoded(items: Sequence[Item], batch: int) -> Iterator[list]:
-    for start in range(0, len(items), batch):
-        images = []
-        for item in items[start : start + batch]:
-            try:
-                images.append(load_image(item.path))
-            except ImageError:
-                continue
-        yield images
+def _readable(items: Sequence[Item]) -> list:
+    """The items' images that decode (the others are left out)."""
+    images = []
+    for item in items:
+        try:
+            images.append(load_image(item.path))
+        except ImageError:
+            continue
+    return images
 
 
 def _gate(float32: OnnxEmbedder, int8: OnnxEmbedder, items: Sequence[Item], method: str, calibrated: int) -> Int8Report:
     """Embeds the held-out items with both models: top-10 overlap and leave-one-out recall@1 of each."""
-    images, labels = [], []
-    for item in items:
-        try:
-            images.append(load_image(item.path))
-            labels.append(item.label)
-        except ImageError:
-            continue
+    pairs = [(image, item.label) for item in items for image in _readable([item])]
+    images, labels = [image for image, _ in pairs], [label for _, label in pairs]
     reference, quantised = float32.embed(images), int8.embed(images)
     k = min(NEIGHBOURS, len(images) - 1)
     expected, _ = nearest_neighbours(reference, reference, k, exclude_self=True)
