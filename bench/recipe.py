@@ -98,6 +98,12 @@ VARIANTS = {
     "dba n=2": ("--whiten none", "--rerank dba:n=2"),
     "k-reciprocal k1=20": ("--whiten none", "--rerank kreciprocal:k1=20,k2=6,lambda=0.3"),
     "k-reciprocal k1=6": ("--whiten none", "--rerank kreciprocal:k1=6,k2=3,lambda=0.3"),
+    "whitened 0.8 with qe n=1": ("--whiten 0.8", "--rerank qe:n=1"),
+    "whitened 0.8 with qe n=2": ("--whiten 0.8", "--rerank qe:n=2"),
+    "whitened 0.8 with dba n=1": ("--whiten 0.8", "--rerank dba:n=1"),
+    "whitened 0.8 with dba n=2": ("--whiten 0.8", "--rerank dba:n=2"),
+    "whitened 0.8 with k-reciprocal k1=6": ("--whiten 0.8", "--rerank kreciprocal:k1=6,k2=3,lambda=0.3"),
+    "whitened 0.8 with k-reciprocal k1=20": ("--whiten 0.8", "--rerank kreciprocal:k1=20,k2=6,lambda=0.3"),
 }
 SHOWN = ("recall@1", "recall@5", "map@r", "uniformity", "tolerance")
 VALIDATION_SHOWN = ("val recall@1", "val map@r")
