@@ -264,3 +264,24 @@ def test_the_default_uses_cached_imagenet_weights_and_never_downloads(tmp_path: 
     assert not TrainConfig(data="x", pretrained=False).pretrained  # --scratch
     model = Encoder(config.backbone, pretrained=True, image_size=config.image_size)
     assert torch.equal(model.backbone.conv1.weight, state["conv1.weight"])
+
+
+def test_auto_precision_is_bf16_on_cpus_that_compute_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import training.loop as loop
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(loop, "cpu_has_bf16", lambda: True)
+    assert loop.autocast_dtype("auto", cpu) is torch.bfloat16 and loop.autocast_dtype("fp32", cpu) is None
+    monkeypatch.setattr(loop, "cpu_has_bf16", lambda: False)
+    assert loop.autocast_dtype("auto", cpu) is None  # emulated bf16 would be slower than float32
+    monkeypatch.undo()
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    assert loop.cpu_has_bf16() == ("avx512_bf16" in flags.split() or "amx_bf16" in flags.split())
+
+
+def test_the_default_export_is_whitened(gem_run: RunDir) -> None:
+    assert main(["export", str(gem_run.root)]) == 0
+    card = json.loads(gem_run.model_card.read_text())
+    assert card["whitening"]["shrinkage"] == 0.8 and card["embedding_dim"] == 768
+    assert main(["export", str(gem_run.root), "--whiten", "none"]) == 0
+    assert json.loads(gem_run.model_card.read_text())["whitening"] is None

@@ -46,7 +46,7 @@ class TrainConfig:
     optimizer: str = "adamw"  # adamw, or sgd (momentum 0.9, Nesterov)
     warmup: float = 0.1  # fraction of the steps with a linear warm-up, before the cosine decay to 0
     clip_grad: float = 0.0  # maximum gradient norm (0: no clipping)
-    precision: str = "auto"  # fp32, bf16 or fp16 autocast; auto: bf16 on a GPU that has it, else fp32
+    precision: str = "auto"  # fp32, bf16 or fp16 autocast; auto: bf16 on a GPU or CPU that has it, else fp32
     compile: bool = False  # torch.compile the encoder
     queue_size: int = 0  # keys of earlier batches kept as extra contrast (MoCo memory; 0: none)
     momentum: float = 0.999  # momentum of the key encoder that fills the queue

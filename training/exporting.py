@@ -31,7 +31,7 @@ MAX_ABS_DIFFERENCE = 1e-4
 MIN_COSINE = 0.9999
 MIN_COSINE_FLOAT16 = 0.999
 NEIGHBOURS = 10
-DEFAULT_WHITENING: float | None = None  # the shrinkage of the whitening fitted at export (None: none); docs/recipe.md
+DEFAULT_WHITENING: float | None = 0.8  # the shrinkage of the whitening fitted at export (None: none); docs/recipe.md
 # Layers that stay in float32 in a float16 export: normalisations (BatchNorm is folded into the
 # convolutions by the exporter) and the final L2 normalisation (ReduceL2, Clip of its epsilon, Div).
 FLOAT32_OPS = [

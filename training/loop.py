@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -100,10 +102,23 @@ class _Projected(nn.Module):
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype of --precision (None: float32); auto is bf16 on a GPU that has it."""
+    """The autocast dtype of --precision (None: float32); auto is bf16 on a GPU or a CPU that computes it natively."""
     if precision == "auto":
-        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+        native = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_bf16()
+        precision = "bf16" if native else "fp32"
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bfloat16 instructions (AVX-512 BF16 or AMX; Linux's /proc/cpuinfo flags).
+
+    Elsewhere bf16 would be emulated, slower than float32, so auto stays fp32 there.
+    """
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:

@@ -42,8 +42,8 @@ HELP = {
     "optimizer": "adamw, or sgd (Nesterov momentum 0.9; give it a larger --learning-rate, e.g. 0.1).",
     "warmup": "Fraction of the steps spent warming the learning rate up linearly.",
     "clip_grad": "Clip the gradient norm to this value (0: no clipping).",
-    "precision": "Autocast precision: fp32, bf16, fp16 (with loss scaling), or auto (bf16 on a GPU that has it, "
-    "else fp32). channels_last is used on GPUs.",
+    "precision": "Autocast precision: fp32, bf16, fp16 (with loss scaling), or auto (bf16 on a GPU, or a CPU with "
+    "AVX-512 BF16 or AMX, that has it; else fp32). channels_last is used on GPUs.",
     "compile": "Compile the encoder with torch.compile (slow start, faster steps on GPUs).",
     "queue_size": "MoCo memory: keys of earlier batches from a momentum encoder, contrasted as extra rows "
     "(supcon and infonce; 0: none).",
