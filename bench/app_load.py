@@ -84,11 +84,13 @@ def variants(sources: list[Path], count: int, target: Path, seed: int) -> None:
         image.resize((side, side)).save(folder / f"{number:05d}.png")
 
 
-def prepare(work: Path, images: int) -> tuple[Path, Path, list[Path]]:
-    """The run, its 10,000-image index and the query images (made once, reused by later runs)."""
-    run, index = work / "run", work / f"index-{images}"
+def prepare(work: Path, images: int, model: str = "float32") -> tuple[Path, Path, list[Path]]:
+    """The run, its 10,000-image index (of the model's embeddings) and the query images (made once, reused later)."""
+    run, index = work / "run", work / (f"index-{images}" if model == "float32" else f"index-{images}-{model}")
     if not (run / "model.onnx").is_file():
         subprocess.run([RETRIEVAL, "demo", "--no-serve", "--run", str(run), "--classes", "8", "--epochs", "2"], check=True, stdout=subprocess.DEVNULL)
+    if model == "int8" and not (run / "model.int8.onnx").is_file():
+        subprocess.run([RETRIEVAL, "export", str(run), "--int8"], check=True, stdout=subprocess.DEVNULL)
     sources = sorted((icons() / "train").rglob("*.png")) + sorted((icons() / "test").rglob("*.png"))
     gallery, queries = work / f"gallery-{images}", work / "queries"
     if not gallery.is_dir():
@@ -96,7 +98,7 @@ def prepare(work: Path, images: int) -> tuple[Path, Path, list[Path]]:
     if not queries.is_dir():
         variants(sources[::7], 100, queries, seed=2)
     if not (index / "manifest.json").is_file():
-        subprocess.run([RETRIEVAL, "index", str(run), str(gallery), "--index", str(index)], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([RETRIEVAL, "index", str(run), str(gallery), "--index", str(index), "--model", model], check=True, stdout=subprocess.DEVNULL)
     return run, index, sorted(queries.rglob("*.png"))
 
 
@@ -106,11 +108,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def serve(run: Path, index: Path, max_batch: int, environment: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+def serve(run: Path, index: Path, max_batch: int, environment: dict[str, str] | None = None, model: str = "float32") -> tuple[subprocess.Popen, str]:
     """Starts `retrieval serve` (with these extra environment variables) and waits until it answers."""
     port = free_port()
     server = subprocess.Popen(
-        [RETRIEVAL, "serve", str(run), "--index", str(index), "--port", str(port), "--max-batch", str(max_batch)],
+        [RETRIEVAL, "serve", str(run), "--index", str(index), "--port", str(port), "--max-batch", str(max_batch), "--model", model],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, **(environment or {})},
@@ -243,12 +245,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="with --mixed: also write the figures here")
     parser.add_argument("--service-only", action="store_true", help="the --mixed queries on the search service in this process, no server")
     parser.add_argument("--queries", type=int, default=4800, help="with --service-only: how many")
+    parser.add_argument("--model", default="float32", help="the model the server embeds with: float32 or int8")
     parser.add_argument("--processes", action="store_true", help="gradio_client users, a process each (--users)")
     parser.add_argument("--clients", default="1,16,64", help="concurrent asynchronous clients of the JSON API, per row")
     parser.add_argument("--gradio-clients", default="16", help="concurrent asynchronous clients of the Gradio route, per row")
     args = parser.parse_args()
     console = Console(width=150)
-    run, index, queries = prepare(args.work, args.images)
+    run, index, queries = prepare(args.work, args.images, args.model)
     if args.mixed:
         mixed(args, int(args.users or 32), run, index, queries, console)
         return
@@ -387,10 +390,10 @@ def asynchronous(args: argparse.Namespace, run: Path, index: Path, queries: list
     """The default table: the JSON API and the Gradio route under one asynchronous client process."""
     images = [path.read_bytes() for path in queries]
     rows = [("JSON API", int(n), json_query) for n in args.clients.split(",") if n] + [("Gradio /search", int(n), gradio_query) for n in args.gradio_clients.split(",") if n]
-    table = Table(title=f"retrieval serve, {args.images:,}-image Flat index, one asynchronous client process, closed loop, {args.seconds:.0f} s per row, k=10")
+    table = Table(title=f"retrieval serve --model {args.model}, {args.images:,}-image Flat index, one asynchronous client process, closed loop, {args.seconds:.0f} s per row, k=10")
     for column in ("route", "clients", "queries", "queries/s", "p50 ms", "p95 ms", "p99 ms", "errors", "server CPU ms/query"):
         table.add_column(column, justify="right")
-    server, url = serve(run, index, 16)
+    server, url = serve(run, index, 16, model=args.model)
     try:
         for _, _, query in rows[:1] + rows[-1:]:  # warm-up: the first calls of each route, thumbnails made
             asyncio.run(closed_loop(url, 4, 3.0, images, query))
