@@ -15,7 +15,10 @@ from retrieval.embedders import OnnxEmbedder
 from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir
 from training.config import TrainConfig
-from training.exporting import export
+from training.exporting import DEFAULT_WHITENING, export
+from training.whitening import whiten_encoder
+from retrieval.data import load_collection
+from retrieval.runs import read_json
 from training.checkpoints import load_encoder
 from training.loop import train
 from tests.conftest import copy_classes
@@ -41,9 +44,10 @@ def test_export_writes_a_checked_model_and_card(trained: RunDir) -> None:
 
 @pytest.mark.parametrize("batch_size", [1, 2, 7, 64])
 def test_onnx_matches_pytorch(trained: RunDir, batch_size: int) -> None:
-    if not trained.model.is_file():
-        export(trained)
+    export(trained)  # whitened, as by default: the whitening fitted on the run's images is part of both sides
+    config = TrainConfig.from_dict(read_json(trained.config))
     model, _ = load_encoder(trained)
+    model, _ = whiten_encoder(model, [item.path for item in load_collection(Path(config.data)).items], config.preprocessing, DEFAULT_WHITENING)
     embedder = OnnxEmbedder.from_run(trained)
     images = np.random.default_rng(batch_size).standard_normal((batch_size, 3, 40, 40)).astype(np.float32)
     with torch.no_grad():
