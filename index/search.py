@@ -184,10 +184,10 @@ def search_images(
     """The hits of each image file, embedded in one call; a gallery item with an image's exact bytes is left out."""
     if len(images) != len(queries):
         raise RetrievalError(f"{len(images)} images for {len(queries)} queries")
-    read: list[tuple[str, bytes] | ImageError] = []
+    read: list[tuple[str, bytes, str] | ImageError] = []
     for path in images:
         try:
-            read.append((Path(path).name, read_image_bytes(Path(path))[0]))
+            read.append((Path(path).name, *read_image_bytes(Path(path))))
         except ImageError as error:
             read.append(error)
     return search_image_bytes(index, embedder, read, queries)
@@ -196,10 +196,11 @@ def search_images(
 def search_image_bytes(
     index: GalleryBackend,
     embedder: Embedder,
-    images: Sequence[tuple[str, bytes] | ImageError],
+    images: Sequence[tuple[str, bytes] | tuple[str, bytes, str] | ImageError],
     queries: Sequence[Query],
 ) -> list[QueryResult]:
-    """The hits of each (name, bytes) image (uploads; an ImageError is that query's failure), embedded in one call."""
+    """The hits of each (name, bytes[, sha256]) image (uploads; an ImageError is that query's failure), embedded in
+    one call; the sha256 is computed only when it is not given (files read by search_images come with theirs)."""
     if len(images) != len(queries):
         raise RetrievalError(f"{len(images)} images for {len(queries)} queries")
     started = time.perf_counter()
@@ -209,14 +210,14 @@ def search_image_bytes(
         try:
             if isinstance(image, ImageError):
                 raise image
-            name, data = image
+            name, data = image[0], image[1]
             decoded.append(decode_image(data, name))
         except ImageError as error:
             results[position].error = str(error)
             continue
         if _animated(data):
             results[position].notes.append("animated: searched with its first frame")
-        digests.append(hashlib.sha256(data).hexdigest())
+        digests.append(image[2] if len(image) == 3 else hashlib.sha256(data).hexdigest())
         good.append(position)
     if good:
         itself = [_same_bytes(digest) for digest in digests]
