@@ -5,17 +5,26 @@ The rules (after autofaiss's, simplified to the types this project saves and rem
 - up to EXACT_LIMIT (100,000) vectors: `Flat`, exact inner product. Brute force over 100,000 × 512
   floats is a few milliseconds per query batch row on a CPU, and exact search needs no training,
   no tuning and loses no recall.
-- more, when the full vectors fit in the memory budget: `IVF<nlist>,Flat` (inverted lists over the
-  uncompressed vectors: removal, memory-mapping and exact scores of the candidates it visits);
+- more, when the full vectors and a 32-link graph over them fit in the memory budget: `HNSW32`.
+  On embeddings whose neighbours cross cluster boundaries (bench/index.py's sets fitted to a real
+  encoder's spectrum), inverted lists must visit a large share of the gallery to find 95% of the
+  true top 10: at 1,000,000 vectors `IVF4096,Flat` found 0.939 at nprobe 64 (5.8× the speed of exact
+  search) and 0.980 at 128 (2.8×), where the graph found 0.959 at efSearch 16 (21–34× through
+  GalleryIndex.search; docs/benchmarks.md).
+  The graph costs about GRAPH_BYTES a vector, a longer build, and removals rebuild it;
+- more, when only the full vectors fit: `IVF<nlist>,Flat` (inverted lists over the uncompressed
+  vectors: native removal, memory-mapping and exact scores of the candidates it visits);
 - more, when one byte per dimension fits: `IVF<nlist>,SQ8` (8-bit scalar quantisation, 4× smaller);
 - beyond that: `OPQ<m>,IVF<nlist>,PQ<m>` (product quantisation with a learned rotation), with the
   most bytes per vector m (64, 32, 16 or 8, dividing the dimension) that fits.
 
 nlist is about 4·√n rounded to a power of two (1,000,000 vectors: 4096), within [256, 65536], as
-FAISS's guidelines advise; IVF is trained on a seeded random sample of up to 64 vectors per list.
-Every type's search depth (nprobe, or efSearch for HNSW forced with --faiss) is then tuned at build
-time to the smallest that reaches TARGET_RECALL recall@10 against exact search on a sample of the
-gallery's own vectors. Memory counts the codes, the ids and 20% for FAISS's own structures.
+FAISS's guidelines advise; IVF is trained on a seeded random sample of up to 40 vectors per list.
+Every type's search depth (nprobe, or efSearch for HNSW) is then tuned at build time to the smallest
+that reaches TARGET_RECALL recall@10 (plus a measured margin) against exact search for up to 1,000
+of the gallery's vectors, held out of the index until then, so that the recall is that of new
+queries (index.tuning).
+Memory counts the codes, the graph, the ids and 20% for FAISS's own structures.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ EXACT_LIMIT = 100_000
 TARGET_RECALL = 0.95
 OVERHEAD = 1.2  # FAISS's lists, centroids and allocator slack over the raw codes and ids
 ID_BYTES = 8
+GRAPH_BYTES = 272  # HNSW32's links per vector: 64 at the bottom layer, 32 on the few upper ones (measured at 1M)
+HNSW = "HNSW32"
 _UNITS = {
     "": 1,
     "B": 1,
@@ -81,10 +92,21 @@ def choose_index(count: int, dim: int, memory: int | None = None) -> IndexChoice
     def size(code_bytes: int) -> float:
         return count * (code_bytes + ID_BYTES) * OVERHEAD
 
+    if size(4 * dim + GRAPH_BYTES) <= budget:
+        return IndexChoice(
+            HNSW,
+            (
+                f"{count:,} vectors; the full vectors and a graph over them "
+                f"({size(4 * dim + GRAPH_BYTES) / 1e9:.2f} GB) fit in {budget / 1e9:.2f} GB"
+            ),
+        )
     if size(4 * dim) <= budget:
         return IndexChoice(
             f"IVF{nlist},Flat",
-            f"{count:,} vectors; the full vectors ({size(4 * dim) / 1e9:.2f} GB) fit in {budget / 1e9:.2f} GB",
+            (
+                f"{count:,} vectors; the full vectors ({size(4 * dim) / 1e9:.2f} GB) fit in "
+                f"{budget / 1e9:.2f} GB, with a graph over them they do not"
+            ),
         )
     if size(dim) <= budget:
         return IndexChoice(

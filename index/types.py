@@ -93,7 +93,7 @@ class GalleryBackend(Protocol):
 def index_kind(factory: str) -> str:
     """hnsw, ivf or flat: which search depth (efSearch, nprobe or none) a FAISS or Milvus type has."""
     upper = factory.upper()
-    return "hnsw" if "HNSW" in upper else "ivf" if "IVF" in upper else "flat"
+    return "ivf" if "IVF" in upper else "hnsw" if "HNSW" in upper else "flat"  # IVF…_HNSW: a graph quantizer
 
 
 def tuned_depth(manifest: dict) -> int | None:

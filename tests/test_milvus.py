@@ -80,7 +80,7 @@ def test_the_app_and_search_work_on_milvus(demo_run: RunDir, icons_root: Path, t
     assert main(["search", str(demo_run.root), str(query), "--index", str(directory), "-k", "2"]) == 0
     assert main(["index-stats", str(directory), "--sample", "20"]) == 0
     shown = capsys.readouterr().out
-    assert "Milvus at" in shown and "HNSW" in shown and "recall@10 (now, 20 own vectors)" in shown
+    assert "Milvus at" in shown and "HNSW" in shown and "recall@10 (now, 20 own vectors left out)" in shown
     assert main(["index", str(demo_run.root), str(data), "--index", str(tmp_path / "other"), "--backend", "milvus"]) == 2
     assert "--uri" in capsys.readouterr().err
     assert main(["index", str(demo_run.root), str(data), "--index", str(tmp_path / "x"), "--backend", "milvus", "--uri", "http://127.0.0.1:9"]) == 2

@@ -127,7 +127,7 @@ def index_stats(
 
     directory = index_dir / "index" if (index_dir / "index" / "manifest.json").is_file() else index_dir
     table = Table(title=f"index {directory}")
-    table.add_column("")
+    table.add_column("", no_wrap=True)
     table.add_column("", overflow="fold")
     for key, value in measure(directory, sample, mmap).items():
         shown = (
