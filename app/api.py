@@ -202,7 +202,7 @@ async def _upload(request: Request, limit: int) -> tuple[str, bytes]:
 def _basic_auth(credentials: tuple[str, str] | None):  # noqa: ANN202  (a FastAPI dependency)
     """A dependency that asks for the app's user:password as HTTP Basic, when the app has one."""
 
-    def check(request: Request) -> None:
+    async def check(request: Request) -> None:  # async: FastAPI would run a plain def in its thread pool
         if credentials is None:
             return
         scheme, _, encoded = request.headers.get("authorization", "").partition(" ")

@@ -391,19 +391,21 @@ def asynchronous(args: argparse.Namespace, run: Path, index: Path, queries: list
     images = [path.read_bytes() for path in queries]
     rows = [("JSON API", int(n), json_query) for n in args.clients.split(",") if n] + [("Gradio /search", int(n), gradio_query) for n in args.gradio_clients.split(",") if n]
     table = Table(title=f"retrieval serve --model {args.model}, {args.images:,}-image Flat index, one asynchronous client process, closed loop, {args.seconds:.0f} s per row, k=10")
-    for column in ("route", "clients", "queries", "queries/s", "p50 ms", "p95 ms", "p99 ms", "errors", "server CPU ms/query"):
+    for column in ("route", "clients", "queries", "queries/s", "p50 ms", "p95 ms", "p99 ms", "errors", "server CPU ms/query", "client CPU ms/query", "cores busy"):
         table.add_column(column, justify="right")
     server, url = serve(run, index, 16, model=args.model)
     try:
         for _, _, query in rows[:1] + rows[-1:]:  # warm-up: the first calls of each route, thumbnails made
             asyncio.run(closed_loop(url, 4, 3.0, images, query))
         for route, clients, query in rows:
-            cpu = cpu_seconds(server.pid)
+            cpu, own, started = cpu_seconds(server.pid), cpu_seconds(os.getpid()), time.monotonic()
             latencies, errors = asyncio.run(closed_loop(url, clients, args.seconds, images, query))
-            used = cpu_seconds(server.pid) - cpu
+            used, client = cpu_seconds(server.pid) - cpu, cpu_seconds(os.getpid()) - own
+            busy = (used + client) / (time.monotonic() - started)  # of os.cpu_count() cores
             milliseconds = np.asarray(latencies or [float("nan")]) * 1000
             p50, p95, p99 = np.percentile(milliseconds, [50, 95, 99])
-            table.add_row(route, str(clients), f"{len(latencies):,}", f"{len(latencies) / args.seconds:.1f}", f"{p50:.0f}", f"{p95:.0f}", f"{p99:.0f}", str(errors), f"{1000 * used / max(1, len(latencies)):.1f}")
+            per_query = 1000 / max(1, len(latencies))
+            table.add_row(route, str(clients), f"{len(latencies):,}", f"{len(latencies) / args.seconds:.1f}", f"{p50:.0f}", f"{p95:.0f}", f"{p99:.0f}", str(errors), f"{used * per_query:.1f}", f"{client * per_query:.1f}", f"{busy:.2f} of {os.cpu_count()}")
             console.print(f"{route}, {clients} clients: {len(latencies) / args.seconds:.1f} queries/s, p95 {p95:.0f} ms, {errors} errors")
     finally:
         server.terminate()
