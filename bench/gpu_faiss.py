@@ -1,7 +1,7 @@
 """faiss-gpu on the 1M benchmark: build and search times of exact and IVF indexes on the GPU, and recall@10.
 
-The gallery and queries are bench/index.py's (1,000,000 clustered 128-d unit vectors, 10,000
-held-out queries); each index is built on the GPU (faiss.index_cpu_to_gpu), searched with all
+The gallery and queries are bench/index.py's (1,000,000 128-d unit vectors of its --data set,
+fitted to real embeddings by default, and 10,000 held-out queries); each index is built on the GPU (faiss.index_cpu_to_gpu), searched with all
 queries in one call, and scored against the GPU's exact search.
 
     python bench/gpu_faiss.py [--size 1000000] [--queries 10000]
@@ -39,19 +39,20 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1_000_000)
     parser.add_argument("--queries", type=int, default=10_000)
     parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--data", default="whitened", help="bench/index.py's data set: whitened, encoder or clustered")
     args = parser.parse_args()
     if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() < 1:
         sys.exit("gpu_faiss: this faiss has no GPU (install the gpu extra: faiss-gpu-cu12) or no GPU is visible")
-    clustered = _bench_index_module().clustered  # type: ignore[attr-defined]
-    gallery = clustered(args.size, args.dim, 10_000, seed=1)
-    queries = clustered(args.queries, args.dim, 10_000, seed=2)
+    generated = _bench_index_module().generated  # type: ignore[attr-defined]
+    gallery = generated(args.data, args.size, args.dim, seed=1)
+    queries = generated(args.data, args.queries, args.dim, seed=2)
     resources = faiss.StandardGpuResources()
     nlist = nlist_for(args.size)
     table = Table(title=f"faiss-gpu, {args.size:,} x {args.dim}-d, {args.queries:,} queries in one call")
     for column in ("index", "nprobe", "build s", "search s", "QPS", "recall@10"):
         table.add_column(column, justify="right")
     truth = None
-    for factory, nprobes in (("Flat", [None]), (f"IVF{nlist},Flat", [8, 32, 128]), (f"IVF{nlist},SQ8", [32])):
+    for factory, nprobes in (("Flat", [None]), (f"IVF{nlist},Flat", [8, 32, 128, 512]), (f"IVF{nlist},SQ8", [32])):
         started = time.perf_counter()
         index = faiss.index_cpu_to_gpu(resources, 0, faiss.index_factory(args.dim, factory, faiss.METRIC_INNER_PRODUCT))
         if not index.is_trained:

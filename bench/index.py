@@ -1,22 +1,38 @@
-"""FAISS index types on 1,000,000 clustered 128-d vectors: build time, size, latency, batch QPS and recall@10.
+"""FAISS index types on 1,000,000 generated 128-d vectors shaped like real embeddings: recall@10 against search depth, and the automatic choice through the project's search.
 
-The script generates the gallery (unit vectors scattered around 10,000 random centres, about 100
-vectors each) and 10,000
-held-out queries from the same distribution. Every type is built the way `retrieval index` builds it
-(index.faiss_ops.new_index: trained on a seeded sample, ids kept) and its search depth tuned the same
-way (index.tuning.tune_depth: the smallest nprobe/efSearch whose recall@10 on 1,000 of its own vectors
-reaches 0.95); compressed types (SQ, PQ) re-score 8 candidates per result with the exact vectors, as
-searches do (the gallery array plays the memory-mapped raw.f32). Then, for the held-out queries: recall@10 against exact search, batch QPS (all 10,000
-queries in one call) and single-query latency (median of 300 calls with one query). "auto" is the
-type index.choice picks for this size within --memory.
+The gallery and the 10,000 held-out queries are drawn from one mixture (--data):
 
-    python bench/index.py [--size 1000000] [--queries 10000] [--memory 64GB] [--types 'Flat;HNSW32;...']
+- `whitened` (default): fitted to the icons' embeddings by the demo run's default export (whitened);
+  intrinsic dimension of the generated set about 30 (TwoNN), classes overlapping heavily;
+- `encoder`: the same encoder exported without whitening: a steeper spectrum, intrinsic dimension
+  about 13, embeddings in a cone;
+- `clustered`: the earlier, easy set (isotropic noise around 10,000 random centres), where one IVF
+  probe already finds nearly every neighbour.
+
+A fitted set (bench/data/spectrum-NAME.json, written by bench/spectrum.py) is made like this: 10,000
+class centres, drawn with the between-class share of the real variances of the top 128 principal
+components; each vector a centre plus noise with the rest of those variances (so neighbours cross
+classes as in the real embeddings); a random rotation; the real mean's share along one direction; unit
+length.
+
+Part 1, curves: every type is built as `retrieval index` builds it (index.faiss_ops.new_index) and
+searched through index.faiss_ops.search_ids (the call under GalleryIndex.search; compressed codes
+re-scored with the exact vectors, as searches do) at each depth (nprobe 1..512, efSearch 16..512):
+recall@10 of --curve-queries held-out queries against exact search, and their batch QPS.
+Part 2, the automatic choice: Flat and the type index.choice picks are built by GalleryIndex.create
+(trained, filled and depth-tuned as `retrieval index` does) in a temporary folder, and the 10,000
+held-out queries go through GalleryIndex.search in one call (hits with their SQLite rows), and one at
+a time for latency. Writes docs/index-<data>.png (the curves) and, with --out, the rows as JSON.
+
+    python bench/index.py [--data whitened|encoder|clustered] [--size 1000000] [--types 'Flat;HNSW32;...'] [--no-auto] [--out F]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,16 +46,22 @@ from rich.table import Table  # noqa: E402
 
 from index.choice import choose_index, nlist_for, parse_memory  # noqa: E402
 from index.faiss_ops import compressed, new_index, search_ids, search_parameters  # noqa: E402
-from index.store import RERANK  # noqa: E402
-from index.tuning import RECALL_SAMPLE, RecallProbe, recall_at_10, tune_depth  # noqa: E402
-from index.types import index_kind  # noqa: E402
+from index.store import RERANK, GalleryIndex  # noqa: E402
+from index.tuning import recall_at_10  # noqa: E402
+from index.types import Additions, index_kind  # noqa: E402
+from retrieval.data import Item  # noqa: E402
+
+DATA = Path(__file__).with_name("data")
+CLASSES = 10_000
+CHUNK = 100_000
+DEPTHS = {"ivf": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], "hnsw": [16, 32, 64, 128, 256, 512], "flat": [None]}
 
 
 def clustered(size: int, dim: int, centres: int, seed: int) -> np.ndarray:
     """Unit vectors around random centres (the gallery and the queries share the centres, seed 0).
 
-    With noise 0.6 per dimension, two vectors of one centre have cosine about 1 / (1 + 0.36) = 0.74,
-    like images of one class under a trained encoder; vectors of different centres about 0.
+    With noise 0.6 per dimension, two vectors of one centre have cosine about 1 / (1 + 0.36) = 0.74;
+    vectors of different centres about 0.
     """
     centre = np.random.default_rng(0).standard_normal((centres, dim)).astype(np.float32)
     rng = np.random.default_rng(seed)
@@ -47,60 +69,189 @@ def clustered(size: int, dim: int, centres: int, seed: int) -> np.ndarray:
     return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
 
 
+def fitted(name: str, size: int, dim: int, seed: int) -> np.ndarray:
+    """Unit vectors of the mixture fitted to bench/data/spectrum-<name>.json (centres and rotation: seed 0)."""
+    shape = json.loads((DATA / f"spectrum-{name}.json").read_text())
+    variances = np.asarray(shape["variances"][:dim], np.float64)
+    if len(variances) < dim:
+        raise SystemExit(f"{name}: the spectrum has {len(variances)} components, --dim {dim} needs more")
+    variances /= variances.sum()
+    between, mean_share = shape["between_class_share"], shape["mean_share"]
+    setup = np.random.default_rng(0)
+    rotation = np.linalg.qr(setup.standard_normal((dim, dim)))[0].astype(np.float32)
+    centres = (setup.standard_normal((CLASSES, dim)) * np.sqrt(between * variances)).astype(np.float32)
+    direction = setup.standard_normal(dim).astype(np.float32)
+    direction /= np.linalg.norm(direction)
+    rng, out = np.random.default_rng(seed), np.empty((size, dim), np.float32)
+    for start in range(0, size, CHUNK):
+        count = min(CHUNK, size - start)
+        noise = rng.standard_normal((count, dim)) * np.sqrt((1 - between) * variances)
+        rows = (centres[rng.integers(0, CLASSES, count)] + noise.astype(np.float32)) @ rotation.T
+        rows = rows * np.sqrt(1 - mean_share) + direction * np.sqrt(mean_share)
+        out[start : start + count] = rows / np.linalg.norm(rows, axis=1, keepdims=True)
+    return out
+
+
+def generated(data: str, size: int, dim: int, seed: int) -> np.ndarray:
+    """The gallery (seed 1) or queries (seed 2) of one of the data sets."""
+    return clustered(size, dim, CLASSES, seed) if data == "clustered" else fitted(data, size, dim, seed)
+
+
+def built(factory: str, gallery: np.ndarray, sample: np.ndarray) -> tuple[faiss.Index, float]:
+    """The FAISS index of factory holding gallery (ids 1..n), as retrieval index builds it, and the seconds it took."""
+    started = time.perf_counter()
+    index = new_index(factory, gallery.shape[1], sample)
+    ids = np.arange(1, len(gallery) + 1, dtype=np.int64)
+    for start in range(0, len(gallery), CHUNK):
+        index.add_with_ids(gallery[start : start + CHUNK], ids[start : start + CHUNK])
+    return index, time.perf_counter() - started
+
+
+def curve(factory: str, gallery: np.ndarray, sample: np.ndarray, queries: np.ndarray, truth: np.ndarray | None) -> dict:
+    """recall@10 and batch QPS of one type at each depth (truth None: this is Flat, which gives it)."""
+    index, build = built(factory, gallery, sample)
+    kind, rerank = index_kind(factory), RERANK if compressed(factory) else 0
+    points = []
+    for depth in DEPTHS[kind]:
+        started = time.perf_counter()
+        found = search_ids(index, queries, 10, search_parameters(kind, depth), gallery, rerank)[1]
+        seconds = time.perf_counter() - started
+        truth = found if truth is None else truth
+        points.append({"depth": depth, "qps": len(queries) / seconds, "recall@10": recall_at_10(found, truth)})
+        print(factory, points[-1], flush=True)
+        if points[-1]["recall@10"] > 0.999:
+            break
+    size = len(faiss.serialize_index(index)) / 2**20
+    return {"factory": factory, "build_s": build, "size_mib": size, "points": points, "truth": truth}
+
+
+def additions(gallery: np.ndarray) -> list[Additions]:
+    """The gallery as the chunks retrieval index commits: made-up paths and hashes, no labels."""
+    chunks = []
+    for start in range(0, len(gallery), CHUNK):
+        rows = range(start, min(start + CHUNK, len(gallery)))
+        items = [Item(Path(f"/gallery/{i}.png"), "") for i in rows]
+        chunks.append(Additions(gallery[start : start + CHUNK], items, [f"{i:064x}" for i in rows]))
+    return chunks
+
+
+def through_search(factory: str | None, gallery: np.ndarray, queries: np.ndarray, memory: int, folder: Path) -> dict:
+    """Builds the index with GalleryIndex.create (factory None: index.choice's pick) and searches it as callers do."""
+    started = time.perf_counter()
+    index = GalleryIndex.create(folder / (factory or "auto"), additions(gallery), "bench", gallery.shape[1], factory, memory)
+    build = time.perf_counter() - started
+    started = time.perf_counter()
+    hits = index.search(queries, 10)
+    seconds = time.perf_counter() - started
+    single = []
+    for row in range(300):
+        started = time.perf_counter()
+        index.search(queries[row : row + 1], 10)
+        single.append(time.perf_counter() - started)
+    return {
+        "factory": index.manifest["index_type"],
+        "build_s": build,
+        "depth": index.manifest.get("search", {}),
+        "tuned_recall@10": index.manifest.get("recall@10"),
+        "qps": len(queries) / seconds,
+        "latency_ms": float(np.median(single)) * 1e3,
+        "found": np.array([[hit.id for hit in row] for row in hits]),
+    }
+
+
+def plot(curves: list[dict], exact_qps: float, title: str, path: Path) -> None:
+    """recall@10 against speed-up over exact search, one line per type, depths labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for row in curves[1:]:
+        speed = [point["qps"] / exact_qps for point in row["points"]]
+        recall = [point["recall@10"] for point in row["points"]]
+        axes.plot(speed, recall, marker="o", label=row["factory"])
+        for x, y, point in zip(speed, recall, row["points"]):
+            axes.annotate(str(point["depth"]), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    axes.axhline(0.95, color="grey", linestyle=":", label="recall@10 0.95")
+    axes.axvline(20, color="grey", linestyle="--", label="20x exact")
+    axes.set(xscale="log", xlabel="batch QPS / exact batch QPS", ylabel="recall@10 (held-out queries)", title=title)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default="whitened", help="whitened, encoder (bench/data/spectrum-*.json) or clustered")
     parser.add_argument("--size", type=int, default=1_000_000)
     parser.add_argument("--queries", type=int, default=10_000)
+    parser.add_argument("--curve-queries", type=int, default=2_000)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--memory", default="64GB", help="budget given to the automatic choice")
-    parser.add_argument("--types", default=None, help="factory strings separated by ; with Flat first (default: Flat, HNSW32, IVF-Flat, IVF-SQ8, OPQ+IVF-PQ and auto)")
+    parser.add_argument("--types", default=None, help="factory strings for the curves separated by ; with Flat first (default: Flat, HNSW32, IVF-Flat, IVF-SQ8, OPQ+IVF-PQ; '' for none)")
+    parser.add_argument("--no-auto", action="store_true", help="the curves only, without part 2")
+    parser.add_argument("--plot", type=Path, default=None, help="default docs/index-<data>.png")
+    parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON (a part not run this time is kept from the file)")
     args = parser.parse_args()
-    gallery = clustered(args.size, args.dim, 10_000, seed=1)
-    queries = clustered(args.queries, args.dim, 10_000, seed=2)
-    ids = np.arange(1, args.size + 1, dtype=np.int64)
+    gallery = generated(args.data, args.size, args.dim, seed=1)
+    queries = generated(args.data, args.queries, args.dim, seed=2)
     nlist = nlist_for(args.size)
-    auto = choose_index(args.size, args.dim, parse_memory(args.memory))
-    types = args.types.split(";") if args.types else ["Flat", "HNSW32", f"IVF{nlist},Flat", f"IVF{nlist},SQ8", f"OPQ32,IVF{nlist},PQ32"]
-    if auto.factory not in types:
-        types.append(auto.factory)
+    types = ["Flat", "HNSW32", f"IVF{nlist},Flat", f"IVF{nlist},SQ8", f"OPQ32,IVF{nlist},PQ32"] if args.types is None else [t for t in args.types.split(";") if t]
+    if types and types[0] != "Flat":
+        raise SystemExit("put Flat first: it gives the exact neighbours")
     sample = gallery[np.random.default_rng(3).permutation(args.size)[: 40 * nlist]]
-    truth: np.ndarray | None = None
-    rows = []
+    curves, truth = [], None
     for factory in types:
-        started = time.perf_counter()
-        index = new_index(factory, args.dim, sample)
-        for start in range(0, args.size, 100_000):
-            index.add_with_ids(gallery[start : start + 100_000], ids[start : start + 100_000])
-        build = time.perf_counter() - started
-        kind = index_kind(factory)
-        probe = RecallProbe(sample[:RECALL_SAMPLE])
-        probe.see(gallery, ids)
-        rerank = RERANK if compressed(factory) else 0  # re-scored with the exact vectors, as searches do
-        tuned = tune_depth(index, kind, probe if factory != "Flat" else None, gallery, rerank)
-        params = search_parameters(kind, next(iter(tuned["search"].values()), None))
-        started = time.perf_counter()
-        found = search_ids(index, queries, 10, params, gallery, rerank)[1]
-        batch = time.perf_counter() - started
-        if truth is None:
-            if factory != "Flat":
-                raise SystemExit("put Flat first: it gives the exact neighbours")
-            truth = found
-        single = []
-        for row in range(300):
-            started = time.perf_counter()
-            search_ids(index, queries[row : row + 1], 10, params, gallery, rerank)
-            single.append(time.perf_counter() - started)
-        recall = recall_at_10(found, truth)
-        size = len(faiss.serialize_index(index)) / 2**20
-        rows.append((factory + (" (auto)" if factory == auto.factory else ""), build, size, tuned["search"], float(np.median(single)) * 1e3, args.queries / batch, recall))
-        print(rows[-1], flush=True)
-    exact_qps = rows[0][5]
-    table = Table(title=f"{args.size:,} x {args.dim}-d clustered vectors, {args.queries:,} held-out queries, {faiss.omp_get_max_threads()} threads; auto = {auto.factory} ({auto.reason})")
-    for column in ("index", "build s", "size MiB", "search depth", "1-query ms", "batch QPS", "QPS vs exact", "recall@10"):
+        curves.append(curve(factory, gallery, sample, queries[: args.curve_queries], truth))
+        truth = curves[0]["truth"]
+    title = f"{args.size:,} x {args.dim}-d '{args.data}' vectors, {faiss.omp_get_max_threads()} threads"
+    if curves:
+        exact_qps = curves[0]["points"][0]["qps"]
+        plot(curves, exact_qps, title, args.plot or Path(f"docs/index-{args.data}.png"))
+        show_curves(curves, exact_qps, title)
+    searched = [] if args.no_auto else automatic(args, gallery, queries, title)
+    if args.out:
+        kept = json.loads(args.out.read_text()) if args.out.is_file() else {}
+        rows = {"data": args.data, "size": args.size, "curves": [{k: v for k, v in c.items() if k != "truth"} for c in curves] or kept.get("curves", [])}
+        rows["search"] = [{k: v for k, v in r.items() if k != "found"} for r in searched] or kept.get("search", [])
+        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def automatic(args: argparse.Namespace, gallery: np.ndarray, queries: np.ndarray, title: str) -> list[dict]:
+    """Part 2: exact search and the automatic choice, built and searched through GalleryIndex."""
+    with tempfile.TemporaryDirectory() as folder:
+        exact = through_search("Flat", gallery, queries, parse_memory(args.memory), Path(folder))
+        auto = through_search(None, gallery, queries, parse_memory(args.memory), Path(folder))
+    auto["recall@10"] = recall_at_10(auto["found"], exact["found"])
+    show_auto(exact, auto, choose_index(args.size, args.dim, parse_memory(args.memory)).reason, title)
+    return [exact, auto]
+
+
+def show_curves(curves: list[dict], exact_qps: float, title: str) -> None:
+    """One table row per type and depth."""
+    table = Table(title=f"{title}: recall@10 by depth ({len(curves[0]['truth']):,} held-out queries, index.faiss_ops.search_ids)")
+    for column in ("index", "build s", "size MiB", "depth", "batch QPS", "vs exact", "recall@10"):
         table.add_column(column, justify="right")
-    for name, build, size, depth, latency, qps, recall in rows:
-        table.add_row(name, f"{build:.1f}", f"{size:.0f}", ", ".join(f"{k}={v}" for k, v in depth.items()) or "-", f"{latency:.2f}", f"{qps:,.0f}", f"{qps / exact_qps:.1f}x", f"{recall:.3f}")
-    Console().print(table)
+    for row in curves:
+        for point in row["points"]:
+            first = point is row["points"][0]
+            build, size = (f"{row['build_s']:.1f}", f"{row['size_mib']:.0f}") if first else ("", "")
+            table.add_row(row["factory"] if first else "", build, size, str(point["depth"] or "-"), f"{point['qps']:,.0f}", f"{point['qps'] / exact_qps:.1f}x", f"{point['recall@10']:.3f}")
+    Console(width=160).print(table)
+
+
+def show_auto(exact: dict, auto: dict, reason: str, title: str) -> None:
+    """Exact search and the automatic choice, both built and searched as retrieval index and its callers do."""
+    table = Table(title=f"{title}: through GalleryIndex.search; auto = {auto['factory']} ({reason})")
+    for column in ("index", "build s", "tuned depth", "tuned recall (held-out sample)", "batch QPS", "vs exact", "1-query ms", "recall@10 held-out"):
+        table.add_column(column, justify="right")
+    for row in (exact, auto):
+        depth = ", ".join(f"{k}={v}" for k, v in row["depth"].items()) or "-"
+        recall = row.get("recall@10", 1.0)
+        table.add_row(row["factory"], f"{row['build_s']:.1f}", depth, f"{row['tuned_recall@10']:.3f}", f"{row['qps']:,.0f}", f"{row['qps'] / exact['qps']:.1f}x", f"{row['latency_ms']:.2f}", f"{recall:.3f}")
+    Console(width=160).print(table)
 
 
 if __name__ == "__main__":

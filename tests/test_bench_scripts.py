@@ -1,11 +1,13 @@
-"""The benchmark scripts that have no other test: the GPU check's refusal without a GPU, and the re-ranking bench."""
+"""The benchmark scripts that have no other test: the GPU check's refusal without a GPU, the re-ranking bench, and the index bench's data sets."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,3 +28,35 @@ def test_the_rerank_bench_times_every_reranker_against_none() -> None:
     row = next(line for line in done.stdout.splitlines() if line.startswith("│ 300"))
     cells = [cell.strip() for cell in row.strip("│").split("│")]
     assert len(cells) == 5 and all(cell.endswith("x)") for cell in cells[2:])
+
+
+def bench_module(name: str) -> object:
+    """A bench/ script loaded by path (its own name, index, would hide the project's package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def test_the_spectrum_fit_recovers_a_known_mixture() -> None:
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 50, 3000)
+    centres = rng.standard_normal((50, 64)) * np.sqrt(0.3)
+    vectors = centres[labels] + rng.standard_normal((3000, 64)) * np.sqrt(0.7)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    fitted = bench_module("spectrum").fit(vectors.astype(np.float32), [str(label) for label in labels], 32)  # type: ignore[attr-defined]
+    assert abs(fitted["between_class_share"] - 0.3) < 0.05 and fitted["mean_share"] < 0.01
+    assert len(fitted["variances"]) == 32 and abs(sum(fitted["variances"]) - 1) < 1e-4 and fitted["variance_in_top"] < 0.8
+
+
+def test_the_index_bench_sets_have_the_fitted_intrinsic_dimension() -> None:
+    """The hard sets are what bench/index.py and docs/benchmarks.md say: whitened about 30 (TwoNN), encoder about 13."""
+    index, spectrum = bench_module("index"), bench_module("spectrum")
+    dimensions = {}
+    for data in ("whitened", "encoder"):
+        gallery = index.generated(data, 4000, 128, seed=1)  # type: ignore[attr-defined]
+        np.testing.assert_allclose(np.linalg.norm(gallery, axis=1), 1, atol=1e-5)
+        np.testing.assert_array_equal(index.generated(data, 50, 128, seed=1), index.generated(data, 50, 128, seed=1))  # type: ignore[attr-defined]
+        assert not np.allclose(index.generated(data, 50, 128, seed=1), index.generated(data, 50, 128, seed=2))  # type: ignore[attr-defined]
+        dimensions[data] = spectrum.two_nn(gallery)  # type: ignore[attr-defined]
+    assert 20 <= dimensions["whitened"] <= 40 and 8 <= dimensions["encoder"] <= 20, dimensions
