@@ -184,7 +184,7 @@ def plot(curves: list[dict], exact_qps: float, title: str, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default="whitened", help="whitened, encoder (bench/data/spectrum-*.json) or clustered")
+    parser.add_argument("--data", default="whitened", choices=["whitened", "encoder", "clustered"], help="whitened or encoder (fitted: bench/data/spectrum-*.json), or clustered")
     parser.add_argument("--size", type=int, default=1_000_000)
     parser.add_argument("--queries", type=int, default=10_000)
     parser.add_argument("--curve-queries", type=int, default=2_000)

@@ -65,6 +65,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     run = RunDir(args.run)
+    if not run.model.is_file():
+        raise SystemExit(f"{run.model}: not found; give an exported run (retrieval export RUN)")
     embedder = OnnxEmbedder(run.model, read_json(run.model_card))
     folders = [folder for folder in (args.images / "train", args.images / "test") if folder.is_dir()] or [args.images]
     items = [item for folder in folders for item in load_collection(folder).items]
