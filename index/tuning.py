@@ -39,7 +39,11 @@ class RecallProbe:
 
     def held(self, rows: np.ndarray) -> np.ndarray:
         """Which rows are (copies of) the probe's queries, to be added only after tuning."""
-        return np.fromiter((row.tobytes() in self.keys for row in rows), bool, len(rows))
+        held = np.zeros(len(rows), bool)
+        # whole rows are compared only where the first value matches one of the queries'
+        maybe = np.flatnonzero(np.isin(rows[:, 0], self.queries[:, 0]))
+        held[maybe] = [rows[i].tobytes() in self.keys for i in maybe]
+        return held
 
     def see(self, rows: np.ndarray, ids: np.ndarray) -> None:
         """Takes in a chunk of added rows with their ids."""
@@ -65,13 +69,8 @@ def leave_out(found: np.ndarray, own: np.ndarray, k: int) -> np.ndarray:
 
 
 def recall_at_10(found: Sequence[Sequence[int]] | np.ndarray, exact: np.ndarray) -> float:
-    """Mean share of each row of exact ids (the true top-k; -1 pads a short row) that the same row of found holds."""
-    shares = []
-    for a, b in zip(found, exact):
-        truth = {int(i) for i in b if i >= 0}
-        if truth:
-            shares.append(len(set(map(int, a)) & truth) / len(truth))
-    return float(np.mean(shares)) if shares else 1.0
+    """Mean share of each row of exact ids (the true top-k) that the same row of found holds."""
+    return float(np.mean([len(set(map(int, a)) & set(map(int, b))) / len(b) for a, b in zip(found, exact)]))
 
 
 def tune_depth(
