@@ -45,7 +45,7 @@ def index_stats(directory: Path, sample: int = 1000, mmap: bool = False, seed: i
         "encoder sha256": index.encoder_sha256,
         "updated": index.manifest.get("updated", ""),
     }
-    if "recall@10" in index.manifest:
+    if index.kind != "flat" and "recall@10" in index.manifest:  # exact search has no depth to tune
         stats["recall@10 (at build, held-out sample)"] = index.manifest["recall@10"]
     if index.raw is not None:  # compressed codes, with the exact vectors kept for re-ranking
         ids = np.array(sorted(index.rows()), np.int64)

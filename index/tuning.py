@@ -20,7 +20,7 @@ RECALL_SAMPLE = 1000  # gallery vectors held out as queries to tune recall@10 ag
 PLATEAU = 0.002  # recall@10 gained by one step of the search depth below which tuning stops
 MARGIN = 0.01  # tuned above TARGET_RECALL by this: the held-out sample read 0.971 where new queries got 0.960
 SAMPLE_LIMIT = TRAIN_PER_LIST * 16_384  # enough to train the lists of up to about 17 million vectors
-HNSW_DEPTHS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+MAX_EF_SEARCH = 1024
 
 
 class RecallProbe:
@@ -88,10 +88,9 @@ def tune_depth(
     if kind == "flat":
         return {"search": {}, "recall@10": probe.recall(vectors, None, raw, rerank)}
     if kind == "ivf":
-        lists = faiss.extract_index_ivf(vectors).nlist
-        name, depths = "nprobe", [depth for depth in (1, *_steps(2, lists)) if depth <= lists]
+        name, depths = "nprobe", _depths(1, faiss.extract_index_ivf(vectors).nlist)
     else:
-        name, depths = "efSearch", list(HNSW_DEPTHS)
+        name, depths = "efSearch", _depths(16, MAX_EF_SEARCH)
     chosen, recall = depths[0], probe.recall(vectors, search_parameters(kind, depths[0]), raw, rerank)
     for depth in depths[1:]:
         if recall >= TARGET_RECALL + MARGIN:
@@ -103,13 +102,10 @@ def tune_depth(
     return {"search": {name: chosen}, "recall@10": recall}
 
 
-def _steps(start: int, stop: int) -> list[int]:
-    """start, 1.5 start, 2 start, 3 start, 4 start, … up to stop: powers of two and the halfway points between."""
-    depths, power = [], start
-    while power <= stop:
-        depths += [power, power * 3 // 2]
-        power *= 2
-    return depths
+def _depths(first: int, last: int) -> list[int]:
+    """first, 1.5 first, 2 first, 3 first, 4 first, … up to last: powers of two and the halfway points between."""
+    powers = [first * 2**i for i in range(int(np.log2(last / first)) + 1)]
+    return sorted({depth for power in powers for depth in (power, power * 3 // 2) if depth <= last})
 
 
 def sample_rows(
