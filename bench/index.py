@@ -149,10 +149,10 @@ def through_search(factory: str | None, gallery: np.ndarray, queries: np.ndarray
         index.search(queries[row : row + 1], 10)
         single.append(time.perf_counter() - started)
     return {
-        "factory": index.manifest["index_type"],
+        "factory": index.manifest.index_type,
         "build_s": build,
-        "depth": index.manifest.get("search", {}),
-        "tuned_recall@10": index.manifest.get("recall@10"),
+        "depth": index.manifest.search,
+        "tuned_recall@10": index.manifest.recall_at_10,
         "qps": len(queries) / seconds,
         "latency_ms": float(np.median(single)) * 1e3,
         "found": np.array([[hit.id for hit in row] for row in hits]),

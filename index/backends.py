@@ -25,7 +25,7 @@ def open_index(
     """
     directory = Path(directory)
     manifest = read_manifest(directory, encoder_sha256, dim)
-    if manifest.get("backend") == "milvus":
+    if manifest.backend == "milvus":
         return MilvusIndex.open(directory, manifest)
     return GalleryIndex.open(directory, manifest, mmap)
 

@@ -106,7 +106,7 @@ def _build_index(
         else open_index(directory, embedder.fingerprint, embedder.dim)
     )
     _check_kept_type(directory, base, factory, milvus)
-    indexed = {path: (item_id, digest) for item_id, (path, _, digest) in (base.rows() if base else {}).items()}
+    indexed = {row.path: (item_id, row.sha256) for item_id, row in (base.rows() if base else {}).items()}
     journal = Journal(journal_path(directory), embedder.fingerprint, embedder.dim)
     scan = _Scan({path: digest for path, (_, digest) in indexed.items()}, journal.hashes())
     skipped = list(collection.skipped)
@@ -139,8 +139,8 @@ def _check_kept_type(
     """An existing index keeps its backend and type: asking for another needs --rebuild."""
     if base is not None and milvus is not None and not isinstance(base, MilvusIndex):
         raise RetrievalError(f"{directory} is a FAISS index; add --rebuild to build it anew in Milvus")
-    if base is not None and factory and factory != base.manifest.get("index_type"):
-        kept = base.manifest.get("index_type", "Flat")
+    if base is not None and factory and factory != base.manifest.index_type:
+        kept = base.manifest.index_type
         raise RetrievalError(f"{directory} is a {kept} index; add --rebuild to build it anew as --faiss {factory!r}")
 
 

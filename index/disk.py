@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from index.types import FORMAT_VERSION, MANIFEST, RAW
+from index.types import FORMAT_VERSION, MANIFEST, RAW, Manifest
 from retrieval.errors import RetrievalError
 from retrieval.runs import fsync_dir, read_json
 
@@ -100,30 +100,31 @@ def open_raw(directory: Path, rows: int, dim: int) -> np.ndarray:
 MANIFEST_KEYS = {"format_version", "dim", "count", "next_id", "encoder_sha256", "created"}
 
 
-def read_manifest(directory: Path, encoder_sha256: str | None = None, dim: int | None = None) -> dict:
+def read_manifest(directory: Path, encoder_sha256: str | None = None, dim: int | None = None) -> Manifest:
     """The manifest of an index directory, refused when incomplete, of another format, or of another encoder."""
     if not (directory / MANIFEST).is_file():
         raise RetrievalError(f"{directory}: not an index (no {MANIFEST}); build one with `retrieval index RUN IMAGES`")
-    manifest = read_json(directory / MANIFEST)
-    missing = MANIFEST_KEYS - set(manifest)
+    values = read_json(directory / MANIFEST)
+    missing = MANIFEST_KEYS - set(values)
     if missing:
         raise RetrievalError(
             f"{directory / MANIFEST}: lacks {', '.join(sorted(missing))}; "
             "rebuild the index with `retrieval index --rebuild`"
         )
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if values["format_version"] != FORMAT_VERSION:
         raise RetrievalError(
-            f"{directory}: index format {manifest.get('format_version')} "
-            f"is not {FORMAT_VERSION}; rebuild it with `retrieval index`"
+            f"{directory}: index format {values['format_version']} is not {FORMAT_VERSION}; "
+            "rebuild it with `retrieval index`"
         )
-    if encoder_sha256 is not None and manifest.get("encoder_sha256") != encoder_sha256:
+    manifest = Manifest.from_dict(values, directory / MANIFEST)
+    if encoder_sha256 is not None and manifest.encoder_sha256 != encoder_sha256:
         raise RetrievalError(
-            f"{directory}: built with encoder {str(manifest.get('encoder_sha256'))[:12]}…, not with this model "
+            f"{directory}: built with encoder {manifest.encoder_sha256[:12]}…, not with this model "
             f"({encoder_sha256[:12]}…); use the model it was built with (--model float32 or int8), "
             "or rebuild it with `retrieval index RUN IMAGES --rebuild`"
         )
-    if dim is not None and manifest.get("dim") != dim:
+    if dim is not None and manifest.dim != dim:
         raise RetrievalError(
-            f"{directory}: holds {manifest.get('dim')}-dimensional vectors, the encoder makes {dim}; rebuild the index"
+            f"{directory}: holds {manifest.dim}-dimensional vectors, the encoder makes {dim}; rebuild the index"
         )
     return manifest

@@ -51,7 +51,7 @@ def add_images(
     images, hashes, skipped = [], [], []
     with writer_lock(directory, wait):
         base = open_index(directory, embedder.fingerprint, embedder.dim)
-        known = {digest: item_id for item_id, (_, _, digest) in base.rows().items()}
+        known = {row.sha256: item_id for item_id, row in base.rows().items()}
         for path in map(Path, paths):
             try:
                 data, digest = read_image_bytes(path)
@@ -71,7 +71,7 @@ def add_images(
         if not added:
             return [], skipped
         updated = commit_changes(base, [Additions(embedder.embed(images), added, hashes)], [])
-    first = int(updated.manifest["next_id"]) - len(added)
+    first = updated.manifest.next_id - len(added)
     return list(range(first, first + len(added))), skipped
 
 
@@ -86,9 +86,9 @@ def remove_items(
         base = open_index(directory, embedder.fingerprint, embedder.dim)
         rows = base.rows(ids)
         commit_changes(base, [], ids)
-    for path, _, _ in rows.values():
-        if uploads is not None and Path(path).is_relative_to(uploads):
-            Path(path).unlink(missing_ok=True)
+    for row in rows.values():
+        if uploads is not None and Path(row.path).is_relative_to(uploads):
+            Path(row.path).unlink(missing_ok=True)
     return len(ids)
 
 

@@ -18,14 +18,15 @@ import hashlib
 import logging
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from index.choice import IndexChoice, choose_index
-from index.types import FORMAT_VERSION, MANIFEST, Additions, Hit, index_kind, tuned_depth
+from index.types import MANIFEST, Additions, Hit, Manifest, ManifestFacts, Row
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
@@ -76,9 +77,8 @@ def default_depth(index_type: str, parameters: dict) -> dict:
 def connect(uri: str) -> object:
     """A MilvusClient for uri (one per process and uri)."""
     pymilvus = require("pymilvus", "milvus")
-    logging.getLogger("pymilvus").setLevel(
-        logging.ERROR
-    )  # Milvus Lite lacks a timestamp call pymilvus warns about on every listing
+    # Milvus Lite lacks a timestamp call pymilvus warns about on every listing
+    logging.getLogger("pymilvus").setLevel(logging.ERROR)
     if uri not in _clients:
         try:
             _clients[uri] = pymilvus.MilvusClient(uri)
@@ -94,30 +94,17 @@ def resolve_uri(uri: str) -> str:
     return uri if re.match(r"^[a-z]+://", uri) else str(Path(uri).expanduser().resolve())
 
 
-class MilvusIndex:
+class MilvusIndex(ManifestFacts):
     """The gallery index on a Milvus collection (a GalleryBackend, like index.store.GalleryIndex)."""
 
-    def __init__(self, directory: Path, manifest: dict) -> None:
+    def __init__(self, directory: Path, manifest: Manifest) -> None:
         self.directory = directory
         self.manifest = manifest
-        self.client = connect(manifest["uri"])
-        self.collection = str(manifest["collection"])
-
-    @property
-    def dim(self) -> int:
-        return int(self.manifest["dim"])
-
-    @property
-    def encoder_sha256(self) -> str:
-        return str(self.manifest["encoder_sha256"])
-
-    @property
-    def kind(self) -> str:
-        """ivf, hnsw or flat: which search depth (nprobe, efSearch or none) the collection's type has."""
-        return index_kind(str(self.manifest["index_type"]))
+        self.client = connect(str(manifest.uri))
+        self.collection = str(manifest.collection)
 
     def __len__(self) -> int:
-        return int(self.manifest["count"])
+        return self.manifest.count
 
     @classmethod
     def create(
@@ -158,46 +145,40 @@ class MilvusIndex:
                 f"({str(error).splitlines()[0][:200]}); try another --milvus-index"
             ) from None
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "backend": BACKEND,
-            "uri": uri,
-            "collection": collection,
-            "index_type": milvus_index,
-            "index_params": parameters,
-            "choice": choice.reason if not index_type else "given with --milvus-index",
-            "search": default_depth(milvus_index, parameters),
-            "metric": "inner_product",
-            "dim": dim,
-            "count": 0,
-            "next_id": 1,
-            "encoder_sha256": encoder_sha256,
-            "created": now,
-            "updated": now,
-        }
+        manifest = Manifest(
+            dim=dim,
+            count=0,
+            next_id=1,
+            encoder_sha256=encoder_sha256,
+            created=now,
+            updated=now,
+            index_type=milvus_index,
+            choice=choice.reason if not index_type else "given with --milvus-index",
+            search=default_depth(milvus_index, parameters),
+            backend=BACKEND,
+            uri=uri,
+            collection=collection,
+            index_params=parameters,
+        )
         return cls(Path(directory), manifest).update(additions, [])
 
     @classmethod
-    def open(cls, directory: Path, manifest: dict) -> MilvusIndex:
+    def open(cls, directory: Path, manifest: Manifest) -> MilvusIndex:
         """Opens the collection a manifest names, counting its rows (Milvus is the record of what is indexed)."""
         index = cls(Path(directory), manifest)
         if not index.client.has_collection(index.collection):  # type: ignore[attr-defined]
             raise RetrievalError(
-                f"{directory}: Milvus at {manifest['uri']} has no collection "
+                f"{directory}: Milvus at {manifest.uri} has no collection "
                 f"{index.collection}; rebuild the index with `retrieval index --rebuild`"
             )
         rows = index.rows()
-        index.manifest = {
-            **manifest,
-            "count": len(rows),
-            "next_id": max(int(manifest["next_id"]), max(rows, default=0) + 1),
-        }
+        index.manifest = replace(manifest, count=len(rows), next_id=max(manifest.next_id, max(rows, default=0) + 1))
         return index
 
     def update(self, additions: Iterable[Additions], remove_ids: Sequence[int]) -> MilvusIndex:
         """Removes and adds items, flushes, and saves the manifest; returns the index as it now is."""
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        next_id = int(self.manifest["next_id"])
+        next_id = self.manifest.next_id
         if len(remove_ids):
             self.client.delete(self.collection, ids=[int(i) for i in remove_ids])  # type: ignore[attr-defined]
         for chunk in additions:
@@ -221,8 +202,8 @@ class MilvusIndex:
         count = self.count()
         if count == 0:
             raise RetrievalError(f"{self.directory}: nothing to index (no readable images)")
-        manifest = {**self.manifest, "count": count, "next_id": next_id, "updated": now}
-        write_json(self.directory / MANIFEST, manifest, sealed=True)
+        manifest = replace(self.manifest, count=count, next_id=next_id, updated=now)
+        write_json(self.directory / MANIFEST, manifest.to_dict(), sealed=True)
         return MilvusIndex(self.directory, manifest)
 
     def count(self) -> int:
@@ -242,7 +223,7 @@ class MilvusIndex:
 
         Hits are ordered by score, then by the lower id; rerank does not apply (Milvus scores exactly).
         """
-        depth = depth or tuned_depth(self.manifest)
+        depth = depth or self.manifest.depth
         parameters = (
             {} if depth is None else {"nprobe": int(depth)} if self.kind == "ivf" else {"ef": max(int(depth), k)}
         )
@@ -261,10 +242,10 @@ class MilvusIndex:
         if not len(ids):
             return np.zeros((0, self.dim), np.float32)
         rows = {}
+        client: Any = self.client
         for start in range(0, len(ids), FETCH):
-            for row in self.client.get(
-                self.collection, ids=[int(i) for i in ids[start : start + FETCH]], output_fields=["embedding"]
-            ):  # type: ignore[attr-defined]
+            chunk = [int(i) for i in ids[start : start + FETCH]]
+            for row in client.get(self.collection, ids=chunk, output_fields=["embedding"]):
                 rows[int(row["id"])] = row["embedding"]
         missing = [i for i in ids if int(i) not in rows]
         if missing:
@@ -273,24 +254,47 @@ class MilvusIndex:
             )
         return np.asarray([rows[int(i)] for i in ids], np.float32)
 
-    def rows(self, ids: Sequence[int] | None = None) -> dict[int, tuple[str, str, str]]:
-        """id -> (path, label, sha256) of every item, or of the given ids that exist."""
-        fields = ["path", "label", "sha256"]
+    def rows(self, ids: Sequence[int] | None = None) -> dict[int, Row]:
+        """id -> Row(path, label, sha256) of every item, or of the given ids that exist."""
+        fields = list(Row._fields)
         if ids is not None:
-            found = (
-                self.client.get(self.collection, ids=[int(i) for i in ids], output_fields=fields) if len(ids) else []
-            )  # type: ignore[attr-defined]
-            return {int(row["id"]): (row["path"], row["label"], row["sha256"]) for row in found}
-        rows: dict[int, tuple[str, str, str]] = {}
+            client: Any = self.client
+            found = client.get(self.collection, ids=[int(i) for i in ids], output_fields=fields) if len(ids) else []
+            return {int(row["id"]): _row(row) for row in found}
+        rows: dict[int, Row] = {}
         pages = self.client.query_iterator(self.collection, batch_size=FETCH, filter="id >= 0", output_fields=fields)  # type: ignore[attr-defined]
         while page := pages.next():
-            rows.update({int(row["id"]): (row["path"], row["label"], row["sha256"]) for row in page})
+            rows.update({int(row["id"]): _row(row) for row in page})
         pages.close()
         return dict(sorted(rows.items()))
 
     def items(self) -> dict[int, Item]:
         """Every item, by id."""
-        return {item_id: Item(Path(path), label) for item_id, (path, label, _) in self.rows().items()}
+        return {item_id: Item(Path(row.path), row.label) for item_id, row in self.rows().items()}
+
+    def stored(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, vectors) of every item, as Milvus keeps them."""
+        ids = np.array(sorted(self.rows()), np.int64)
+        return ids, self.vectors_of(ids.tolist())
+
+    def facts(self) -> dict:
+        """The manifest's facts, as `retrieval index-stats` shows them."""
+        manifest = self.manifest
+        return {
+            "count": len(self),
+            "backend": f"Milvus at {manifest.uri}, collection {self.collection}",
+            "type": manifest.index_type,
+            "parameters": manifest.index_params,
+            "chosen because": manifest.choice,
+            "search depth": manifest.search,
+            "dimension": self.dim,
+            "encoder sha256": self.encoder_sha256,
+            "updated": manifest.updated,
+        }
+
+
+def _row(found: dict) -> Row:
+    return Row(found["path"], found["label"], found["sha256"])
 
 
 def _hit(found: dict) -> Hit:

@@ -87,9 +87,8 @@ class _Encoder:
 def connect(address: str | None) -> object:
     """The ray module, connected to the cluster at address (or to a local one started now when None)."""
     ray = require("ray", "ray")
-    logging.getLogger("ray.data").setLevel(
-        logging.WARNING
-    )  # one line per dataset otherwise; the job has its own progress bar
+    # one line per dataset otherwise; the job has its own progress bar
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
     return ray

@@ -3,37 +3,37 @@
 `retrieval search`, the app, its API and evaluation on a deployed index all call these functions.
 Each query says how many hits it wants, how deep to search and which label to keep (`Query`); a
 batch of image queries is decoded one by one and embedded in one call; an image that cannot be read
-fails only its own query, with the reason as a value (`QueryResult.error`). The query itself is
-left out of its results: an indexed item by its id, an image by its bytes (a gallery file with the
-same sha256 is the query). Works with any backend (index.types.GalleryBackend).
+fails only its own query, with a typed value (`QueryResult.error`, a retrieval.errors.Failure: its
+kind and message), as does an unknown id or label. The query itself is left out of its results: an
+indexed item by its id, an image by its bytes (a gallery file with the same sha256 is the query).
+Works with any backend (index.types.GalleryBackend).
 """
 
 from __future__ import annotations
 
 import difflib
 import hashlib
-import io
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 from index.types import GalleryBackend, Hit
-from retrieval.data import decode_image, read_image_bytes
+from retrieval.data import decode, read_image_bytes
 from retrieval.embedders import Embedder
-from retrieval.errors import ImageError, RetrievalError
+from retrieval.errors import ErrorKind, Failure, ImageError, RetrievalError
 from retrieval.rerank import NO_RERANK, Rerank, rerank
 
 IDS_HINT = "the ids are in the id column of `retrieval search` (and its --json) and in the app's captions"
+ANIMATED = "animated: searched with its first frame"
 
 
 @dataclass(frozen=True)
 class Query:
-    """How one query is answered: k hits, at a search depth (None: the tuned one), of one label only (None: any),
-    its shortlist re-ranked (retrieval.rerank; by default not)."""
+    """How one query is answered: k hits, at a search depth (nprobe or efSearch; None: the tuned one), of one label
+    only (None: any), its shortlist re-ranked (retrieval.rerank; by default not)."""
 
     k: int = 10
     depth: int | None = None
@@ -45,14 +45,29 @@ class Query:
             raise RetrievalError(f"k must be at least 1, got {self.k}")
 
 
+@dataclass(frozen=True)
+class ImageQuery:
+    """An image to search with: a name for messages, its bytes, and their sha256 when already known."""
+
+    name: str
+    data: bytes
+    sha256: str | None = None
+
+    @property
+    def digest(self) -> str:
+        """The sha256 of the bytes (a gallery file with it is the query itself)."""
+        return self.sha256 or hashlib.sha256(self.data).hexdigest()
+
+
 @dataclass
 class QueryResult:
     """The hits of one query, best first, or why it failed (error), with what else is worth saying (notes)."""
 
     hits: list[Hit] = field(default_factory=list)
-    error: str | None = None
+    error: Failure | None = None
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0  # the whole batch's time, decoding and embedding included
+    batch: int = 1  # queries answered together with this one (one embedding call)
 
 
 Itself = Callable[[Hit], bool]  # whether a hit is the query itself (its id, or its image's sha256)
@@ -109,10 +124,10 @@ def _reranked(
         kept, own_id = _without(hits, mine)
         lists.append(kept)
         own.append(own_id)
-    ids, scores = _as_arrays(lists, max((len(hits) for hits in lists), default=0))
+    ids, scores = hit_arrays(lists, max((len(hits) for hits in lists), default=0))
 
     def neighbours(items: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        return _as_arrays(search_items(index, items.tolist(), Query(n, depth)), n)
+        return hit_arrays(search_items(index, items.tolist(), Query(n, depth)), n)
 
     def stored(items: np.ndarray) -> np.ndarray:
         return index.vectors_of(items.tolist())
@@ -125,13 +140,19 @@ def _reranked(
     ]
 
 
-def _as_arrays(lists: Sequence[Sequence[Hit]], width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Hit lists as (ids [Q, width], scores), -1 and -inf where a list is shorter."""
+def hit_arrays(
+    lists: Sequence[Sequence[Hit]], width: int, row_of: dict[int, int] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Hit lists as (ids [Q, width], scores), -1 and -inf where a list is shorter.
+
+    row_of: report each hit as row_of[its id] instead (-1 for an id not in it), e.g. a row of an evaluated set.
+    """
     ids = np.full((len(lists), width), -1, np.int64)
     scores = np.full((len(lists), width), -np.inf, np.float32)
     for row, hits in enumerate(lists):
-        ids[row, : len(hits)] = [hit.id for hit in hits[:width]]
-        scores[row, : len(hits)] = [hit.score for hit in hits[:width]]
+        kept = hits[:width]
+        ids[row, : len(kept)] = [hit.id if row_of is None else row_of.get(hit.id, -1) for hit in kept]
+        scores[row, : len(kept)] = [hit.score for hit in kept]
     return ids, scores
 
 
@@ -145,17 +166,12 @@ def deployed_ranking(
     index: GalleryBackend, ids: Sequence[int], rerank: Rerank = NO_RERANK
 ) -> Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]:
     """The index's own search, as retrieval.metrics.score_queries takes it: the items `ids` (rows 0..) search the
-    index at its tuned depth (each itself left out); hits become rows of ids, -1 for an item not among them."""
+    index at its tuned depth (each itself left out) for `count` hits; hits become rows, -1 for an item not in ids."""
     row_of = {int(item): row for row, item in enumerate(ids)}
 
-    def search(rows: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
-        found = search_items(index, [int(ids[row]) for row in rows], Query(depth, rerank=rerank))
-        out = np.full((len(rows), depth), -1, np.int64)
-        scores = np.full((len(rows), depth), -np.inf, np.float32)
-        for position, hits in enumerate(found):
-            out[position, : len(hits)] = [row_of.get(hit.id, -1) for hit in hits]
-            scores[position, : len(hits)] = [hit.score for hit in hits]
-        return out, scores
+    def search(rows: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+        found = search_items(index, [int(ids[row]) for row in rows], Query(k=count, rerank=rerank))
+        return hit_arrays(found, count, row_of)
 
     return search
 
@@ -168,11 +184,16 @@ def _same_bytes(digest: str) -> Itself:
     return lambda hit: hit.sha256 == digest
 
 
+def unknown_id(index: GalleryBackend, item_id: int) -> Failure:
+    """The failure of a query by an id the index does not hold."""
+    return Failure(ErrorKind.UNKNOWN_ID, f"no item with id {item_id} in {index.directory}; {IDS_HINT}")
+
+
 def search_item(index: GalleryBackend, item_id: int, query: Query = Query()) -> QueryResult:
-    """The hits of one indexed item (itself left out), or an error naming the id when the index lacks it."""
+    """The hits of one indexed item (itself left out), or an unknown-id failure when the index lacks it."""
     started = time.perf_counter()
     if item_id not in index.rows([item_id]):
-        return QueryResult(error=f"no item with id {item_id} in {index.directory}; {IDS_HINT}")
+        return QueryResult(error=unknown_id(index, item_id))
     result = QueryResult(search_items(index, [item_id], query)[0], seconds=time.perf_counter() - started)
     explain_empty(index, [result], [query])
     return result
@@ -184,40 +205,37 @@ def search_images(
     """The hits of each image file, embedded in one call; a gallery item with an image's exact bytes is left out."""
     if len(images) != len(queries):
         raise RetrievalError(f"{len(images)} images for {len(queries)} queries")
-    read: list[tuple[str, bytes, str] | ImageError] = []
+    read: list[ImageQuery | Failure] = []
     for path in images:
         try:
-            read.append((Path(path).name, *read_image_bytes(Path(path))))
+            data, digest = read_image_bytes(Path(path))
+            read.append(ImageQuery(Path(path).name, data, digest))
         except ImageError as error:
-            read.append(error)
+            read.append(Failure.of(error))
     return search_image_bytes(index, embedder, read, queries)
 
 
 def search_image_bytes(
-    index: GalleryBackend,
-    embedder: Embedder,
-    images: Sequence[tuple[str, bytes] | tuple[str, bytes, str] | ImageError],
-    queries: Sequence[Query],
+    index: GalleryBackend, embedder: Embedder, images: Sequence[ImageQuery | Failure], queries: Sequence[Query]
 ) -> list[QueryResult]:
-    """The hits of each (name, bytes[, sha256]) image (uploads; an ImageError is that query's failure), embedded in
-    one call; the sha256 is computed only when it is not given (files read by search_images come with theirs)."""
+    """The hits of each image (uploads, or files read; a Failure is that query's, as it came), embedded in one call."""
     if len(images) != len(queries):
         raise RetrievalError(f"{len(images)} images for {len(queries)} queries")
     started = time.perf_counter()
-    results = [QueryResult() for _ in images]
+    results = [QueryResult(error=image if isinstance(image, Failure) else None) for image in images]
     decoded, digests, good = [], [], []
     for position, image in enumerate(images):
-        try:
-            if isinstance(image, ImageError):
-                raise image
-            name, data = image[0], image[1]
-            decoded.append(decode_image(data, name))
-        except ImageError as error:
-            results[position].error = str(error)
+        if isinstance(image, Failure):
             continue
-        if _animated(data):
-            results[position].notes.append("animated: searched with its first frame")
-        digests.append(image[2] if len(image) == 3 else hashlib.sha256(data).hexdigest())
+        try:
+            read = decode(image.data, image.name)
+        except ImageError as error:
+            results[position].error = Failure.of(error)
+            continue
+        if read.animated:
+            results[position].notes.append(ANIMATED)
+        decoded.append(read.image)
+        digests.append(image.digest)
         good.append(position)
     if good:
         itself = [_same_bytes(digest) for digest in digests]
@@ -226,25 +244,24 @@ def search_image_bytes(
             results[position].hits = hits
     for result in results:
         result.seconds = time.perf_counter() - started
+        result.batch = len(results)
     explain_empty(index, results, queries)
     return results
 
 
 def explain_empty(index: GalleryBackend, results: Sequence[QueryResult], queries: Sequence[Query]) -> None:
-    """Turns an empty result of a label filter into an error when no item has that label, naming the closest ones.
-
-    Only empty results are looked at, so the index's labels are read only when a filter found nothing.
+    """Turns an empty result of a label filter into an unknown-label failure when no item has that label, naming the
+    closest ones. Only empty results are looked at, so the index's labels are read only when a filter found nothing.
     """
     empty = [(result, query) for result, query in zip(results, queries) if not result.hits and result.error is None]
     if not any(query.label is not None for _, query in empty):
         return
-    labels = sorted({label for _, label, _ in index.rows().values()})
+    labels = sorted({row.label for row in index.rows().values()})
     for result, query in empty:
         if query.label is not None and query.label not in labels:
             closest = ", ".join(difflib.get_close_matches(query.label, labels, n=3, cutoff=0.0))
-            result.error = (
-                f"no item of {index.directory} has the label {query.label!r}; the closest labels are {closest}"
-            )
+            message = f"no item of {index.directory} has the label {query.label!r}; the closest labels are {closest}"
+            result.error = Failure(ErrorKind.UNKNOWN_LABEL, message)
 
 
 def _groups(queries: Sequence[Query]) -> dict[tuple[int | None, str | None, Rerank], list[int]]:
@@ -253,10 +270,3 @@ def _groups(queries: Sequence[Query]) -> dict[tuple[int | None, str | None, Rera
     for position, query in enumerate(queries):
         groups.setdefault((query.depth, query.label, query.rerank), []).append(position)
     return groups
-
-
-def _animated(data: bytes) -> bool:
-    try:
-        return bool(getattr(Image.open(io.BytesIO(data)), "is_animated", False))
-    except Exception:  # decode_image has already accepted the bytes; this is only a note
-        return False

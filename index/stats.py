@@ -8,12 +8,9 @@ from pathlib import Path
 import numpy as np
 
 from index.backends import open_index
-from index.faiss_ops import stored_vectors
-from index.milvus import MilvusIndex
 from index.search import deployed_ranking
-from index.store import GalleryIndex
 from index.tuning import leave_out, recall_at_10
-from index.types import ITEMS, VECTORS, GalleryBackend
+from index.types import GalleryBackend
 from retrieval.errors import RetrievalError
 from retrieval.evaluation import Evaluation, evaluate_embedded
 from retrieval.knn import nearest_neighbours
@@ -21,42 +18,19 @@ from retrieval.rerank import NO_RERANK, Rerank
 
 
 def index_stats(directory: Path, sample: int = 1000, mmap: bool = False, seed: int = 0) -> dict:
-    """The manifest's facts, the sizes on disk, and recall@10 against exact search.
+    """The backend's facts (the manifest's, the sizes on disk) and recall@10 against exact search.
 
     Two recalls: the one tuned at build time, for gallery vectors held out of the index, and one
     measured now: a seeded sample of the index's own vectors (those it stores, or for compressed
     types the exact ones kept for re-ranking) queries the index as searches do and, exactly, all of
     them, each left out of its own results (for a graph an upper bound: its own node leads to its
-    neighbours).
+    neighbours). Compressed codes forced without the exact vectors have only the first.
     """
     index = open_index(directory, mmap=mmap)
-    if isinstance(index, MilvusIndex):
-        return _milvus_stats(index, sample, seed)
-    assert isinstance(index, GalleryIndex)
-    stats: dict = {
-        "count": len(index),
-        "type": index.manifest.get("index_type", "Flat"),
-        "chosen because": index.manifest.get("choice", "built before index types were chosen"),
-        "search depth": index.manifest.get("search", {}),
-        "dimension": index.dim,
-        "vectors.faiss MiB": (directory / VECTORS).stat().st_size / 2**20,
-        "items.sqlite MiB": (directory / ITEMS).stat().st_size / 2**20,
-        "bytes per vector": (directory / VECTORS).stat().st_size / max(len(index), 1),
-        "encoder sha256": index.encoder_sha256,
-        "updated": index.manifest.get("updated", ""),
-    }
-    if index.kind != "flat" and "recall@10" in index.manifest:  # exact search has no depth to tune
-        stats["recall@10 (at build, held-out sample)"] = index.manifest["recall@10"]
-    if index.raw is not None:  # compressed codes, with the exact vectors kept for re-ranking
-        ids = np.array(sorted(index.rows()), np.int64)
-        vectors = np.asarray(index.raw[ids - 1], np.float32)
-        stats["re-ranked candidates per result"] = index.manifest["rerank"]
-    else:
-        try:
-            ids, vectors = stored_vectors(index.vectors)
-        except RetrievalError:  # compressed codes of a type forced without re-ranking: the build's figure only
-            return stats
-    stats.update(_measured_recall(index, ids, vectors, sample, seed))
+    stats = index.facts()
+    stored = index.stored()
+    if stored is not None:
+        stats.update(_measured_recall(index, *stored, sample, seed))
     return stats
 
 
@@ -73,23 +47,6 @@ def _measured_recall(index: GalleryBackend, ids: np.ndarray, vectors: np.ndarray
     hits = index.search(vectors[chosen], k + 1)
     found = leave_out(np.array([[hit.id for hit in row] + [-1] * (k + 1 - len(row)) for row in hits]), own, k)
     return {f"recall@10 (now, {len(chosen):,} own vectors left out)": recall_at_10(found, exact)}
-
-
-def _milvus_stats(index: MilvusIndex, sample: int, seed: int) -> dict:
-    """What index_stats shows for a collection in Milvus: the manifest's facts and the measured recall."""
-    ids = np.array(sorted(index.rows()), np.int64)
-    stats = {
-        "count": len(index),
-        "backend": f"Milvus at {index.manifest['uri']}, collection {index.collection}",
-        "type": index.manifest["index_type"],
-        "parameters": index.manifest.get("index_params", {}),
-        "chosen because": index.manifest.get("choice", ""),
-        "search depth": index.manifest.get("search", {}),
-        "dimension": index.dim,
-        "encoder sha256": index.encoder_sha256,
-        "updated": index.manifest.get("updated", ""),
-    }
-    return {**stats, **_measured_recall(index, ids, index.vectors_of(ids.tolist()), sample, seed)}
 
 
 def exact_and_deployed(
@@ -114,8 +71,7 @@ def exact_and_deployed(
         "encoder": index.encoder_sha256,
     }
     exact = evaluate_embedded(vectors, items, [], {**described, "search": "exact"}, ks, rerank)
-    depth = "".join(f", {key} {value}" for key, value in index.manifest.get("search", {}).items())
-    searched = f"{index.manifest.get('index_type', 'Flat')}{depth}"
+    searched = index.manifest.describe_search()
     deployed = evaluate_embedded(
         vectors, items, [], {**described, "search": searched}, ks, rerank, search=deployed_ranking(index, ids, rerank)
     )

@@ -17,6 +17,7 @@ import shutil
 import sqlite3
 from collections.abc import Iterable, Sequence
 from contextlib import closing
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -34,9 +35,10 @@ from index.faiss_ops import (
     remove_ids,
     search_ids,
     search_parameters,
+    stored_vectors,
 )
 from index.tuning import RECALL_SAMPLE, RecallProbe, sample_rows, tune_depth
-from index.types import FORMAT_VERSION, ITEMS, MANIFEST, RAW, VECTORS, Additions, Hit, index_kind, tuned_depth
+from index.types import ITEMS, MANIFEST, RAW, VECTORS, Additions, Hit, Manifest, ManifestFacts, Row
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
 from retrieval.runs import file_sha256, write_json
@@ -45,10 +47,10 @@ RERANK = 8  # compressed types re-score this many candidates per result exactly
 ID_CHUNK = 500  # ids per SQLite query (below its limit on bound parameters)
 
 
-class GalleryIndex:
+class GalleryIndex(ManifestFacts):
     """Inner-product search over L2-normalised embeddings, with the items they came from (a GalleryBackend)."""
 
-    def __init__(self, directory: Path, manifest: dict, vectors: faiss.Index) -> None:
+    def __init__(self, directory: Path, manifest: Manifest, vectors: faiss.Index) -> None:
         self.directory = directory
         self.manifest = manifest
         self.vectors = vectors  # the CPU index, as saved
@@ -58,8 +60,8 @@ class GalleryIndex:
     @property
     def raw(self) -> np.ndarray | None:
         """The exact vectors of a compressed index (row id - 1), memory-mapped; None for other types."""
-        if self._raw is None and self.manifest.get("rerank"):
-            self._raw = open_raw(self.directory, int(self.manifest["next_id"]) - 1, self.dim)
+        if self._raw is None and self.manifest.rerank:
+            self._raw = open_raw(self.directory, self.manifest.next_id - 1, self.dim)
         return self._raw
 
     @property
@@ -69,21 +71,8 @@ class GalleryIndex:
             self._searcher = on_gpus(self.vectors, self.kind)
         return self._searcher
 
-    @property
-    def dim(self) -> int:
-        return int(self.manifest["dim"])
-
     def __len__(self) -> int:
         return int(self.vectors.ntotal)
-
-    @property
-    def encoder_sha256(self) -> str:
-        return str(self.manifest["encoder_sha256"])
-
-    @property
-    def kind(self) -> str:
-        """flat, ivf or hnsw, from the index type (indexes saved before types were chosen say IDMap2,Flat)."""
-        return index_kind(str(self.manifest.get("index_type", "Flat")))
 
     @classmethod
     def build(
@@ -117,14 +106,14 @@ class GalleryIndex:
         return commit(self.directory, self, additions, remove_ids, self.encoder_sha256, self.dim)
 
     @classmethod
-    def open(cls, directory: Path, manifest: dict, mmap: bool = False) -> GalleryIndex:
+    def open(cls, directory: Path, manifest: Manifest, mmap: bool = False) -> GalleryIndex:
         """Opens the FAISS index whose manifest has been read and checked (index.backends.open_index does both).
 
         With mmap, the vectors stay on disk and pages are read as searches touch them (IVF lists
         and flat storage), for galleries larger than memory.
         """
-        if manifest.get("backend", "faiss") != "faiss":
-            raise RetrievalError(f"{directory}: a {manifest['backend']} index; open it with index.open_index")
+        if manifest.backend != "faiss":
+            raise RetrievalError(f"{directory}: a {manifest.backend} index; open it with index.open_index")
         _check_files(directory, manifest, mmap)
         try:
             vectors = faiss.read_index(str(directory / VECTORS), faiss.IO_FLAG_MMAP if mmap else 0)
@@ -132,10 +121,10 @@ class GalleryIndex:
             raise RetrievalError(
                 f"{directory / VECTORS}: FAISS cannot read it ({first_line(error)}); rebuild the index"
             ) from None
-        if vectors.ntotal != manifest.get("count") or vectors.d != manifest.get("dim"):
+        if vectors.ntotal != manifest.count or vectors.d != manifest.dim:
             raise RetrievalError(
                 f"{directory}: {VECTORS} holds {vectors.ntotal}x{vectors.d} vectors, the manifest says "
-                f"{manifest.get('count')}x{manifest.get('dim')}; rebuild the index"
+                f"{manifest.count}x{manifest.dim}; rebuild the index"
             )
         try:
             with read_only(directory / ITEMS) as connection:
@@ -168,18 +157,18 @@ class GalleryIndex:
         queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
         self._check_search(queries, depth)
         k = max(1, min(k, len(self)))
-        factor = int(self.manifest.get("rerank", 0)) if rerank is None else rerank
+        factor = self.manifest.rerank if rerank is None else rerank
         allowed = None if label is None else self._ids_with_label(label)
         if allowed is not None and not len(allowed):
             return [[] for _ in queries]
         searcher = self.searcher if allowed is None else self.vectors  # FAISS's GPU indexes take no selector
         selector = None if allowed is None else faiss.IDSelectorBatch(len(allowed), faiss.swig_ptr(allowed))
-        params = search_parameters(self.kind, depth or tuned_depth(self.manifest), selector)
+        params = search_parameters(self.kind, depth or self.manifest.depth, selector)
         reachable = len(self) if allowed is None else len(allowed)
         scores, ids = search_ids(searcher, queries, min(k, reachable), params, self.raw, factor, reachable)
         found = self.rows(ids[ids >= 0].tolist())
         return [  # from Python lists: numpy scalars cost microseconds each at thousands of queries a second
-            [Hit(i, found[i][0], found[i][1], s, found[i][2]) for i, s in zip(row_ids, row_scores) if i >= 0]
+            [Hit(i, found[i].path, found[i].label, s, found[i].sha256) for i, s in zip(row_ids, row_scores) if i >= 0]
             for row_ids, row_scores in zip(ids.tolist(), scores.tolist())
         ]
 
@@ -188,10 +177,7 @@ class GalleryIndex:
             raise RetrievalError(f"queries have dimension {queries.shape[1]}, the index {self.dim}")
         if depth is not None and self.kind == "flat":
             raise RetrievalError(
-                "a search depth (nprobe/efSearch) "
-                "does not apply to "
-                f"this {self.manifest.get('index_type', 'Flat')} "
-                "index: "
+                f"a search depth (nprobe/efSearch) does not apply to this {self.manifest.index_type} index: "
                 "it searches exactly"
             )
         if depth is not None and depth < 1:
@@ -216,16 +202,48 @@ class GalleryIndex:
             return np.stack([numpy_call(self.vectors, "reconstruct", int(i)) for i in ids])  # type: ignore[misc]
         except RuntimeError as error:
             raise RetrievalError(
-                f"{self.directory}: a {self.manifest.get('index_type')} index "
-                f"cannot give its vectors back ({first_line(error, 120)})"
+                f"{self.directory}: a {self.manifest.index_type} index cannot give its vectors back "
+                f"({first_line(error, 120)})"
             ) from None
+
+    def stored(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(ids, vectors) of every item: the vectors this index stores, or for compressed types the exact ones kept
+        for re-ranking; None for compressed codes forced without them (they only approximate the vectors)."""
+        if self.raw is not None:
+            ids = np.array(sorted(self.rows()), np.int64)
+            return ids, np.asarray(self.raw[ids - 1], np.float32)
+        try:
+            return stored_vectors(self.vectors)
+        except RetrievalError:
+            return None
+
+    def facts(self) -> dict:
+        """The manifest's facts and the sizes on disk, as `retrieval index-stats` shows them."""
+        manifest, vectors = self.manifest, (self.directory / VECTORS).stat().st_size
+        facts: dict = {
+            "count": len(self),
+            "type": manifest.index_type,
+            "chosen because": manifest.choice,
+            "search depth": manifest.search,
+            "dimension": self.dim,
+            "vectors.faiss MiB": vectors / 2**20,
+            "items.sqlite MiB": (self.directory / ITEMS).stat().st_size / 2**20,
+            "bytes per vector": vectors / max(len(self), 1),
+            "encoder sha256": self.encoder_sha256,
+            "updated": manifest.updated,
+        }
+        if self.kind != "flat" and manifest.recall_at_10 is not None:  # exact search has no depth to tune
+            facts["recall@10 (at build, held-out sample)"] = manifest.recall_at_10
+        if self.raw is not None:
+            facts["re-ranked candidates per result"] = manifest.rerank
+        return facts
 
     def items(self) -> dict[int, Item]:
         """Returns every indexed item by id."""
-        return {i: Item(Path(path), label) for i, (path, label, _) in self.rows().items()}
+        return {i: Item(Path(row.path), row.label) for i, row in self.rows().items()}
 
-    def rows(self, ids: Sequence[int] | None = None) -> dict[int, tuple[str, str, str]]:
-        """Returns (path, label, sha256) of the items with these ids (all items when ids is None)."""
+    def rows(self, ids: Sequence[int] | None = None) -> dict[int, Row]:
+        """Returns Row(path, label, sha256) of the items with these ids (all items when ids is None)."""
         query = "SELECT id, path, label, sha256 FROM items"
         with read_only(self.directory / ITEMS) as connection:
             if ids is None:
@@ -236,15 +254,15 @@ class GalleryIndex:
                 for start in range(0, len(unique), ID_CHUNK):
                     chunk = unique[start : start + ID_CHUNK]
                     rows += connection.execute(f"{query} WHERE id IN ({','.join('?' * len(chunk))})", chunk).fetchall()
-        return {int(i): (path, label, digest) for i, path, label, digest in rows}
+        return {int(i): Row(path, label, digest) for i, path, label, digest in rows}
 
 
-def _check_files(directory: Path, manifest: dict, mmap: bool) -> None:
+def _check_files(directory: Path, manifest: Manifest, mmap: bool) -> None:
     """Refuses an index directory whose files are missing or differ from the manifest's sha256."""
     for name in (VECTORS, ITEMS):
         if not (directory / name).is_file():
             raise RetrievalError(f"{directory}: {name} is missing; rebuild the index with `retrieval index`")
-    for name, digest in manifest.get("sha256", {}).items():
+    for name, digest in manifest.sha256.items():
         if mmap and name == VECTORS:
             continue  # memory-mapped: reading the whole file to hash it would defeat the purpose
         if not (directory / name).is_file() or file_sha256(directory / name) != digest:
@@ -276,7 +294,7 @@ def commit(
     staging = staging_directory(directory)
     try:
         draft = (
-            _Draft.new(directory, staging, additions, dim, factory, memory, now)
+            _Draft.new(directory, staging, additions, dim, factory, memory, encoder_sha256, now)
             if base is None
             else _Draft.of(base, staging)
         )
@@ -284,19 +302,8 @@ def commit(
         if draft.vectors.ntotal == 0:
             raise RetrievalError(f"{directory}: nothing to index (no readable images)")
         if base is None:
-            draft.tune(staging, dim)
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            **draft.described,
-            "metric": "inner_product",
-            "dim": dim,
-            "count": int(draft.vectors.ntotal),
-            "next_id": draft.next_id,
-            "encoder_sha256": encoder_sha256,
-            "created": draft.created,
-            "updated": now,
-        }
-        _seal(staging, draft, manifest)
+            draft.tune(staging)
+        manifest = _seal(staging, draft, now)
         swap_into_place(staging, directory)
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
@@ -310,18 +317,16 @@ def commit(
 
 
 class _Draft:
-    """The next version of an index while commit writes it into the staging directory."""
+    """The next version of an index while commit writes it into the staging directory.
 
-    def __init__(
-        self, vectors: faiss.Index, described: dict, created: str, next_id: int, probe: RecallProbe | None
-    ) -> None:
-        self.vectors, self.described, self.created, self.next_id, self.probe = (
-            vectors,
-            described,
-            created,
-            next_id,
-            probe,
-        )
+    manifest is the base's (or a new one's) until _seal writes the new count, ids, times and hashes.
+    """
+
+    def __init__(self, vectors: faiss.Index, manifest: Manifest, probe: RecallProbe | None) -> None:
+        self.vectors = vectors
+        self.manifest = manifest
+        self.next_id = manifest.next_id
+        self.probe = probe
         self.held: list[tuple[np.ndarray, np.ndarray]] = []  # the probe's rows and ids, added after tuning
 
     @classmethod
@@ -333,6 +338,7 @@ class _Draft:
         dim: int,
         factory: str | None,
         memory: int | None,
+        encoder_sha256: str,
         now: str,
     ) -> _Draft:
         """An empty index of the chosen type, trained on a sample of additions."""
@@ -343,39 +349,34 @@ class _Draft:
         queries = min(RECALL_SAMPLE, count // 10)
         probe = None if choice.factory == "Flat" or not queries else RecallProbe(sample[:queries])
         create_items(staging / ITEMS)
-        described = {
-            "index_type": choice.factory,
-            "choice": choice.reason,
-            "rerank": RERANK if compressed(choice.factory) else 0,
-        }
+        manifest = Manifest(
+            dim=dim,
+            count=0,
+            next_id=1,
+            encoder_sha256=encoder_sha256,
+            created=now,
+            updated=now,
+            index_type=choice.factory,
+            choice=choice.reason,
+            rerank=RERANK if compressed(choice.factory) else 0,
+        )
         training = sample[len(probe.queries) :] if probe else sample  # the probe's vectors stay unseen
-        return cls(new_index(choice.factory, dim, training), described, now, 1, probe)
+        return cls(new_index(choice.factory, dim, training), manifest, probe)
 
     @classmethod
     def of(cls, base: GalleryIndex, staging: Path) -> _Draft:
         """A copy of base's index, items and exact vectors, to change."""
         shutil.copyfile(base.directory / ITEMS, staging / ITEMS)
-        described = {
-            key: base.manifest[key]
-            for key in ("index_type", "choice", "rerank", "search", "recall@10")
-            if key in base.manifest
-        }
-        if described.get("rerank"):
+        if base.manifest.rerank:
             shutil.copyfile(base.directory / RAW, staging / RAW)
-        return cls(
-            faiss.clone_index(base.vectors), described, base.manifest["created"], int(base.manifest["next_id"]), None
-        )
-
-    @property
-    def kind(self) -> str:
-        return index_kind(str(self.described.get("index_type", "Flat")))
+        return cls(faiss.clone_index(base.vectors), base.manifest, None)
 
     def fill(self, staging: Path, removals: Sequence[int], additions: Iterable[Additions], now: str) -> None:
         """Removes items, then adds the additions with the next ids, to the vectors, the items and the exact vectors."""
-        raw_path = staging / RAW if self.described.get("rerank") else os.devnull
+        raw_path = staging / RAW if self.manifest.rerank else os.devnull
         with closing(sqlite3.connect(staging / ITEMS)) as connection, open(raw_path, "ab") as raw:
             if removals:
-                self.vectors = remove_ids(self.vectors, np.asarray(removals, dtype=np.int64), self.kind)
+                self.vectors = remove_ids(self.vectors, np.asarray(removals, dtype=np.int64), self.manifest.kind)
                 connection.executemany("DELETE FROM items WHERE id = ?", [(int(i),) for i in removals])
             for chunk in additions:
                 ids = np.arange(self.next_id, self.next_id + len(chunk.items), dtype=np.int64)
@@ -395,21 +396,30 @@ class _Draft:
                 self.next_id += len(chunk.items)
             connection.commit()
 
-    def tune(self, staging: Path, dim: int) -> None:
+    def tune(self, staging: Path) -> None:
         """Tunes the search depth of a new index on its probe, then adds the probe's held-out rows."""
-        exact = open_raw(staging, self.next_id - 1, dim) if self.described["rerank"] else None
-        self.described.update(tune_depth(self.vectors, self.kind, self.probe, exact, self.described["rerank"]))
+        manifest = self.manifest
+        exact = open_raw(staging, self.next_id - 1, manifest.dim) if manifest.rerank else None
+        tuned = tune_depth(self.vectors, manifest.kind, self.probe, exact, manifest.rerank)
+        self.manifest = replace(manifest, search=tuned.search, recall_at_10=tuned.recall_at_10)
         for rows, ids in self.held:
             self.vectors.add_with_ids(rows, ids)
         self.held = []
 
 
-def _seal(staging: Path, draft: _Draft, manifest: dict) -> None:
-    """Writes the vectors, fsyncs every file and writes the manifest with their sha256, sealed."""
+def _seal(staging: Path, draft: _Draft, now: str) -> Manifest:
+    """Writes the vectors, fsyncs every file and writes the manifest with their sha256, sealed; returns it."""
     faiss.write_index(draft.vectors, str(staging / VECTORS))
-    stored = (VECTORS, ITEMS, *([RAW] if draft.described.get("rerank") else []))
+    stored = (VECTORS, ITEMS, *([RAW] if draft.manifest.rerank else []))
     for name in stored:
         with open(staging / name, "rb") as handle:
             os.fsync(handle.fileno())
-    manifest["sha256"] = {name: file_sha256(staging / name) for name in stored}
-    write_json(staging / MANIFEST, manifest, sealed=True)  # fsyncs it and the staging folder
+    manifest = replace(
+        draft.manifest,
+        count=int(draft.vectors.ntotal),
+        next_id=draft.next_id,
+        updated=now,
+        sha256={name: file_sha256(staging / name) for name in stored},
+    )
+    write_json(staging / MANIFEST, manifest.to_dict(), sealed=True)  # fsyncs it and the staging folder
+    return manifest

@@ -8,6 +8,7 @@ chunk as the index is filled.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -73,9 +74,18 @@ def recall_at_10(found: Sequence[Sequence[int]] | np.ndarray, exact: np.ndarray)
     return float(np.mean([len(set(map(int, a)) & set(map(int, b))) / len(b) for a, b in zip(found, exact)]))
 
 
+@dataclass(frozen=True)
+class Tuned:
+    """The search depth a new index was tuned to ({} for exact search, else {"nprobe"|"efSearch": n}) and the
+    recall@10 measured with it."""
+
+    search: dict[str, int]
+    recall_at_10: float
+
+
 def tune_depth(
     vectors: faiss.Index, kind: str, probe: RecallProbe | None, raw: np.ndarray | None = None, rerank: int = 0
-) -> dict:
+) -> Tuned:
     """The smallest search depth reaching TARGET_RECALL + MARGIN on the probe, and its recall@10.
 
     Depths grow by steps of 1.5x and 1.33x in turn (1, 2, 3, 4, 6, 8, … for nprobe, up to the number of
@@ -84,9 +94,9 @@ def tune_depth(
     still helped is kept.
     """
     if probe is None:
-        return {"search": {}, "recall@10": 1.0}
+        return Tuned({}, 1.0)
     if kind == "flat":
-        return {"search": {}, "recall@10": probe.recall(vectors, None, raw, rerank)}
+        return Tuned({}, probe.recall(vectors, None, raw, rerank))
     if kind == "ivf":
         name, depths = "nprobe", _depths(1, faiss.extract_index_ivf(vectors).nlist)
     else:
@@ -99,7 +109,7 @@ def tune_depth(
         if deeper < recall + PLATEAU:
             break
         chosen, recall = depth, deeper
-    return {"search": {name: chosen}, "recall@10": recall}
+    return Tuned({name: chosen}, recall)
 
 
 def _depths(first: int, last: int) -> list[int]:

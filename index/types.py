@@ -8,19 +8,28 @@ The FAISS store (index.store) and the Milvus collection (index.milvus) both impl
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from retrieval.data import Item
+from retrieval.errors import RetrievalError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 VECTORS = "vectors.faiss"
 ITEMS = "items.sqlite"
 RAW = "raw.f32"  # compressed types only: the exact float32 vectors, row id - 1, read memory-mapped to re-rank
+
+
+class Row(NamedTuple):
+    """What the index keeps of an item beside its vector (SQLite's or Milvus's columns)."""
+
+    path: str
+    label: str
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -43,11 +52,100 @@ class Additions:
     hashes: list[str]
 
 
+DEPTH_NAMES = {"ivf": "nprobe", "hnsw": "efSearch"}  # the search depth of each kind of index, as FAISS names it
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """An index directory's manifest.json: what the index holds, how it was built and searches, and by which encoder.
+
+    On disk it is the JSON of to_dict (keys as FAISS and earlier versions wrote them: `recall@10`).
+    Milvus indexes also name their server (uri), collection and index parameters.
+    """
+
+    dim: int
+    count: int
+    next_id: int
+    encoder_sha256: str
+    created: str
+    updated: str = ""
+    index_type: str = "Flat"  # a FAISS factory string, or a Milvus index type
+    choice: str = "built before index types were chosen"  # why the type was chosen
+    search: dict[str, int] = field(default_factory=dict)  # the tuned depth, {"nprobe": n} or {"efSearch": n}
+    recall_at_10: float | None = None  # measured at build time for vectors held out of the index
+    rerank: int = 0  # compressed types: candidates re-scored exactly per wanted result
+    sha256: dict[str, str] = field(default_factory=dict)  # of the files beside it
+    backend: str = "faiss"
+    uri: str | None = None
+    collection: str | None = None
+    index_params: dict = field(default_factory=dict)
+    metric: str = "inner_product"
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def kind(self) -> str:
+        """flat, ivf or hnsw: which search depth (none, nprobe or efSearch) the type has."""
+        return index_kind(self.index_type)
+
+    @property
+    def depth(self) -> int | None:
+        """The search depth tuned at build time (nprobe or efSearch), if any."""
+        value = next(iter(self.search.values()), None)
+        return None if value is None else int(value)
+
+    @property
+    def depth_name(self) -> str | None:
+        """nprobe, efSearch, or None for exact search."""
+        return DEPTH_NAMES.get(self.kind)
+
+    def describe_search(self) -> str:
+        """The type with its tuned depth, e.g. "HNSW32, efSearch 64"."""
+        return self.index_type + "".join(f", {name} {value}" for name, value in self.search.items())
+
+    def to_dict(self) -> dict:
+        """The manifest as JSON values, with the keys manifest.json has (unset Milvus fields left out)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["recall@10"] = values.pop("recall_at_10")
+        return {key: value for key, value in values.items() if value is not None}
+
+    @classmethod
+    def from_dict(cls, values: dict, source: Path) -> Manifest:
+        """The manifest read from JSON at source (index.disk.read_manifest has checked its required keys)."""
+        given = {key.replace("recall@10", "recall_at_10"): value for key, value in values.items()}
+        unknown = set(given) - {f.name for f in fields(cls)}
+        if unknown:
+            raise RetrievalError(
+                f"{source}: has unknown keys {sorted(unknown)} (damaged, or written by another version); "
+                "rebuild the index with `retrieval index --rebuild`"
+            )
+        return cls(**given)
+
+
+class ManifestFacts:
+    """What a backend reads off its manifest: the vectors' dimension, the encoder that made them, the kind of depth."""
+
+    directory: Path
+    manifest: Manifest
+
+    @property
+    def dim(self) -> int:
+        return self.manifest.dim
+
+    @property
+    def encoder_sha256(self) -> str:
+        return self.manifest.encoder_sha256
+
+    @property
+    def kind(self) -> str:
+        """flat, ivf or hnsw: which search depth (none, nprobe or efSearch) the type has."""
+        return self.manifest.kind
+
+
 class GalleryBackend(Protocol):
     """A gallery index: vectors with the items they came from, searched by inner product."""
 
     directory: Path
-    manifest: dict
+    manifest: Manifest
 
     @property
     def dim(self) -> int: ...
@@ -77,8 +175,16 @@ class GalleryBackend(Protocol):
         """The stored vectors of indexed items, in the order of ids."""
         ...
 
-    def rows(self, ids: Sequence[int] | None = None) -> dict[int, tuple[str, str, str]]:
-        """id -> (path, label, sha256) of the given ids that exist (every item when None)."""
+    def stored(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(ids, vectors) of every item, as exact search compares them; None where only lossy codes are kept."""
+        ...
+
+    def facts(self) -> dict:
+        """What `retrieval index-stats` shows of this backend: type, parameters, sizes (before measured recall)."""
+        ...
+
+    def rows(self, ids: Sequence[int] | None = None) -> dict[int, Row]:
+        """id -> Row(path, label, sha256) of the given ids that exist (every item when None)."""
         ...
 
     def items(self) -> dict[int, Item]:
@@ -94,9 +200,3 @@ def index_kind(factory: str) -> str:
     """hnsw, ivf or flat: which search depth (efSearch, nprobe or none) a FAISS or Milvus type has."""
     upper = factory.upper()
     return "ivf" if "IVF" in upper else "hnsw" if "HNSW" in upper else "flat"  # IVF…_HNSW: a graph quantizer
-
-
-def tuned_depth(manifest: dict) -> int | None:
-    """The search depth saved in a manifest (nprobe or efSearch tuned at build time), if any."""
-    value = next(iter(manifest.get("search", {}).values()), None)
-    return None if value is None else int(value)

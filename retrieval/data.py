@@ -215,7 +215,15 @@ def read_image_bytes(path: Path) -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()
 
 
-def decode_image(data: bytes, name: str | Path = "image") -> Image.Image:
+@dataclass(frozen=True)
+class Decoded:
+    """A decoded image in RGB, and whether its file holds more frames (an animation: the first one is used)."""
+
+    image: Image.Image
+    animated: bool
+
+
+def decode(data: bytes, name: str | Path = "image") -> Decoded:
     """Decodes bytes into an RGB image: EXIF orientation applied, transparency composited over white.
 
     Raises ImageError for empty, truncated, non-image or oversized (decompression bomb) input.
@@ -224,9 +232,8 @@ def decode_image(data: bytes, name: str | Path = "image") -> Image.Image:
         raise ImageError(name, "empty file")
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter(
-                "ignore", UserWarning
-            )  # Pillow's notes on damaged metadata: the image is used or refused anyway
+            # Pillow's notes on damaged metadata: the image is used or refused anyway
+            warnings.simplefilter("ignore", UserWarning)
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
             width, height = image.size
@@ -234,9 +241,10 @@ def decode_image(data: bytes, name: str | Path = "image") -> Image.Image:
                 raise ImageError(
                     name, f"{width}x{height} pixels is over the limit of {MAX_PIXELS:,}; downscale it first"
                 )
+            animated = bool(getattr(image, "is_animated", False))
             image.load()
             image = ImageOps.exif_transpose(image)
-            return _to_rgb(image)
+            return Decoded(_to_rgb(image), animated)
     except ImageError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
@@ -245,6 +253,11 @@ def decode_image(data: bytes, name: str | Path = "image") -> Image.Image:
         raise ImageError(name, "not a readable image (not a format Pillow recognises)") from None
     except (OSError, SyntaxError, ValueError, TypeError, EOFError) as error:
         raise ImageError(name, f"not a readable image ({error})") from None
+
+
+def decode_image(data: bytes, name: str | Path = "image") -> Image.Image:
+    """Decodes bytes into an RGB image (see decode)."""
+    return decode(data, name).image
 
 
 def load_image(path: str | Path) -> Image.Image:

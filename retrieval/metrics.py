@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -103,19 +104,12 @@ class QueryScores:
         return result
 
 
-def retrieval_metrics(
-    query_embeddings: np.ndarray,
-    query_labels: Sequence[str],
-    gallery_embeddings: np.ndarray | None = None,
-    gallery_labels: Sequence[str] | None = None,
-    ks: Sequence[int] = (1, 5, 10),
-    full_ranking: bool | None = None,
-) -> dict:
+def retrieval_metrics(query_embeddings: np.ndarray, query_labels: Sequence[str], *rest: Any, **options: Any) -> dict:
     """Returns recall@k and precision@k for each k, R-precision, MAP@R, mAP, the CMC curve and query counts.
 
-    The arguments are those of score_queries; this is its summary.
+    The arguments are those of score_queries (gallery embeddings and labels, ks, ...); this is its summary.
     """
-    return score_queries(query_embeddings, query_labels, gallery_embeddings, gallery_labels, ks, full_ranking).summary()
+    return score_queries(query_embeddings, query_labels, *rest, **options).summary()
 
 
 def score_queries(
@@ -136,75 +130,99 @@ def score_queries(
     FULL_RANKING_LIMIT items and left out above, unless full_ranking=True. With a re-ranker
     (retrieval.rerank), every metric is of the re-ranked lists, as search returns them, and mAP over
     the full ranking is left out (only the shortlist is re-ranked). search replaces exact search
-    (leave-one-out only): search(query rows, depth) -> (gallery rows [Q, depth], scores), -1 where
+    (leave-one-out only): search(query rows, count) -> (gallery rows [Q, count], scores), -1 where
     a hit is no labeled gallery row, e.g. the lists of a deployed approximate index; mAP is left out.
     """
-    leave_one_out = gallery_embeddings is None
-    if leave_one_out:
-        gallery_embeddings, gallery_labels = query_embeddings, query_labels
-    assert gallery_labels is not None
     if any(k < 1 for k in ks):
         raise RetrievalError(f"k must be at least 1, got {sorted(ks)}")
-    queries = np.ascontiguousarray(query_embeddings, np.float32)
-    gallery = np.ascontiguousarray(gallery_embeddings, np.float32)
-    query_codes, gallery_codes = _encode_labels(query_labels, gallery_labels)
-    relevant, chosen = _relevant_counts(query_codes, gallery_codes, leave_one_out)
-    ks = sorted(set(ks))
-    depth = min(int(max(ks[-1], relevant.max())), len(gallery) - (1 if leave_one_out else 0))
-    shown = min(ks[-1], depth)
-    index = flat_index(gallery)
+    leave_one_out = gallery_embeddings is None
+    task = _Task(
+        np.ascontiguousarray(query_embeddings, np.float32),
+        np.ascontiguousarray(query_embeddings if leave_one_out else gallery_embeddings, np.float32),
+        *_encode_labels(query_labels, query_labels if gallery_labels is None else gallery_labels),
+        sorted(set(ks)),
+        leave_one_out,
+    )
     if full_ranking is None:
-        full_ranking = len(gallery) <= FULL_RANKING_LIMIT and not rerank.active and search is None
-    exact = _Ranking(index, gallery, depth, rerank, leave_one_out)
+        full_ranking = len(task.gallery) <= FULL_RANKING_LIMIT and not rerank.active and search is None
+    if search is None:
+        exact = _Ranking(flat_index(task.gallery), task.gallery, task.count, rerank, leave_one_out)
 
-    def ranking(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return exact(queries[rows], rows) if search is None else search(rows, depth)
+        def search(rows: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+            return exact(task.queries[rows], rows)
 
-    parts: dict[str, list[np.ndarray]] = {}
-    first_hits, neighbour_blocks, similarity_blocks = [], [], []
-    for start in range(0, len(chosen), QUERY_BLOCK):
-        block = chosen[start : start + QUERY_BLOCK]
-        neighbours, scores = ranking(block)
-        hits = (neighbours >= 0) & (gallery_codes[neighbours] == query_codes[block, None])
-        values = _block_values(hits, relevant[block], ks)
-        if full_ranking:
-            values["map"] = _full_ranking_map(
-                queries[block], gallery, query_codes[block], gallery_codes, block, leave_one_out
-            )
-        for name, value in values.items():
-            parts.setdefault(name, []).append(value)
-        first_hits.append(np.where(hits.any(axis=1), hits.argmax(axis=1), max(depth, ks[-1])))
-        neighbour_blocks.append(neighbours[:, :shown])
-        similarity_blocks.append(scores[:, :shown])
+    blocks = [task.score(chosen, search, full_ranking) for chosen in _blocks(task.chosen)]
     return QueryScores(
-        queries=chosen,
-        values={name: np.concatenate(blocks) for name, blocks in parts.items()},
-        first_hit=np.concatenate(first_hits),
-        neighbours=np.concatenate(neighbour_blocks),
-        similarities=np.concatenate(similarity_blocks),
-        skipped=int(len(query_codes) - len(chosen)),
-        max_k=ks[-1],
+        queries=task.chosen,
+        values={name: np.concatenate([block.values[name] for block in blocks]) for name in blocks[0].values},
+        first_hit=np.concatenate([block.first_hit for block in blocks]),
+        neighbours=np.concatenate([block.neighbours for block in blocks]),
+        similarities=np.concatenate([block.similarities for block in blocks]),
+        skipped=int(len(task.query_codes) - len(task.chosen)),
+        max_k=task.ks[-1],
         leave_one_out=leave_one_out,
     )
 
 
-# search(query rows, depth) -> (gallery rows [Q, depth], scores [Q, depth]), best first, -1 for no labeled row
+# search(query rows, count) -> (gallery rows [Q, count], scores [Q, count]), best first, -1 for no labeled row
 Ranking = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
 
 
-class _Ranking:
-    """Each query's `depth` nearest gallery rows by exact search, re-ranked over a shortlist when asked."""
+def _blocks(rows: np.ndarray) -> list[np.ndarray]:
+    """rows in blocks of QUERY_BLOCK, so that memory stays bounded."""
+    return [rows[start : start + QUERY_BLOCK] for start in range(0, len(rows), QUERY_BLOCK)]
 
-    def __init__(self, index: object, gallery: np.ndarray, depth: int, rerank: Rerank, leave_one_out: bool) -> None:
-        self.index, self.gallery, self.depth, self.rerank, self.leave_one_out = (
-            index,
-            gallery,
-            depth,
-            rerank,
-            leave_one_out,
-        )
+
+@dataclass
+class _Block:
+    """The per-query scores of one block of queries."""
+
+    values: dict[str, np.ndarray]
+    first_hit: np.ndarray
+    neighbours: np.ndarray
+    similarities: np.ndarray
+
+
+@dataclass
+class _Task:
+    """One evaluation: the queries and gallery with their label codes, the ks, and how many neighbours are ranked."""
+
+    queries: np.ndarray
+    gallery: np.ndarray
+    query_codes: np.ndarray
+    gallery_codes: np.ndarray
+    ks: list[int]
+    leave_one_out: bool
+
+    def __post_init__(self) -> None:
+        self.relevant, self.chosen = _relevant_counts(self.query_codes, self.gallery_codes, self.leave_one_out)
+        # every relevant item of the query with the most, and at least the largest k, as far as the gallery goes
+        last = len(self.gallery) - (1 if self.leave_one_out else 0)
+        self.count = min(int(max(self.ks[-1], self.relevant.max())), last)
+
+    def score(self, block: np.ndarray, search: Ranking, full_ranking: bool) -> _Block:
+        """The scores of the queries in rows block, ranked by search."""
+        neighbours, scores = search(block, self.count)
+        hits = (neighbours >= 0) & (self.gallery_codes[neighbours] == self.query_codes[block, None])
+        values = _block_values(hits, self.relevant[block], self.ks)
+        if full_ranking:
+            codes = self.query_codes[block]
+            values["map"] = _full_ranking_map(
+                self.queries[block], self.gallery, codes, self.gallery_codes, block, self.leave_one_out
+            )
+        shown = min(self.ks[-1], self.count)
+        first_hit = np.where(hits.any(axis=1), hits.argmax(axis=1), max(self.count, self.ks[-1]))
+        return _Block(values, first_hit, neighbours[:, :shown], scores[:, :shown])
+
+
+class _Ranking:
+    """Each query's `count` nearest gallery rows by exact search, re-ranked over a shortlist when asked."""
+
+    def __init__(self, index: object, gallery: np.ndarray, count: int, rerank: Rerank, leave_one_out: bool) -> None:
+        self.index, self.gallery, self.count = index, gallery, count
+        self.rerank, self.leave_one_out = rerank, leave_one_out
         total = len(gallery) - (1 if leave_one_out else 0)
-        self.fetched = min(max(depth, rerank.shortlist), total) if rerank.active else depth
+        self.fetched = min(max(count, rerank.shortlist), total) if rerank.active else count
 
     def __call__(self, queries: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         own = rows if self.leave_one_out else None
@@ -212,7 +230,7 @@ class _Ranking:
         if not self.rerank.active:
             return ids, scores
         ids, scores = rerank_shortlist(self.rerank, queries, ids, scores, self.vectors, self.neighbours, own)
-        return ids[:, : self.depth], scores[:, : self.depth]
+        return ids[:, : self.count], scores[:, : self.count]
 
     def vectors(self, ids: np.ndarray) -> np.ndarray:
         return self.gallery[ids]
@@ -274,10 +292,8 @@ def clustering_metrics(
     arithmetic-mean normalisation, as in scikit-learn and pytorch-metric-learning.
     kmeans(embeddings, k) -> cluster ids may replace it.
     """
-    from sklearn.metrics import (
-        adjusted_mutual_info_score,
-        normalized_mutual_info_score,
-    )  # imported here: slow to import
+    # imported here: slow to import
+    from sklearn.metrics import adjusted_mutual_info_score, normalized_mutual_info_score
 
     vectors = np.ascontiguousarray(embeddings, np.float32)
     codes = np.unique(np.asarray(labels), return_inverse=True)[1]

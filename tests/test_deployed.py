@@ -4,6 +4,7 @@ stored vectors, the gap; through `retrieval evaluate --deployed` and the app's "
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,7 @@ def approximate_index(tmp_path: Path) -> GalleryIndex:
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     items = [Item(tmp_path / f"{n}.png", label) for n, label in enumerate(labels)]
     index = GalleryIndex.create(tmp_path / "ivf", [Additions(vectors, items, [f"{n:064x}" for n in range(600)])], "0" * 64, 24, factory="IVF32,Flat")
-    index.manifest["search"] = {"nprobe": 1}
+    index.manifest = replace(index.manifest, search={"nprobe": 1})
     return index
 
 

@@ -81,7 +81,7 @@ def test_every_type_builds_searches_removes_and_reopens(tmp_path: Path, factory:
     assert sqlite_ids(reopened) == set(range(1, 6501)) - set(removed)
     hits = reopened.search(vectors[:200], 10)
     assert not {hit.id for row in hits for hit in row} & set(removed)
-    assert reopened.manifest["index_type"] == factory and reopened.manifest["search"] == manifest["search"]
+    assert reopened.manifest.index_type == factory and reopened.manifest.search == manifest["search"]
     if factory in ("Flat", "IVF32,Flat", "HNSW16"):  # these keep the vectors themselves
         ids, stored = stored_vectors(reopened.vectors)
         assert set(ids.tolist()) == sqlite_ids(reopened)
@@ -111,16 +111,16 @@ def test_compressed_codes_are_re_ranked_with_the_exact_vectors(tmp_path: Path) -
 def test_the_automatic_choice_above_the_exact_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(choice, "EXACT_LIMIT", 1000)
     index = GalleryIndex.create(tmp_path / "index", chunks(clustered()), "enc", 32, memory=10**9)
-    assert index.manifest["index_type"] == "HNSW32" and index.kind == "hnsw"
-    assert "a graph over them" in index.manifest["choice"] and "fit in 1.00 GB" in index.manifest["choice"]
-    assert index.manifest["recall@10"] >= choice.TARGET_RECALL and index.manifest["search"]["efSearch"] <= 1024
+    assert index.manifest.index_type == "HNSW32" and index.kind == "hnsw"
+    assert "a graph over them" in index.manifest.choice and "fit in 1.00 GB" in index.manifest.choice
+    assert index.manifest.recall_at_10 >= choice.TARGET_RECALL and index.manifest.search["efSearch"] <= 1024
     stats = index_stats(tmp_path / "index", sample=300)
     measured = next(value for key, value in stats.items() if key.startswith("recall@10 (now"))
     assert measured >= 0.9 and stats["count"] == 6000 and stats["type"] == "HNSW32"
     # the vectors fit (6,000 x 40 bytes x 1.2 = 0.29 MB) but not with the graph's 272 bytes each (2.25 MB)
     index = GalleryIndex.create(tmp_path / "ivf", chunks(clustered()), "enc", 32, memory=2 * 10**6)
-    assert index.manifest["index_type"] == "IVF256,Flat" and "with a graph over them they do not" in index.manifest["choice"]
-    assert index.manifest["recall@10"] >= choice.TARGET_RECALL and index.manifest["search"]["nprobe"] <= 256
+    assert index.manifest.index_type == "IVF256,Flat" and "with a graph over them they do not" in index.manifest.choice
+    assert index.manifest.recall_at_10 >= choice.TARGET_RECALL and index.manifest.search["nprobe"] <= 256
 
 
 def test_search_depth_vectors_by_id_and_mistakes(tmp_path: Path) -> None:
@@ -287,10 +287,10 @@ def test_tuning_recall_is_that_of_held_out_queries_not_of_self_matches(tmp_path:
     index = GalleryIndex.create(tmp_path / "index", chunks(gallery), "enc", 24, factory="HNSW16")
     assert len(index) == 6000 and index.vectors.ntotal == 6000  # the held-out rows are added after tuning
     assert [hits[0].id for hits in index.search(gallery[:3], 1)] == [1, 2, 3]
-    depth = index.manifest["search"]["efSearch"]
+    depth = index.manifest.search["efSearch"]
     truth = nearest_neighbours(fresh, gallery, 10)[0] + 1
     measured = recall_at_10([[hit.id for hit in row] for row in index.search(fresh, 10, depth=depth)], truth)
-    assert abs(measured - index.manifest["recall@10"]) < 0.03, (measured, index.manifest)
+    assert abs(measured - index.manifest.recall_at_10) < 0.03, (measured, index.manifest)
 
 
 def test_an_ivf_with_a_graph_quantizer_is_searched_by_nprobe() -> None:

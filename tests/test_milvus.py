@@ -28,7 +28,7 @@ def test_milvus_lite_agrees_with_faiss(demo_run: RunDir, icons_root: Path, tmp_p
     embedder = OnnxEmbedder.from_run(demo_run)
     flat = build_index(embedder, load_collection(data), tmp_path / "faiss", progress=False)
     lite = build_index(embedder, load_collection(data), tmp_path / "milvus", progress=False, milvus=MilvusOptions(str(tmp_path / "gallery.db")))
-    assert isinstance(lite.index, MilvusIndex) and lite.index.manifest["index_type"] == "FLAT"
+    assert isinstance(lite.index, MilvusIndex) and lite.index.manifest.index_type == "FLAT"
     assert lite.index.rows() == flat.index.rows() and len(lite.skipped) == len(flat.skipped) == 3
     ids = sorted(flat.index.rows())
     assert np.allclose(lite.index.vectors_of(ids), flat.index.vectors_of(ids), atol=1e-6)

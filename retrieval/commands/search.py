@@ -59,7 +59,7 @@ def search(
     else:
         result = search_item(gallery, int(item_id), query)  # type: ignore[arg-type]
     if result.error is not None:
-        raise RetrievalError(result.error)
+        raise result.error.error()  # its kind and message: one line, exit status 2
     rows = [
         {"rank": rank, "id": hit.id, "score": hit.score, "label": hit.label, "path": hit.path}
         for rank, hit in enumerate(result.hits, 1)
