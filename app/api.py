@@ -8,20 +8,19 @@
     GET  /docs                           the OpenAPI documentation
 
 The routes call the one search path (index.search) through the app's SearchService; image queries
-that arrive together are embedded in one call (`Batcher`). The app's rules hold here too: the same
-user:password (HTTP Basic), the same upload limit (413), and a bad image or label is a 422 with the
-same one-line message, never a 500.
+that arrive together, from here and from the app, are embedded in one call (app.batching). The app's
+rules hold here too: the same user:password (HTTP Basic), the same upload limit (413), the same
+re-ranking (`retrieval serve --rerank`, unless a request names its own), and a failure is the HTTP
+status of its kind (STATUS: an unknown id 404, a bad image or label 422) with the same one-line
+message, never a 500.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import queue
 import re
 import secrets
-import threading
-from concurrent.futures import Future
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
@@ -30,13 +29,27 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from app.service import SearchService
+from index.search import ImageQuery, QueryResult, search_item
 from index.search import Query as SearchQuery
-from index.search import QueryResult, search_image_bytes, search_item
-from retrieval.errors import ImageError, RetrievalError
-from retrieval.rerank import parse_rerank
+from retrieval.errors import ErrorKind, ImageError, RetrievalError
+from retrieval.rerank import Rerank, parse_rerank
 
 MAX_K = 1000
 UNITS = {"b": 1, "kb": 1024, "mb": 1024**2, "gb": 1024**3}
+STATUS = {  # the HTTP status of each kind of failure
+    ErrorKind.INVALID: 422,
+    ErrorKind.UNREADABLE_IMAGE: 422,
+    ErrorKind.UNKNOWN_LABEL: 422,
+    ErrorKind.UNKNOWN_ID: 404,
+}
+ROUTES = {  # each route's methods: any other method is a 405 (not a 404 from the app mounted beside them)
+    "/api/v1/search": {"POST"},
+    "/api/v1/items/{item_id}/neighbours": {"GET"},
+    "/api/v1/health": {"GET"},
+    "/api/v1/stats": {"GET"},
+}
+METHODS = {"GET", "POST", "PUT", "PATCH", "DELETE"}
+RERANK_HELP = "none, qe, dba or kreciprocal, with parameters; default: the server's --rerank."
 
 
 class HitOut(BaseModel):
@@ -64,53 +77,28 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * UNITS[match.group(2)])
 
 
-class Batcher:
-    """Image queries from concurrent requests, answered in batches: one embedding call for all that queued up."""
-
-    def __init__(self, service: SearchService, max_batch: int) -> None:
-        self.service, self.max_batch = service, max_batch
-        self.waiting: queue.Queue[tuple[str, bytes, SearchQuery, Future]] = queue.Queue()
-        self.worker = threading.Thread(target=self._loop, name="api-batcher", daemon=True)
-        self.worker.start()
-
-    def submit(self, name: str, data: bytes, query: SearchQuery) -> Future:
-        future: Future = Future()
-        self.waiting.put((name, data, query, future))
-        return future
-
-    def _loop(self) -> None:
-        while True:
-            batch = [self.waiting.get()]
-            while len(batch) < self.max_batch:
-                try:
-                    batch.append(self.waiting.get_nowait())
-                except queue.Empty:
-                    break
-            try:
-                snapshot = self.service.snapshot
-                images = [(name, data) for name, data, _, _ in batch]
-                found = search_image_bytes(snapshot.index, self.service.embedder, images, [q for _, _, q, _ in batch])
-                for (_, _, _, future), result in zip(batch, found):
-                    future.set_result(result)
-            except Exception as error:  # handed to each request, which words it; the worker lives on
-                for _, _, _, future in batch:
-                    future.set_exception(error)
-
-
-def build_api(service: SearchService, credentials: tuple[str, str] | None, max_upload: str, max_batch: int) -> FastAPI:
+def build_api(service: SearchService, credentials: tuple[str, str] | None, max_upload: str) -> FastAPI:
     """The FastAPI application with the JSON routes; the Gradio app is mounted on it afterwards (app.server)."""
     api = FastAPI(
         title="retrieval search API",
         version="1",
         description="Image search over the run's gallery index: the same index, model and rules as the app at /.",
     )
-    limit = parse_size(max_upload)
-    batcher = Batcher(service, max_batch)
-    allowed = _basic_auth(credentials)
+    _errors(api)
+    allowed = [Depends(_basic_auth(credentials))]
+    _search_routes(api, service, parse_size(max_upload), allowed)
+    _info_routes(api, service, allowed)
+    for path, methods in ROUTES.items():
+        api.add_api_route(path, _not_allowed(methods), methods=sorted(METHODS - methods), include_in_schema=False)
+    return api
+
+
+def _errors(api: FastAPI) -> None:
+    """Our errors and FastAPI's validation errors become one line in `detail`, with the status of their kind."""
 
     @api.exception_handler(RetrievalError)
     async def refused(request: Request, error: RetrievalError) -> JSONResponse:
-        return JSONResponse({"detail": str(error)}, status_code=422)
+        return JSONResponse({"detail": str(error)}, status_code=STATUS[error.kind])
 
     @api.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -118,41 +106,49 @@ def build_api(service: SearchService, credentials: tuple[str, str] | None, max_u
         where = ".".join(str(part) for part in first.get("loc", ())[1:]) or "request"
         return JSONResponse({"detail": f"{where}: {first.get('msg', 'invalid')}"}, status_code=422)
 
-    @api.post("/api/v1/search", response_model=SearchOut, dependencies=[Depends(allowed)])
+
+def _search_routes(api: FastAPI, service: SearchService, limit: int, allowed: list) -> None:
+    """POST /api/v1/search and GET /api/v1/items/{id}/neighbours."""
+
+    def reranked(spec: str | None) -> Rerank:
+        return service.rerank if spec is None else parse_rerank(spec)
+
+    @api.post("/api/v1/search", response_model=SearchOut, dependencies=allowed)
     async def search(
         request: Request,
         k: Annotated[int, Query(ge=1, le=MAX_K, description="Hits to return.")] = 10,
         label: Annotated[str | None, Query(description="Only gallery items with this label.")] = None,
         depth: Annotated[int | None, Query(ge=1, description="nprobe (IVF) or efSearch (HNSW).")] = None,
-        rerank: Annotated[str, Query(description="none, qe, dba or kreciprocal, with parameters.")] = "none",
+        rerank: Annotated[str | None, Query(description=RERANK_HELP)] = None,
     ) -> SearchOut:
         """The k nearest gallery items to an image: multipart field "image", or the image's bytes as the body."""
-        name, data = await _upload(request, limit)
-        query = SearchQuery(k, depth, label, parse_rerank(rerank))
-        result: QueryResult = await asyncio.wrap_future(batcher.submit(name, data, query))
+        image = await _upload(request, limit)
+        query = SearchQuery(k, depth, label, reranked(rerank))
+        result: QueryResult = await asyncio.wrap_future(service.batcher.submit(image, query))
         return _answer(result)
 
-    @api.get("/api/v1/items/{item_id}/neighbours", response_model=SearchOut, dependencies=[Depends(allowed)])
+    @api.get("/api/v1/items/{item_id}/neighbours", response_model=SearchOut, dependencies=allowed)
     def neighbours(
         item_id: int,
         k: Annotated[int, Query(ge=1, le=MAX_K)] = 10,
         label: Annotated[str | None, Query()] = None,
         depth: Annotated[int | None, Query(ge=1)] = None,
-        rerank: Annotated[str, Query()] = "none",
+        rerank: Annotated[str | None, Query(description=RERANK_HELP)] = None,
     ) -> SearchOut:
         """The k nearest gallery items to an indexed item, itself left out (404 for an unknown id)."""
-        result = search_item(service.snapshot.index, item_id, SearchQuery(k, depth, label, parse_rerank(rerank)))
-        if result.error is not None and result.error.startswith("no item with id"):
-            raise HTTPException(404, result.error)
-        return _answer(result)
+        return _answer(search_item(service.snapshot.index, item_id, SearchQuery(k, depth, label, reranked(rerank))))
 
-    @api.get("/api/v1/health", dependencies=[Depends(allowed)])
+
+def _info_routes(api: FastAPI, service: SearchService, allowed: list) -> None:
+    """GET /api/v1/health and /api/v1/stats."""
+
+    @api.get("/api/v1/health", dependencies=allowed)
     def health() -> dict:
         """ok, with the number of items and the model's fingerprint."""
         snapshot = service.snapshot
         return {"status": "ok", "items": len(snapshot.items), "encoder": service.embedder.fingerprint}
 
-    @api.get("/api/v1/stats", dependencies=[Depends(allowed)])
+    @api.get("/api/v1/stats", dependencies=allowed)
     def stats() -> dict:
         """The index (type, size, labels, tuned depth) and the model (precision, dimension, re-ranking)."""
         snapshot = service.snapshot
@@ -161,29 +157,42 @@ def build_api(service: SearchService, credentials: tuple[str, str] | None, max_u
             "items": len(snapshot.items),
             "labels": len({item.label for item in snapshot.items.values() if item.label}),
             "dim": service.embedder.dim,
-            "index_type": manifest.get("index_type", "Flat"),
-            "search": manifest.get("search", {}),
+            "index_type": manifest.index_type,
+            "search": manifest.search,
             "encoder": service.embedder.fingerprint,
             "precision": service.embedder.card.get("precision", "float32"),
             "rerank": service.rerank.describe(),
             "run": str(service.run.root),
         }
 
-    return api
+
+def _not_allowed(methods: set[str]):  # noqa: ANN202  (a FastAPI endpoint)
+    """An endpoint that answers 405, naming the methods the route takes."""
+
+    async def refuse(request: Request) -> JSONResponse:
+        allow = ", ".join(sorted(methods))
+        detail = f"{request.method} is not allowed on {request.url.path}; use {allow}"
+        return JSONResponse({"detail": detail}, status_code=405, headers={"Allow": allow})
+
+    return refuse
 
 
 def _answer(result: QueryResult) -> SearchOut:
     if result.error is not None:
-        raise HTTPException(422, result.error)
+        raise HTTPException(STATUS[result.error.kind], result.error.message)
     hits = [HitOut(id=hit.id, score=hit.score, path=hit.path, label=hit.label) for hit in result.hits]
     return SearchOut(hits=hits, took_ms=round(result.seconds * 1000, 2), notes=result.notes)
 
 
-async def _upload(request: Request, limit: int) -> tuple[str, bytes]:
+def _too_large(limit: int) -> HTTPException:
+    return HTTPException(413, f"the upload is over this server's limit of {limit:,} bytes (--max-upload)")
+
+
+async def _upload(request: Request, limit: int) -> ImageQuery:
     """The uploaded image: a multipart "image" field, or the raw body; refused over the upload limit."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit + 4096:
-        raise HTTPException(413, f"the upload is over this server's limit of {limit:,} bytes (--max-upload)")
+        raise _too_large(limit)
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
         form = await request.form()
         upload = form.get("image")
@@ -193,10 +202,10 @@ async def _upload(request: Request, limit: int) -> tuple[str, bytes]:
     else:
         name, data = "image", await request.body()
     if len(data) > limit:
-        raise HTTPException(413, f"the upload is over this server's limit of {limit:,} bytes (--max-upload)")
+        raise _too_large(limit)
     if not data:
-        raise HTTPException(422, str(ImageError(name, "empty file")))
-    return name, data
+        raise ImageError(name, "empty file")
+    return ImageQuery(name, data)
 
 
 def _basic_auth(credentials: tuple[str, str] | None):  # noqa: ANN202  (a FastAPI dependency)

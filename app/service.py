@@ -23,14 +23,15 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from app.batching import Batcher
 from index.backends import open_index
 from index.edit import add_images, remove_items
-from index.search import Query, QueryResult, search_images, search_item
+from index.search import ImageQuery, Query, QueryResult, search_image_bytes, search_images, search_item, unknown_id
 from index.stats import exact_and_deployed
 from index.types import MANIFEST, GalleryBackend, Hit
 from retrieval.data import Item, Skipped, decode_image, read_image_bytes
 from retrieval.embedders import OnnxEmbedder
-from retrieval.errors import ImageError, RetrievalError
+from retrieval.errors import Failure, ImageError, RetrievalError
 from retrieval.evaluation import Evaluation, write_plots
 from retrieval.rerank import NO_RERANK, Rerank
 from retrieval.runs import RunDir, write_atomic
@@ -42,14 +43,22 @@ MAP_POINTS = 5_000  # gallery items drawn on the embedding map (a seeded sample 
 PICK_RADIUS = 12.0  # pixels around a point of the map that a click picks it from
 
 
+MAX_BATCH = 16  # concurrent image queries embedded in one call
+
+
 @dataclass
 class SearchResult:
-    """The hits of one query and a one-line summary for people (an error message when the query failed)."""
+    """The hits of one query and a one-line summary for people (the failure's message when the query failed)."""
 
     hits: list[Hit]
     summary: str
     label: str = ""  # the query's label, when known: marks hits and misses
-    error: bool = False
+    failure: Failure | None = None
+
+    @property
+    def error(self) -> bool:
+        """Whether the query failed."""
+        return self.failure is not None
 
 
 @dataclass
@@ -91,6 +100,7 @@ class SearchService:
         cache: Path | None = None,
         rerank: Rerank = NO_RERANK,
         model: str = "float32",
+        max_batch: int = MAX_BATCH,
     ) -> None:
         self.run = run
         self.rerank = rerank  # the re-ranking of every search and of "evaluate now" (retrieval.rerank)
@@ -107,11 +117,7 @@ class SearchService:
         self._snapshot = self._load()
         self._maps: dict[tuple[tuple[int, int], str, str | None], EmbeddingMap] = {}
         self._projections: dict[tuple[tuple[int, int], str], np.ndarray] = {}  # a t-SNE is drawn, highlighted, again
-
-    @property
-    def metrics(self) -> dict | None:
-        """The metrics of the latest evaluation of the run (metrics.json), if any."""
-        return next(iter(self.metric_sets.values()), None)
+        self.batcher = Batcher(self.answer, max_batch)  # the image queries of the app and its API, batched together
 
     @property
     def cache(self) -> Path:
@@ -172,18 +178,20 @@ class SearchService:
         only = list(only) if only is not None else [None] * len(paths)
         queries = [Query(int(k), depth, label, self.rerank) for k, depth, label in zip(ks, depths, only)]
         found = search_images(self.snapshot.index, self.embedder, paths, queries)
-        return [worded(result, label, len(paths)) for result, label in zip(found, labels)]
+        return [worded(result, label) for result, label in zip(found, labels)]
+
+    def answer(self, images: Sequence[ImageQuery | Failure], queries: Sequence[Query]) -> list[QueryResult]:
+        """A batch of image queries on the current index (what the batcher calls)."""
+        return search_image_bytes(self.snapshot.index, self.embedder, images, queries)
 
     def search_item(self, item_id: int, k: int = 10, depth: int | None = None, only: str | None = None) -> SearchResult:
-        """The k nearest gallery items to an indexed item (itself left out), marked by its label."""
+        """The k nearest gallery items to an indexed item (itself left out), marked by its label; an unknown id is
+        the result's failure, as it is for index.search.search_item."""
         snapshot = self.snapshot
         item = snapshot.items.get(int(item_id))
         if item is None:
-            raise RetrievalError(
-                f"no item with id {item_id} in {self.index_dir}; ids are shown "
-                "with every result (`retrieval search`, the app's captions)"
-            )
-        result = worded(search_item(snapshot.index, int(item_id), Query(k, depth, only, self.rerank)), item.label, 1)
+            return worded(QueryResult(error=unknown_id(snapshot.index, int(item_id))), "")
+        result = worded(search_item(snapshot.index, int(item_id), Query(k, depth, only, self.rerank)), item.label)
         result.summary = f"item {item_id} ({item.path.name}): {result.summary}"
         return result
 
@@ -210,7 +218,7 @@ class SearchService:
         missing = [item_id for item_id in ids if item_id not in rows]
         if missing:
             raise RetrievalError(f"no item with id {', '.join(map(str, missing))} in {self.index_dir}")
-        return [self.thumbnail(rows[item_id][0], rows[item_id][2]) for item_id in ids]
+        return [self.thumbnail(rows[item_id].path, rows[item_id].sha256) for item_id in ids]
 
     def thumbnail(self, path: str | Path, digest: str) -> Path:
         """The thumbnail of the image at path whose content has sha256 digest (a hit's path and sha256)."""
@@ -286,7 +294,8 @@ class SearchService:
         return self._maps[key]
 
     def close(self) -> None:
-        """Removes the app's cache folder."""
+        """Stops the batcher and removes the app's cache folder."""
+        self.batcher.close()
         if self._cache is not None:
             shutil.rmtree(self._cache, ignore_errors=True)
 
@@ -310,12 +319,12 @@ def project_2d(vectors: np.ndarray, method: str = "pca") -> np.ndarray:
     return (centred @ components[:2].T).astype(np.float32)
 
 
-def worded(result: QueryResult, label: str, batch: int) -> SearchResult:
-    """A search result for people: the hits and one line (the error, or counts, time and hits of the query's label)."""
+def worded(result: QueryResult, label: str) -> SearchResult:
+    """A search result for people: its hits and one line (the failure, or the count, time and hits of the label)."""
     if result.error is not None:
-        return SearchResult([], f"⚠️ {result.error}", label, error=True)
+        return SearchResult([], f"⚠️ {result.error.message}", label, result.error)
     summary = f"{len(result.hits)} results in {result.seconds * 1000:.0f} ms" + (
-        f" (a batch of {batch} queries)" if batch > 1 else ""
+        f" (a batch of {result.batch} queries)" if result.batch > 1 else ""
     )
     if label:
         first = next((str(rank) for rank, hit in enumerate(result.hits, 1) if hit.label == label), "none")

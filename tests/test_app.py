@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.server import launch, loopback, metrics_rows, parse_auth, parse_ids
+from app.handlers import metrics_rows, parse_ids
+from app.server import launch, loopback, parse_auth
 from app.service import SearchService, project_2d
 from index.build import build_index
 from index.disk import writer_lock
@@ -352,7 +353,7 @@ def test_service_threads_are_thread_safe_for_readers(service: SearchService) -> 
 
 
 def test_freed_memory_is_handed_back_periodically(monkeypatch: pytest.MonkeyPatch) -> None:
-    import app.server as server
+    import app.memory as memory
 
     calls: list[int] = []
     three, never = threading.Event(), threading.Event()
@@ -365,23 +366,23 @@ def test_freed_memory_is_handed_back_periodically(monkeypatch: pytest.MonkeyPatc
                 never.wait()  # parks the test's thread for good
             return 1
 
-    monkeypatch.setattr(server, "_trimmer", None)
-    monkeypatch.setattr(server.ctypes, "CDLL", lambda name: FakeLibc())
-    thread = server.release_memory_periodically(0.01)
-    assert thread is not None and thread.daemon and server.release_memory_periodically(0.01) is thread  # one per process
+    memory._trimming.cache_clear()
+    monkeypatch.setattr(memory.ctypes, "CDLL", lambda name: FakeLibc())
+    thread = memory.release_memory_periodically(0.01)
+    assert thread is not None and thread.daemon and memory.release_memory_periodically(0.01) is thread  # one per process
     assert three.wait(5)
     assert calls == [0, 0, 0]
 
 
 def test_the_memory_release_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    import app.server as server
+    import app.memory as memory
 
-    monkeypatch.setattr(server, "_trimmer", None)
+    memory._trimming.cache_clear()
     monkeypatch.setenv("RETRIEVAL_TRIM_SECONDS", "0")
-    assert server.release_memory_periodically() is None
+    assert memory.release_memory_periodically() is None
     monkeypatch.setenv("RETRIEVAL_TRIM_SECONDS", "often")
     with pytest.raises(RetrievalError, match="RETRIEVAL_TRIM_SECONDS='often'"):
-        server.release_memory_periodically()
+        memory.release_memory_periodically()
 
 
 def test_a_stopped_server_leaves_no_cache_folder(app_run: RunDir, tmp_path: Path) -> None:

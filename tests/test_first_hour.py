@@ -226,7 +226,7 @@ def test_serve_says_where_the_app_is_without_gradios_launch_advice(demo_run: Run
 def test_each_evaluated_set_keeps_its_metrics_and_the_app_shows_them_all(demo_run: RunDir, small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import shutil
 
-    from app.server import Handlers
+    from app.handlers import Handlers
     from retrieval.commands import main
     from retrieval.runs import read_json
 
@@ -241,7 +241,7 @@ def test_each_evaluated_set_keeps_its_metrics_and_the_app_shows_them_all(demo_ru
     assert read_json(run.metrics) == sets["images"]  # metrics.json: the latest
     service = SearchService(run)
     try:
-        assert list(service.metric_sets)[0] == "images" and service.metrics == sets["images"]
+        assert list(service.metric_sets)[0] == "images" and next(iter(service.metric_sets.values())) == sets["images"]
         rows, source = Handlers(service).metric_set("demo-test")
         assert ["num_queries", str(sets["demo-test"]["num_queries"])] in rows and str(test_set) in source
     finally:
@@ -249,7 +249,8 @@ def test_each_evaluated_set_keeps_its_metrics_and_the_app_shows_them_all(demo_ru
 
 
 def test_the_depth_field_says_what_zero_means(demo_run: RunDir) -> None:
-    from app.server import BoundedNumber, build_app
+    from app.components import BoundedNumber
+    from app.tabs import build_app
 
     service = SearchService(demo_run)
     try:

@@ -1,0 +1,84 @@
+"""Gradio components of the app, adjusted so that a bad request ends in one line of the log, not a traceback.
+
+Gradio writes a type stub next to a module that defines component subclasses (app/*.pyi, ignored by git).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import gradio as gr
+
+log = logging.getLogger("retrieval.app")
+
+
+def refused(message: str) -> gr.Error:
+    """The error a refused request gets: its message to the user, and one line (not a traceback) in the server's log."""
+    log.warning("refused a request: %s", message)
+    return gr.Error(message, print_exception=False)
+
+
+class QueryImage(gr.Image):
+    """gr.Image that hands over the uploaded file untouched instead of opening it with Pillow first.
+
+    The search decodes it with retrieval.data.decode (size limits, 16-bit, CMYK, animation), so a bad
+    upload ends in that readable message for its own query only; Gradio's own check would raise and
+    fail the request with a traceback in the log.
+    """
+
+    is_template = True  # drawn by the frontend's Image component
+
+    def preprocess(self, payload: object) -> str | None:
+        if payload is None or getattr(payload, "path", None) is None:
+            return super().preprocess(payload)  # type: ignore[arg-type]  # None, or a base64 data URL
+        return str(payload.path)  # type: ignore[attr-defined]
+
+
+# Two classes, not one mixin: Gradio finds the frontend of a template component through its first base class.
+class BoundedSlider(gr.Slider):
+    """gr.Slider whose out-of-range values (an API call with k=0) are refused in one log line, not a traceback."""
+
+    is_template = True  # drawn by the frontend's Slider component
+
+    def preprocess(self, payload: float) -> float:
+        return quietly(super().preprocess, payload)
+
+
+class BoundedNumber(gr.Number):
+    """gr.Number whose out-of-range values are refused in one log line, not a traceback."""
+
+    is_template = True  # drawn by the frontend's Number component
+
+    def preprocess(self, payload: float | None) -> float | int | None:
+        return quietly(super().preprocess, payload)
+
+
+def quietly(preprocess: Callable[[Any], Any], payload: Any) -> Any:
+    """A component's preprocessing, with its range error refused in one log line."""
+    try:
+        return preprocess(payload)
+    except gr.Error as error:
+        raise refused(error.message) from None
+
+
+class PageData(gr.JSON):
+    """Data kept in the page beside a gallery (what each tile shows), handed back to the events that read it, and
+    left out of the API (gradio_client's results are those of the visible outputs)."""
+
+    is_template = True  # drawn (when visible) by the frontend's JSON component
+
+    @property
+    def skip_api(self) -> bool:
+        return True
+
+
+class PageHTML(gr.HTML):
+    """HTML for the page script only (data attributes it reads), left out of the API."""
+
+    is_template = True  # drawn by the frontend's HTML component
+
+    @property
+    def skip_api(self) -> bool:
+        return True

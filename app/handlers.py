@@ -1,0 +1,290 @@
+"""The app's event handlers over one search service, and how they show what it returns.
+
+Each gallery of the app comes with the list of what its tiles show (`Shown`, in gallery order) as
+data beside it (an app.components.PageData, kept in the page: unlike a gr.State it can be an output
+of the batched search, whose requests come from several sessions at once): a click on a tile picks
+the item at the tile's position (SelectData.index), and the page script marks hits and misses and
+names each tile's file from the same data (`marks`); captions are only a rendering of it.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import shutil
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import gradio as gr
+
+from app.components import refused
+from app.service import SearchResult, SearchService, worded
+from index.search import ImageQuery, Query, QueryResult
+from index.types import Hit
+from retrieval.data import read_image_bytes
+from retrieval.errors import Failure, ImageError, RetrievalError
+
+NO_QUERY = "Upload or paste an image, or click one in a gallery."
+MISSED_POINT = "No gallery item there: click on a point of the map."
+
+
+@dataclass(frozen=True)
+class Shown:
+    """One tile of a gallery: the indexed item it shows, how the page marks it, and what hovering it says."""
+
+    id: int
+    mark: str = ""  # "hit" or "miss" when the query's label is known, else ""
+    title: str = ""
+
+
+Tiles = list[tuple[str, str]]  # a gallery's value: (thumbnail file, caption) per tile
+
+
+def hit_mark(hit: Hit, label: str) -> str:
+    """hit, miss, or "" when the query's label is not known."""
+    return "" if not label else "hit" if hit.label == label else "miss"
+
+
+def caption(rank: int, hit: Hit, mark: str) -> str:
+    """A result's caption: its mark, rank, similarity, label, file and id."""
+    prefix = {"hit": "HIT · ", "miss": "miss · "}.get(mark, "")
+    return f"{prefix}#{rank} · {hit.score:.3f} · {hit.label} · {Path(hit.path).name} · id {hit.id}"
+
+
+def result_tiles(service: SearchService, result: SearchResult) -> tuple[Tiles, list[Shown]]:
+    """The results as gallery tiles, and what each shows, in the same order."""
+    shown = [Shown(hit.id, hit_mark(hit, result.label), f"{Path(hit.path).name} · id {hit.id}") for hit in result.hits]
+    tiles = [
+        (str(service.thumbnail(hit.path, hit.sha256)), caption(rank, hit, tile.mark))
+        for rank, (hit, tile) in enumerate(zip(result.hits, shown), 1)
+    ]
+    return tiles, shown
+
+
+def item_tiles(service: SearchService, ids: list[int]) -> tuple[Tiles, list[Shown]]:
+    """Indexed items as gallery tiles (label, file name, id), and what each shows."""
+    items = service.items
+    tiles = [
+        (str(thumbnail), f"{items[i].label} · {items[i].path.name} · id {i}")
+        for i, thumbnail in zip(ids, service.thumbnails(ids))
+    ]
+    return tiles, [Shown(i, "", f"{items[i].path.name} · id {i}") for i in ids]
+
+
+def as_data(shown: list[Shown]) -> list[dict]:
+    """What the tiles show, as the page keeps it (JSON)."""
+    return [asdict(tile) for tile in shown]
+
+
+def shown_at(data: list[dict], position: int) -> Shown:
+    """The tile at a gallery position, from the data kept beside the gallery."""
+    return Shown(**data[position])
+
+
+def marks(shown: list[Shown]) -> str:
+    """The data the page script marks the result tiles with (hit or miss, hover text), in gallery order."""
+    data = html.escape(json.dumps(as_data(shown)), quote=True)
+    return f'<div id="result-data" data-tiles="{data}" style="display:none"></div>'
+
+
+def metrics_rows(metrics: dict | None) -> list[list[str]]:
+    """Returns a metrics dict (metrics.json) as rows of (metric, value) for a table."""
+    if not metrics:
+        return [["(no metrics yet)", "run `retrieval evaluate RUN IMAGES`, or press Evaluate"]]
+    return [
+        [key, f"{value:.4f}" if isinstance(value, float) else str(value)]
+        for key, value in metrics.items()
+        if not isinstance(value, (dict, list))
+    ]
+
+
+def run_plots(service: SearchService) -> list[tuple[str, str]]:
+    """The run's plots (training curves, evaluation plots), copied into the app's cache: the only folder it serves."""
+    sources = (
+        [service.run.loss_plot, *sorted(service.run.plots.glob("*.png"))]
+        if service.run.plots.is_dir()
+        else [service.run.loss_plot]
+    )
+    shown = []
+    for source in sources:
+        if source.is_file():
+            target = service.cache / "run-plots" / source.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, target)
+            shown.append((str(target), source.stem.replace("_", " ")))
+    return shown
+
+
+def parse_ids(text: str) -> list[int]:
+    """Item ids from text such as "3, 7 12"."""
+    words = re.split(r"[\s,;]+", str(text).strip())
+    if not words or not all(word.isdigit() for word in words):
+        raise RetrievalError(
+            f"{text!r}: give item ids as numbers separated by commas or spaces (ids are shown in the captions)"
+        )
+    return [int(word) for word in words]
+
+
+# what a search shows: the result tiles, the summary, what each tile shows (data) and its marks for the page script
+Searched = tuple[Tiles, str, list[dict], str]
+Picked = tuple[str, str, gr.Tabs, Tiles, str, list[dict], str]  # a pick: the query, its label, the tab, its search
+
+
+class Handlers:
+    """The app's event handlers over one search service: each formats what the service (and index/ beneath it) returns.
+
+    Bound methods, so that Gradio reads their parameters (and SelectData, Progress) from their signatures.
+    """
+
+    def __init__(self, service: SearchService) -> None:
+        self.service = service
+
+    def search_batch(
+        self,
+        image: list[str | None],
+        k: list[float],
+        label: list[str | None],
+        depth: list[float | None],
+        only: list[bool],
+    ) -> tuple[list, list, list, list]:
+        """Batched: Gradio hands over the requests that queued up together, one list per input (the API's names); their
+        queries go to the batcher together (with the API's that arrive meanwhile)."""
+        pending = [
+            self._submit(path, self._query(n, d, (name or None) if alone else None)) if path else None
+            for path, n, name, d, alone in zip(image, k, label, depth, only)
+        ]
+        answers = [
+            self._shown(future.result(), name or "") if future else ([], NO_QUERY, [], marks([]))
+            for future, name in zip(pending, label)
+        ]
+        return tuple([answer[part] for answer in answers] for part in range(4))  # type: ignore[return-value]
+
+    def search(self, image: str | None, k: float, label: str | None, depth: float | None, only: bool) -> Searched:
+        """One image query, as the batched event answers it."""
+        galleries, summaries, data, shown = self.search_batch([image], [k], [label], [depth], [only])
+        return galleries[0], summaries[0], data[0], shown[0]
+
+    def _query(self, k: float, depth: float | None, only: str | None = None) -> Query:
+        """A query as the app's fields give it (k, depth 0: the tuned one), re-ranked as the server was started."""
+        return Query(int(k or 10), int(depth) if depth else None, only, self.service.rerank)
+
+    def _submit(self, path: str, query: Query) -> Future:
+        try:
+            data, digest = read_image_bytes(Path(path))
+            image: ImageQuery | Failure = ImageQuery(Path(path).name, data, digest)
+        except ImageError as error:
+            image = Failure.of(error)
+        return self.service.batcher.submit(image, query)
+
+    def _shown(self, result: QueryResult, label: str) -> Searched:
+        worded_result = worded(result, label)
+        tiles, shown = result_tiles(self.service, worded_result)
+        return tiles, worded_result.summary, as_data(shown), marks(shown)
+
+    def search_id(self, item_id: float, k: float, depth: float | None) -> Searched:
+        result = self.service.search_item(int(item_id), int(k), int(depth) if depth else None)
+        if result.failure is not None:
+            raise refused(result.failure.message)
+        tiles, shown = result_tiles(self.service, result)
+        return tiles, result.summary, as_data(shown), marks(shown)
+
+    def choose(self, item_id: int) -> tuple[str, str]:
+        """The item's file (a copy in the cache: same bytes, so the search leaves it out) and its label."""
+        item = self.service.items[item_id]
+        target = self.service.cache / "queries" / f"{item_id}{item.path.suffix.lower()}"
+        if not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                shutil.copyfile(item.path, target)
+            except OSError as error:
+                raise refused(f"{item.path}: cannot be read ({error.strerror or error})") from None
+        return str(target), item.label
+
+    def pick(self, data: list[dict], k: float, depth: float | None, only: bool, event: gr.SelectData) -> Picked:
+        """A tile clicked: its item becomes the query (with its label) and is searched with."""
+        return self._picked(shown_at(data, int(event.index)).id, k, depth, only)
+
+    def pick_on_map(
+        self, projection: str, highlight: str | None, k: float, depth: float | None, only: bool, event: gr.SelectData
+    ) -> Picked:
+        """A point of the map clicked: its item is searched with; a click between points only says so."""
+        x, y = event.index
+        item_id = self.service.embedding_map(projection, highlight or None).pick(float(x), float(y))
+        if item_id is None:
+            gr.Info(MISSED_POINT)
+            return tuple(gr.skip() for _ in range(7))  # type: ignore[return-value]  # nothing changes anywhere
+        return self._picked(item_id, k, depth, only)
+
+    def _picked(self, item_id: int, k: float, depth: float | None, only: bool) -> Picked:
+        path, label = self.choose(item_id)
+        future = self._submit(path, self._query(k, depth, label if only and label else None))
+        tiles, summary, data, page = self._shown(future.result(), label)
+        return path, label, gr.Tabs(selected="search"), tiles, summary, data, page
+
+    def label_table(self) -> list[list]:
+        return [[label or "(unlabeled)", count] for label, count in self.service.label_counts()]
+
+    def browse(self, label: str | None) -> tuple[Tiles, list[dict]]:
+        tiles, shown = item_tiles(self.service, self.service.browse(label or None))
+        return tiles, as_data(shown)
+
+    def evaluate(self, progress: gr.Progress = gr.Progress()) -> tuple[list[list[str]], list[tuple[str, str]]]:
+        try:
+            evaluation, plots = self.service.evaluate_now(lambda fraction, text: progress(fraction, desc=text))
+        except RetrievalError as error:
+            raise refused(str(error)) from None
+        return metrics_rows(evaluation.metrics), [(str(path), path.stem.replace("_", " ")) for path in plots]
+
+    def metric_set(self, name: str) -> tuple[list[list[str]], str]:
+        """One evaluated set's metrics as table rows, and where they come from."""
+        return metrics_rows(self.service.metric_sets.get(name)), self.metric_source(name)
+
+    def metric_source(self, name: str) -> str:
+        """A line saying what a set of metrics was measured on: protocol, images, query count."""
+        metrics = self.service.metric_sets.get(name)
+        if not metrics:
+            return "No evaluation yet: run `retrieval evaluate RUN IMAGES`, or evaluate the index below."
+        where = metrics.get("images") or f"{metrics.get('queries', '')} against {metrics.get('gallery', '')}"
+        return f"**{name}**: {metrics.get('protocol', '')} over `{where}`, {metrics.get('num_queries', '?')} queries"
+
+    def embedding_map(self, projection: str) -> str:
+        return str(self.service.embedding_map(projection).image)
+
+    def map_view(self, projection: str, highlight: str | None) -> tuple[str, str]:
+        """The map with its label highlighted, and each point's pixel, label and file for the pointer's tooltip."""
+        shown = self.service.embedding_map(projection, highlight or None)
+        items = self.service.items
+        points = [
+            [round(float(x), 1), round(float(y), 1), f"{items[int(i)].label} · {items[int(i)].path.name} · id {int(i)}"]
+            for i, (x, y) in zip(shown.ids, shown.pixels)
+            if int(i) in items
+        ]
+        data = html.escape(json.dumps(points), quote=True)
+        return str(shown.image), f'<div id="map-points" data-points="{data}" style="display:none"></div>'
+
+    def label_of_row(self, event: gr.SelectData) -> str:
+        """The label of the row clicked in the labels table (the Browse tab then shows its items)."""
+        row = event.index[0] if isinstance(event.index, (list, tuple)) else event.index
+        label = self.label_table()[int(row)][0]
+        return "" if label == "(unlabeled)" else label
+
+    def add(self, files: list[str] | None, label: str | None) -> tuple[str, list[list]]:
+        if not files:
+            raise refused("choose one or more image files to add")
+        try:
+            ids, skipped = self.service.add_images(files, label or "")
+        except RetrievalError as error:
+            raise refused(str(error)) from None
+        message = f"added {len(ids)} image(s)" + (f" (ids {ids[0]}–{ids[-1]})" if ids else "")
+        if skipped:
+            message += "; left out: " + "; ".join(f"{s.path.name}: {s.reason}" for s in skipped)
+        return message, self.label_table()
+
+    def remove(self, ids: str) -> tuple[str, list[list]]:
+        try:
+            removed = self.service.remove_items(parse_ids(ids))
+        except RetrievalError as error:
+            raise refused(str(error)) from None
+        return f"removed {removed} item(s)", self.label_table()

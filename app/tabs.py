@@ -1,0 +1,246 @@
+"""The Gradio interface over a SearchService: one builder per tab, wired to app.handlers.
+
+API (gradio_client, endpoint names and parameter names are stable):
+  /search         (image, k, label, depth, only) -> (results, summary)   batched: concurrent queries share one
+                  embedding call (app.batching); label marks hits, only=True keeps items of that label alone
+  /search_id      (item_id, k, depth)  -> (results, summary)
+  /labels         ()                   -> table of label, count
+  /browse         (label)              -> gallery of that label's items
+  /evaluate       ()                   -> (metrics table, plots)
+  /embedding_map  (projection)         -> map image
+  /add            (files, label)       -> message   (only with --allow-write)
+  /remove         (ids)                -> message   (only with --allow-write)
+Results are a gallery of (image, caption); a caption reads "HIT · #1 · 0.912 · label · file · id 42". Each gallery
+has the items it shows beside it, in gallery order (app.handlers.Shown in an app.components.PageData, not part of the
+API), which clicks read.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import gradio as gr
+
+from app.components import BoundedNumber, BoundedSlider, PageData, PageHTML, QueryImage
+from app.handlers import Handlers, as_data, item_tiles, metrics_rows, run_plots
+from app.service import BROWSE_LIMIT, SearchService
+from index.types import Manifest
+
+# Clicks on tiles that search run side by side, each waiting on the batcher (their queries share its next embedding
+# call); the search button's requests come in Gradio's batches instead. Few: every thread that decodes and makes
+# thumbnails keeps memory of its own (16 such threads grew the server by 28 MiB in 20 s of mixed uploads where 4 grew
+# by 10; bench/app_load.py --mixed).
+PICKS = 4
+
+
+@dataclass
+class SearchTab:
+    """The Search tab's components, which the other tabs send their picks to."""
+
+    query: gr.Image
+    query_label: gr.Dropdown
+    only_label: gr.Checkbox
+    k: gr.Slider
+    depth: gr.Number
+    results: gr.Gallery
+    summary: gr.Markdown
+    shown: PageData  # what the result tiles show, in gallery order
+    marks: PageHTML  # their hit/miss marks and hover texts, for the page script
+    picker: gr.Gallery  # one image per label
+    picker_shown: PageData
+
+    @property
+    def inputs(self) -> list:
+        return [self.query, self.k, self.query_label, self.depth, self.only_label]
+
+    @property
+    def outputs(self) -> list:
+        return [self.results, self.summary, self.shown, self.marks]
+
+
+def build_app(service: SearchService, style: dict | None = None) -> gr.Blocks:
+    """The Gradio interface over a search service (style: css/head for Gradio versions that take them here)."""
+    labels = sorted(label for label, _ in service.label_counts() if label)
+    on = Handlers(service)
+    searching = {  # queued searches answered together (and embedded with the API's queries that arrive meanwhile)
+        "batch": True,
+        "max_batch_size": service.batcher.max_batch,
+        "concurrency_limit": max(1, (os.cpu_count() or 1) // service.threads),
+        "concurrency_id": "search",
+    }
+    picking = {"concurrency_limit": PICKS, "concurrency_id": "pick"}
+    with gr.Blocks(title="retrieval · image search", **(style or {})) as demo:
+        gr.Markdown(
+            f"# Image search\nRun `{service.run.root}` · {len(service.index):,} gallery images · {len(labels)} labels"
+            f" · {service.index.manifest.index_type} index" + ("" if service.allow_write else " · read-only")
+        )
+        with gr.Tabs() as tabs:
+            with gr.Tab("Search", id="search"):
+                tab = search_tab(on, labels, searching)
+            with gr.Tab("Browse", id="browse"):
+                browsed, browsed_shown = browse_tab(on, labels)
+            with gr.Tab("Metrics", id="metrics"):
+                metrics_tab(on)
+            with gr.Tab("Embedding map", id="map"):
+                map_image, shown_map = map_tab(on, labels)
+        picked = [tab.query, tab.query_label, tabs, *tab.outputs]
+        settings = [tab.k, tab.depth, tab.only_label]
+        for gallery, shown in ((tab.results, tab.shown), (tab.picker, tab.picker_shown), (browsed, browsed_shown)):
+            gallery.select(on.pick, [shown, *settings], picked, api_name=False, **picking)
+        map_image.select(on.pick_on_map, [*shown_map, *settings], picked, api_name=False, **picking)
+    return demo
+
+
+def search_tab(on: Handlers, labels: list[str], searching: dict) -> SearchTab:
+    """The query (image, label, k, depth), the results, and one image per label to start from."""
+    service = on.service
+    with gr.Row():
+        with gr.Column(scale=1):
+            query, query_label, only_label, k, depth = query_fields(labels, service.index.manifest)
+            button = gr.Button("Search", variant="primary", elem_id="search")
+        with gr.Column(scale=2):
+            summary = gr.Markdown(elem_id="summary")
+            results = gr.Gallery(
+                label="Nearest neighbours (click one to search with it)",
+                columns=5,
+                height=480,
+                object_fit="contain",
+                allow_preview=False,
+                elem_id="results",
+            )
+            tile_marks = PageHTML(elem_id="result-marks")
+    tiles, shown = item_tiles(service, service.samples())
+    picker = gr.Gallery(
+        value=tiles,
+        label="One image per label (click to search with it)",
+        elem_id="picker",
+        columns=10,
+        height=300,
+        allow_preview=False,
+    )
+    shown_results, shown_picker = PageData([], visible=False), PageData(as_data(shown), visible=False)
+    tab = SearchTab(
+        query, query_label, only_label, k, depth, results, summary, shown_results, tile_marks, picker, shown_picker
+    )
+    button.click(on.search_batch, tab.inputs, tab.outputs, api_name="search", **searching)
+    item_id = gr.Number(visible=False, precision=0)
+    gr.Button(visible=False).click(on.search_id, [item_id, k, depth], tab.outputs, api_name="search_id")
+    return tab
+
+
+def query_fields(
+    labels: list[str], manifest: Manifest
+) -> tuple[gr.Image, gr.Dropdown, gr.Checkbox, gr.Slider, gr.Number]:
+    """The fields of a query: its image, its label (marks hits), only that label, k, and the search depth."""
+    depth_name = manifest.depth_name or "depth"
+    tuned = f"0: the tuned {manifest.depth}" if manifest.depth is not None else "0: as tuned when the index was built"
+    query = QueryImage(
+        label="Query image",
+        type="filepath",
+        sources=["upload", "clipboard"],
+        image_mode=None,
+        height=256,
+        elem_id="query",
+    )
+    query_label = gr.Dropdown(
+        labels, value="", label="Query label (optional: marks hits and misses)", allow_custom_value=True
+    )
+    only_label = gr.Checkbox(False, label="Only gallery items with the query label")
+    k = BoundedSlider(1, 50, value=10, step=1, label="k")
+    depth = BoundedNumber(
+        value=0, precision=0, minimum=0, label=f"{depth_name} ({tuned})", visible=manifest.kind != "flat"
+    )
+    return query, query_label, only_label, k, depth
+
+
+def browse_tab(on: Handlers, labels: list[str]) -> tuple[gr.Gallery, PageData]:
+    """Labels with their counts, one label's items, add and remove (--allow-write); returns the gallery and the items
+    it shows."""
+    service = on.service
+    with gr.Row():
+        with gr.Column(scale=1):
+            counts = gr.Dataframe(
+                on.label_table(),
+                headers=["label", "items"],
+                interactive=False,
+                label="Labels (click one to browse it)",
+                column_widths=["75%", "25%"],
+                elem_id="labels",
+            )
+        with gr.Column(scale=2):
+            first = next((label for label, _ in service.label_counts() if label), None)  # the table's first row
+            browse_label = gr.Dropdown(
+                labels, value=first, label=f"Label (up to {BROWSE_LIMIT} shown; click an image to search with it)"
+            )
+            tiles, shown = on.browse(first) if first else ([], [])
+            browsed = gr.Gallery(tiles, label="Items", columns=8, height=420, allow_preview=False, elem_id="browsed")
+            browsed_shown = PageData(shown, visible=False)
+    with gr.Group(visible=service.allow_write):
+        gr.Markdown("### Add and remove (started with `--allow-write`)")
+        with gr.Row():
+            uploads = gr.File(file_count="multiple", file_types=["image"], label="Images to add")
+            with gr.Column():
+                new_label = gr.Textbox(label="Their label")
+                add_button = gr.Button("Add to the index")
+                remove_ids = gr.Textbox(label="Ids to remove (from the captions)", placeholder="3, 7, 12")
+                remove_button = gr.Button("Remove from the index", variant="stop")
+        write_message = gr.Markdown()
+    gr.Button(visible=False).click(on.label_table, None, counts, api_name="labels")
+    browse_label.change(on.browse, browse_label, [browsed, browsed_shown], api_name="browse")
+    counts.select(on.label_of_row, None, browse_label, api_name=False)
+    if service.allow_write:
+        add_button.click(on.add, [uploads, new_label], [write_message, counts], api_name="add", concurrency_limit=1)
+        remove_button.click(on.remove, remove_ids, [write_message, counts], api_name="remove", concurrency_limit=1)
+    return browsed, browsed_shown
+
+
+def metrics_tab(on: Handlers) -> None:
+    """The metrics of each set the run was evaluated on (one to choose), its plots, and the index evaluated now."""
+    service = on.service
+    names = list(service.metric_sets) or ["(none)"]
+    with gr.Row():
+        with gr.Column():
+            chosen = gr.Dropdown(
+                names, value=names[0], label="Evaluated set (`retrieval evaluate RUN IMAGES` adds one)"
+            )
+            source = gr.Markdown(on.metric_source(names[0]))
+            table = gr.Dataframe(
+                metrics_rows(service.metric_sets.get(names[0])), headers=["metric", "value"], interactive=False
+            )
+        gr.Gallery(
+            value=run_plots(service),
+            label="Plots of the run (its latest evaluation)",
+            columns=2,
+            height="auto",
+            object_fit="contain",
+            elem_id="run-plots",
+        )
+    chosen.change(on.metric_set, chosen, [table, source], api_name=False)
+    evaluate_button = gr.Button("Evaluate the index's labeled items now (leave-one-out)")
+    with gr.Row():
+        evaluated = gr.Dataframe(headers=["metric", "value"], interactive=False, label="Evaluation of the index")
+        evaluated_plots = gr.Gallery(label="Its plots", columns=2, height="auto", object_fit="contain")
+    evaluate_button.click(on.evaluate, None, [evaluated, evaluated_plots], api_name="evaluate", concurrency_limit=1)
+
+
+def map_tab(on: Handlers, labels: list[str]) -> tuple[gr.Image, list]:
+    """The gallery's embeddings in 2-D, the label and file under the pointer, one label to highlight; returns the
+    map (a click on it searches) and the inputs that say which map is shown."""
+    with gr.Row():
+        projection = gr.Radio(["pca", "tsne"], value="pca", label="Projection")
+        highlight = gr.Dropdown(
+            labels, value=None, label="Highlight a label (type to find it)", allow_custom_value=False
+        )
+    draw = gr.Button("Draw the map")
+    map_image = gr.Image(
+        label="Gallery embeddings (point at a dot to see its label and file; click it to search with it)",
+        interactive=False,
+        type="filepath",
+        elem_id="map",
+    )
+    points = gr.HTML(elem_id="map-points-holder")
+    drawn = draw.click(on.embedding_map, projection, map_image, api_name="embedding_map", concurrency_limit=1)
+    drawn.then(on.map_view, [projection, highlight], [map_image, points], api_name=False, concurrency_limit=1)
+    highlight.change(on.map_view, [projection, highlight], [map_image, points], api_name=False, concurrency_limit=1)
+    return map_image, [projection, highlight]
