@@ -115,3 +115,23 @@ def test_validation_on_held_out_classes_picks_the_best_epoch(icons_root: Path, t
 
 def test_too_few_validation_classes_is_an_error(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     expect_error(["train", str(small_folder), "--run", str(tmp_path / "r"), "--val-classes", "0.1"], capsys, "--val-classes 0.1", "fewer than two of the 4 classes")
+
+
+def test_every_training_option_is_a_config_field_stated_once() -> None:
+    """`retrieval train` states each option once (commands.train.OPTIONS), for every TrainConfig field but data:
+    a new field needs an option, and nothing else becomes a config key."""
+    import typing
+    from dataclasses import fields
+
+    from retrieval.commands.train import OPTIONS, train
+    from training.config import TrainConfig
+
+    names = [option.name for option in OPTIONS]
+    assert len(names) == len(set(names)) and set(names) == {field.name for field in fields(TrainConfig)} - {"data"}
+    hints = typing.get_type_hints(TrainConfig)
+    for option in OPTIONS:
+        assert option.type in (hints[option.name], *typing.get_args(hints[option.name])), option.name
+    import inspect
+
+    parameters = inspect.signature(train).parameters
+    assert list(parameters)[:4] == ["data", "run", "resume", "overwrite"] and set(names) <= set(parameters)

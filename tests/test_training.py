@@ -158,7 +158,7 @@ def test_trainer_state_from_another_process_count_or_damaged_is_refused(small_fo
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     with pytest.raises(RetrievalError, match="saved by 1 training processes; resume it with as many, not 2"):
         TrainerState(run.trainer_state, model, optimizer, schedule, scaler, None, Ranks(0, 2, 0)).load()
-    assert TrainerState(run.trainer_state, model, optimizer, schedule, scaler, None, Ranks()).load()["epoch"] == 1
+    assert TrainerState(run.trainer_state, model, optimizer, schedule, scaler, None, Ranks()).load().epoch == 1
     run.trainer_state.write_bytes(run.trainer_state.read_bytes()[:5000])
     with pytest.raises(RetrievalError, match=r"trainer\.safetensors: .*damaged"):
         TrainerState(run.trainer_state, model, optimizer, schedule, scaler, None, Ranks()).load()

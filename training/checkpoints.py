@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -19,8 +20,8 @@ from torch import nn
 
 from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir, read_json, write_atomic
-from training import distributed
 from training.config import TrainConfig
+from training.distributed import Ranks, gather_objects
 from training.memory import MemoryQueue
 from training.model import Encoder
 
@@ -82,6 +83,31 @@ def save_checkpoint(path: Path, model: torch.nn.Module, metadata: dict[str, str]
     write_atomic(path, sealed_safetensors(_weights(model), metadata))
 
 
+@dataclass
+class Progress:
+    """Where a run stands: what the trainer state records after each save, and a resumed run continues from."""
+
+    epoch: int = 0  # epochs finished
+    batch: int = 0  # batches of the current epoch done
+    step: int = 0  # optimisation steps in all
+    losses: list[float] = field(default_factory=list)  # the current epoch's batch losses so far
+    best_map: float = -1.0  # the best validation MAP@R (-1: none yet)
+    stale_epochs: int = 0  # epochs since it last improved
+
+    def to_dict(self) -> dict:
+        """The record as JSON values (the trainer state's metadata, and what process 0 broadcasts)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> Progress:
+        """The record that to_dict wrote, refusing keys it does not know."""
+        unknown = set(values) - {f.name for f in fields(cls)}
+        if unknown:
+            raise RetrievalError(f"a progress record with unknown keys {sorted(unknown)}: written by another version")
+        return cls(**values)
+
+
+@dataclass
 class TrainerState:
     """Everything a resumed run needs, in one safetensors file written atomically by process 0.
 
@@ -90,31 +116,18 @@ class TrainerState:
     progress record, the optimizer's parameter groups and the schedule's, loss scaler's and queue's counters.
     """
 
-    def __init__(
-        self,
-        path: Path,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        schedule: torch.optim.lr_scheduler.LRScheduler,
-        scaler: torch.amp.GradScaler,
-        queue: MemoryQueue | None,
-        ranks: distributed.Ranks,
-        average: nn.Module | None = None,
-    ) -> None:
-        self.path, self.model, self.optimizer, self.schedule, self.scaler, self.queue, self.ranks = (
-            path,
-            model,
-            optimizer,
-            schedule,
-            scaler,
-            queue,
-            ranks,
-        )
-        self.average = average  # the moving average of the weights (--ema), with its count of averaged steps
+    path: Path
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    queue: MemoryQueue | None
+    ranks: Ranks
+    average: nn.Module | None = None  # the moving average of the weights (--ema), with its count of averaged steps
 
-    def save(self, record: dict) -> None:
+    def save(self, record: Progress) -> None:
         """Writes the state after record's step (a collective call: every process must make it)."""
-        random_states = distributed.gather_objects(torch.get_rng_state())
+        random_states = gather_objects(torch.get_rng_state())
         if not self.ranks.is_main:
             return
         tensors = _weights(self.model, prefix="model/")
@@ -127,7 +140,7 @@ class TrainerState:
         for rank, random_state in enumerate(random_states):
             tensors[f"rng/torch/{rank}"] = random_state
         metadata = {
-            "record": json.dumps(record),
+            "record": json.dumps(record.to_dict()),
             "param_groups": json.dumps(optimizer_state["param_groups"]),
             "schedule": json.dumps(self.schedule.state_dict()),
             "scaler": json.dumps(self.scaler.state_dict()),
@@ -139,7 +152,7 @@ class TrainerState:
             metadata["queue"] = json.dumps(counters)
         write_atomic(self.path, sealed_safetensors(tensors, metadata))
 
-    def load(self) -> dict:
+    def load(self) -> Progress:
         """Restores the state into the model, optimizer, schedule, scaler and queue; returns the record."""
         if not self.path.is_file():
             raise RetrievalError(f"{self.path}: nothing to resume (no trainer state); start the run without --resume")
@@ -170,7 +183,7 @@ class TrainerState:
                     raise RetrievalError(f"{self.path}: saved without a weight average, but the run has --ema")
                 self.average.load_state_dict(averaged)
             torch.set_rng_state(tensors[f"rng/torch/{self.ranks.rank}"])
-            return json.loads(metadata["record"])
+            return Progress.from_dict(json.loads(metadata["record"]))
         except RetrievalError:
             raise
         except Exception as error:  # safetensors, torch and json raise several untyped errors for a damaged file
@@ -180,7 +193,7 @@ class TrainerState:
             ) from None
 
 
-def saved_record(path: Path) -> dict | None:
+def saved_record(path: Path) -> Progress | None:
     """The progress record (epoch, batch, ...) of a trainer state, checked against its seal; None if there is none.
 
     A damaged file raises RetrievalError naming it (read_sealed), as resuming from it would.
@@ -189,8 +202,8 @@ def saved_record(path: Path) -> dict | None:
         return None
     _, metadata = read_sealed(path)
     try:
-        return json.loads(metadata["record"])
-    except (KeyError, ValueError):
+        return Progress.from_dict(json.loads(metadata["record"]))
+    except (KeyError, ValueError, TypeError):
         raise RetrievalError(f"{path}: has no progress record; start the run again with --overwrite") from None
 
 
@@ -198,14 +211,7 @@ def load_encoder(run: RunDir) -> tuple[Encoder, TrainConfig]:
     """Rebuilds the run's encoder from config.json and its best (else last) checkpoint (no unpickling)."""
     checkpoint = run.require_checkpoint()
     config = TrainConfig.from_dict(read_json(run.config))
-    model = Encoder(
-        config.backbone,
-        config.embedding_dim,
-        image_size=config.image_size,
-        stem=config.stem,
-        pooling=config.pooling,
-        layers=config.layers,
-    )
+    model = Encoder.build(config.architecture)
     state, _ = read_sealed(checkpoint)
     try:
         model.load_state_dict(state)

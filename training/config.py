@@ -10,7 +10,7 @@ from retrieval.errors import RetrievalError
 from retrieval.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 from training.augment import DEFAULT_AUGMENT, parse_augment
 from training.losses import DEFAULT_TEMPERATURES
-from training.model import POOLINGS, STEMS, parse_layers, weights_cached
+from training.model import POOLINGS, STEMS, Architecture, parse_layers, weights_cached
 
 OPTIMIZERS = ("adamw", "sgd")
 # The default recipe, by whether ImageNet weights are used (docs/recipe.md): from scratch, small inputs and long
@@ -102,6 +102,12 @@ class TrainConfig:
         parse_augment(self.augment)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise RetrievalError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+
+    @property
+    def architecture(self) -> Architecture:
+        """The encoder's shape (what load_encoder rebuilds it from)."""
+        assert self.image_size is not None  # resolved in __post_init__
+        return Architecture(self.backbone, self.embedding_dim, self.image_size, self.stem, self.pooling, self.layers)
 
     @property
     def preprocessing(self) -> Preprocessing:

@@ -32,10 +32,10 @@ from retrieval.preprocess import Preprocessing
 from retrieval.progress import progress as progress_bar
 from retrieval.progress import say
 from retrieval.runs import RunDir, write_atomic, write_json
-from training import distributed
 from training.augment import make_augmentation
-from training.checkpoints import TrainerState, save_checkpoint
+from training.checkpoints import Progress, TrainerState, save_checkpoint
 from training.config import TrainConfig
+from training.distributed import Ranks, broadcast_object, gather_rows, start, stop
 from training.losses import make_loss
 from training.memory import MemoryQueue
 from training.model import Encoder
@@ -158,13 +158,13 @@ def train(config: TrainConfig, run: RunDir, progress: bool = True, resume: bool 
     as a run that was never interrupted. Under torchrun, each process trains on its own batches and
     the loss sees the batches of all of them; process 0 validates and writes the run directory.
     """
-    ranks, device = distributed.start(config.device)
+    ranks, device = start(config.device)
     try:
         data = prepare_data(config, run, progress and ranks.is_main, ranks)
         trainer = Trainer(config, run, data, ranks, device, progress and ranks.is_main)
         return trainer.fit(resume)
     finally:
-        distributed.stop()
+        stop()
 
 
 @dataclass
@@ -177,12 +177,12 @@ class TrainingData:
     skipped: list[Skipped]
 
 
-def prepare_data(config: TrainConfig, run: RunDir, progress: bool, ranks: distributed.Ranks) -> TrainingData:
+def prepare_data(config: TrainConfig, run: RunDir, progress: bool, ranks: Ranks) -> TrainingData:
     """Checks every image once, splits off the validation classes, and writes config.json and skipped.json."""
     collection = load_training_data(config.data, config.benchmark)
     # process 0 decodes every image once; the others take its verdict rather than decoding them again
     checked = readable_items(collection.items, progress) if ranks.is_main else None
-    readable, skipped = distributed.broadcast_object(checked)  # type: ignore[misc]
+    readable, skipped = broadcast_object(checked)  # type: ignore[misc]
     skipped = collection.skipped + skipped
     items, validation = split_by_class(readable, config.val_classes, config.seed)
     classes = sorted({item.label for item in items})
@@ -203,6 +203,28 @@ def prepare_data(config: TrainConfig, run: RunDir, progress: bool, ranks: distri
     return TrainingData(items, validation, classes, skipped)
 
 
+def make_loader(
+    data: TrainingData,
+    preprocessing: Preprocessing,
+    augment: str,
+    sampler: ClassBalancedBatchSampler,
+    workers: int,
+    seed: int,
+    pin_memory: bool,
+) -> DataLoader:
+    """The training images, decoded and augmented on access, in the sampler's batches."""
+    # its own generator: starting an epoch's iterator must not draw from the augmentation's, or a run resumed
+    # mid-epoch would diverge
+    generator = torch.Generator().manual_seed(seed)
+    images = AugmentedImages(data.items, data.classes, preprocessing, augment)
+    return DataLoader(images, batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory, generator=generator)
+
+
+def make_average(model: nn.Module, decay: float) -> AveragedModel | None:
+    """An exponential moving average of the model's weights and buffers with this decay per step (0: none)."""
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True) if decay else None
+
+
 class Trainer:
     """One training run: the model, its loader, optimizer, schedule and queue, stepped epoch by epoch."""
 
@@ -211,63 +233,39 @@ class Trainer:
         config: TrainConfig,
         run: RunDir,
         data: TrainingData,
-        ranks: distributed.Ranks,
+        ranks: Ranks,
         device: torch.device,
         progress: bool,
     ) -> None:
-        torch.manual_seed(
-            config.seed + ranks.rank
-        )  # the only global generator used: augmentation; sampler and split seed their own
-        self.config, self.run, self.data, self.ranks, self.device, self.progress = (
-            config,
-            run,
-            data,
-            ranks,
-            device,
-            progress,
-        )
+        torch.manual_seed(config.seed + ranks.rank)  # the only global generator used: augmentation's
+        self.config, self.run, self.data = config, run, data
+        self.ranks, self.device, self.progress = ranks, device, progress
         cuda = device.type == "cuda"
         self.memory_format = torch.channels_last if cuda else torch.contiguous_format
-        self.validator = (
-            Validator(data.validation, config.preprocessing, device) if data.validation and ranks.is_main else None
-        )
-        self.model = Encoder(
-            config.backbone,
-            config.embedding_dim,
-            config.pretrained,
-            config.image_size,
-            config.stem,
-            config.pooling,
-            config.layers,
-        ).to(device, memory_format=self.memory_format)
+        main = ranks.is_main
+        self.validator = Validator(data.validation, config.preprocessing, device) if data.validation and main else None
+        self.model = Encoder.build(config.architecture, bool(config.pretrained))
+        self.model.to(device, memory_format=self.memory_format)
         self.queue = MemoryQueue(self.model, config.queue_size, config.momentum) if config.queue_size else None
         self.loss_fn = make_loss(config.loss, config.temperature)
         labels = [item.label for item in data.items]
         self.sampler = ClassBalancedBatchSampler(
             labels, config.batch_size, config.images_per_class, config.seed, ranks.rank, ranks.world_size
         )
-        # its own generator: starting an epoch's iterator must not draw from the augmentation's, or a run resumed
-        # mid-epoch would diverge
-        generator = torch.Generator().manual_seed(config.seed)
-        images = AugmentedImages(data.items, data.classes, config.preprocessing, config.augment)
-        self.loader = DataLoader(
-            images, batch_sampler=self.sampler, num_workers=config.workers, pin_memory=cuda, generator=generator
+        self.loader = make_loader(
+            data, config.preprocessing, str(config.augment), self.sampler, config.workers, config.seed, cuda
         )
         self.optimizer = make_optimizer(config, self.model)
-        self.average = (
-            AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(config.ema), use_buffers=True)
-            if config.ema
-            else None
-        )
-        self.schedule = warmup_cosine(self.optimizer, config.epochs * len(self.sampler), config.warmup)
+        self.average = make_average(self.model, config.ema)
+        self.schedule = warmup_cosine(self.optimizer, int(config.epochs) * len(self.sampler), config.warmup)
         self.dtype = autocast_dtype(config.precision, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype is torch.float16)
         self.forward = self._wrapped()
         self.state = TrainerState(
             run.trainer_state, self.model, self.optimizer, self.schedule, self.scaler, self.queue, ranks, self.average
         )
-        self.board = _tensorboard(run) if config.tensorboard and ranks.is_main else None
-        self.record = {"epoch": 0, "batch": 0, "step": 0, "losses": [], "best_map": -1.0, "stale_epochs": 0}
+        self.board = _tensorboard(run) if config.tensorboard and main else None
+        self.record = Progress()
         self.epoch_seconds: list[float] = []  # of this process's epochs: the estimate of the time left
 
     def _wrapped(self) -> nn.Module:
@@ -283,13 +281,13 @@ class Trainer:
         """Trains from the start (or from the saved trainer state) to the last epoch, or until patience runs out."""
         self._begin(resume)
         epoch_loss = float("nan")
-        for epoch in range(self.record["epoch"], self.config.epochs):
+        for epoch in range(self.record.epoch, int(self.config.epochs)):
             epoch_loss = self.epoch(epoch)
-            if self.config.patience and self.record["stale_epochs"] >= self.config.patience:
+            if self.config.patience and self.record.stale_epochs >= self.config.patience:
                 if self.progress:
                     say(
                         "stopping early: validation MAP@R has not improved for "
-                        f"{self.record['stale_epochs']} epochs (best {self.record['best_map']:.3f})"
+                        f"{self.record.stale_epochs} epochs (best {self.record.best_map:.3f})"
                     )
                 break
         if self.board is not None:
@@ -308,32 +306,31 @@ class Trainer:
             self._refuse_finished()
             if self.ranks.is_main:
                 lines = (
-                    run.train_log.read_text(encoding="utf-8").splitlines()[: self.record["epoch"]]
+                    run.train_log.read_text(encoding="utf-8").splitlines()[: self.record.epoch]
                     if run.train_log.is_file()
                     else []
                 )
                 write_atomic(run.train_log, "".join(line + "\n" for line in lines).encode())
             if self.progress:
-                say(f"resuming {run.root} at epoch {self.record['epoch'] + 1}, batch {self.record['batch']}")
+                say(f"resuming {run.root} at epoch {self.record.epoch + 1}, batch {self.record.batch}")
         elif self.ranks.is_main:
             run.train_log.unlink(missing_ok=True)
-            run.best_checkpoint.unlink(
-                missing_ok=True
-            )  # a best checkpoint of an earlier run would be taken for this one's
+            # a best checkpoint of an earlier run would be taken for this one's
+            run.best_checkpoint.unlink(missing_ok=True)
 
     def _refuse_finished(self) -> None:
         """A resumed run with nothing left to do (all epochs, or stopped early) says so instead of training nothing."""
-        record, epochs, patience = self.record, self.config.epochs, self.config.patience
-        if record["epoch"] >= epochs or (patience and record["stale_epochs"] >= patience):
+        record, epochs, patience = self.record, int(self.config.epochs), self.config.patience
+        if record.epoch >= epochs or (patience and record.stale_epochs >= patience):
             raise RetrievalError(
-                f"{self.run.root} is finished ({record['epoch']} of {epochs} epochs trained): nothing to resume; "
+                f"{self.run.root} is finished ({record.epoch} of {epochs} epochs trained): nothing to resume; "
                 f"export it with `retrieval export {self.run.root}`, or train more in a new run"
             )
 
     def epoch(self, epoch: int) -> float:
         """One pass over the batches, then checkpoint, validation, log and trainer state; returns the loss."""
         config, record = self.config, self.record
-        self.sampler.set_epoch(epoch, skip=record["batch"])
+        self.sampler.set_epoch(epoch, skip=record.batch)
         self.model.train()
         started, seen = time.perf_counter(), 0
         bar = progress_bar(
@@ -343,54 +340,72 @@ class Trainer:
             value, lr, count = self.step(images, labels)
             seen += count
             bar.set_postfix(loss=f"{value:.4f}", lr=f"{lr:.2e}", img_s=f"{seen / (time.perf_counter() - started):.0f}")
-            if (
-                config.checkpoint_every
-                and record["step"] % config.checkpoint_every == 0
-                and record["batch"] < self.sampler.num_batches
-            ):
+            every = config.checkpoint_every
+            if every and record.step % every == 0 and record.batch < self.sampler.num_batches:
                 self.state.save(record)
-        epoch_loss = float(np.mean(record["losses"]))
         seconds = time.perf_counter() - started
         entry = {
             "epoch": epoch + 1,
-            "step": record["step"],
-            "loss": epoch_loss,
+            "step": record.step,
+            "loss": float(np.mean(record.losses)),
             "lr": self.schedule.get_last_lr()[0],
             "seconds": round(seconds, 2),
             "images_per_second": round(seen / seconds, 1),
         }
-        record.update(epoch=epoch + 1, batch=0, losses=[])
+        record.epoch, record.batch, record.losses = epoch + 1, 0, []
         if self.ranks.is_main:
             self._finish_epoch(entry)
-        self.record = record = distributed.broadcast_object(record)  # type: ignore[assignment]  # the validation record is process 0's
+        # the validation record is process 0's
+        self.record = record = Progress.from_dict(broadcast_object(record.to_dict()))  # type: ignore[arg-type]
         self.state.save(record)
         if self.progress:
-            validated = (
-                f"  val recall@1 {entry['val_recall@1']:.3f} MAP@R {entry['val_map@r']:.3f}" if self.validator else ""
-            )
-            self.epoch_seconds.append(seconds)
-            left = float(np.mean(self.epoch_seconds)) * (config.epochs - epoch - 1)
-            remaining = f", about {_duration(left)} left" if epoch + 1 < config.epochs else ""
-            say(
-                f"epoch {epoch + 1}/{config.epochs}  loss {epoch_loss:.4f}{validated} "
-                f" ({seconds:.1f}s, {entry['images_per_second']:.0f} img/s{remaining})"
-            )
-        return epoch_loss
+            self._report(entry, seconds)
+        return entry["loss"]
+
+    def _report(self, entry: dict, seconds: float) -> None:
+        """The epoch's line: loss, validation, time and the time left."""
+        epochs = int(self.config.epochs)
+        validated = (
+            f"  val recall@1 {entry['val_recall@1']:.3f} MAP@R {entry['val_map@r']:.3f}" if self.validator else ""
+        )
+        self.epoch_seconds.append(seconds)
+        left = float(np.mean(self.epoch_seconds)) * (epochs - entry["epoch"])
+        remaining = f", about {_duration(left)} left" if entry["epoch"] < epochs else ""
+        say(
+            f"epoch {entry['epoch']}/{epochs}  loss {entry['loss']:.4f}{validated} "
+            f" ({seconds:.1f}s, {entry['images_per_second']:.0f} img/s{remaining})"
+        )
 
     def step(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, float, int]:
         """One optimisation step on a batch; returns the loss, the learning rate and the images seen (all processes)."""
         queue, record = self.queue, self.record
         images = images.to(self.device, memory_format=self.memory_format, non_blocking=True)
-        labels = distributed.gather_rows(labels.to(self.device, non_blocking=True))
+        labels = gather_rows(labels.to(self.device, non_blocking=True))
         with autocast(self.device, self.dtype):
             queries = self.forward(images)
             keys = queue.encode(images) if queue is not None else None
-        queries = distributed.gather_rows(queries.float())
+        queries = gather_rows(queries.float())
         if queue is not None:
             loss = self.loss_fn(queries, labels, *queue.contents())
-            queue.push(distributed.gather_rows(keys), labels)
+            queue.push(gather_rows(keys), labels)
         else:
             loss = self.loss_fn(queries, labels)
+        self._optimise(loss)
+        if queue is not None:
+            queue.follow(self.model)
+        if self.average is not None:
+            self.average.update_parameters(self.model)
+        value, lr = loss.item(), self.schedule.get_last_lr()[0]
+        record.losses.append(value)
+        record.step += 1
+        record.batch += 1
+        if self.board is not None:
+            self.board.add_scalar("train/loss", value, record.step)
+            self.board.add_scalar("train/lr", lr, record.step)
+        return value, lr, len(labels)
+
+    def _optimise(self, loss: torch.Tensor) -> None:
+        """The backward pass and the optimizer's and schedule's step (loss scaling, gradient clipping)."""
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         if self.config.clip_grad:
@@ -399,18 +414,6 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.schedule.step()
-        if queue is not None:
-            queue.follow(self.model)
-        if self.average is not None:
-            self.average.update_parameters(self.model)
-        value, lr = loss.item(), self.schedule.get_last_lr()[0]
-        record["losses"].append(value)
-        record["step"] += 1
-        record["batch"] += 1
-        if self.board is not None:
-            self.board.add_scalar("train/loss", value, record["step"])
-            self.board.add_scalar("train/lr", lr, record["step"])
-        return value, lr, len(labels)
 
     @property
     def exported(self) -> Encoder:
@@ -420,16 +423,16 @@ class Trainer:
     def _finish_epoch(self, entry: dict) -> None:
         """Process 0: the last (and best) checkpoint, validation, the log line and TensorBoard's scalars."""
         run, record, model = self.run, self.record, self.exported
-        metadata = {"epoch": str(entry["epoch"]), "step": str(record["step"])}
+        metadata = {"epoch": str(entry["epoch"]), "step": str(record.step)}
         save_checkpoint(run.last_checkpoint, model, metadata)
         if self.validator is not None:
             scores = self.validator(model)
             entry.update({f"val_{name}": value for name, value in scores.items() if name in VALIDATION_KEYS})
-            if scores["map@r"] > record["best_map"]:
-                record.update(best_map=scores["map@r"], stale_epochs=0)
+            if scores["map@r"] > record.best_map:
+                record.best_map, record.stale_epochs = scores["map@r"], 0
                 save_checkpoint(run.best_checkpoint, model, metadata)
             else:
-                record["stale_epochs"] += 1
+                record.stale_epochs += 1
         with run.train_log.open("a", encoding="utf-8") as log:
             log.write(json.dumps(entry) + "\n")
         if self.board is not None:

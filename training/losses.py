@@ -80,9 +80,8 @@ class _ContrastLogSumExp(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
         z, members, exponentials, totals = ctx.saved_tensors
         with torch.autocast(z.device.type, enabled=False):
-            weights = exponentials * (
-                grad[:, None] / (ctx.temperature * totals)
-            )  # softmax rows times the incoming gradient
+            # softmax rows times the incoming gradient
+            weights = exponentials * (grad[:, None] / (ctx.temperature * totals))
             return weights @ members, weights.T @ z, None
 
 
@@ -232,9 +231,8 @@ class HCLLoss(nn.Module):
             if self.tau_plus > 0
             else torch.full_like(logits, float("-inf"))
         )
-        gap = (log_debias - log_reweighted).clamp(
-            max=0.0
-        )  # where the debiasing term exceeds the sum, the clamp below decides
+        # where the debiasing term exceeds the sum, the clamp below decides
+        gap = (log_debias - log_reweighted).clamp(max=0.0)
         log_ng = torch.where(
             log_debias < log_reweighted,
             log_reweighted + torch.log1p(-torch.exp(gap).clamp(max=1 - 1e-7)) - math.log(1 - self.tau_plus),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -93,6 +94,19 @@ def _stage_width(stage: nn.Sequential) -> int:
     return norms[-1].num_features
 
 
+@dataclass(frozen=True)
+class Architecture:
+    """What an encoder is made of (the TrainConfig fields that decide its shape): enough to rebuild it for its
+    weights."""
+
+    backbone: str = "resnet18"
+    embedding_dim: int | None = None
+    image_size: int = 224
+    stem: str = "imagenet"
+    pooling: str = "avg"
+    layers: str = "4"
+
+
 class Encoder(nn.Module):
     """images [N, 3, H, W] (normalised float32) -> unit-norm embeddings [N, embedding_dim].
 
@@ -122,6 +136,14 @@ class Encoder(nn.Module):
             nn.Linear(self.embedding_dim, self.embedding_dim),
             nn.ReLU(inplace=True),
             nn.Linear(self.embedding_dim, PROJECTION_DIM),
+        )
+
+    @classmethod
+    def build(cls, architecture: Architecture, pretrained: bool = False) -> Encoder:
+        """The encoder of an architecture, from ImageNet weights (pretrained) or random ones."""
+        shape = architecture
+        return cls(
+            shape.backbone, shape.embedding_dim, pretrained, shape.image_size, shape.stem, shape.pooling, shape.layers
         )
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:

@@ -2,67 +2,101 @@
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from retrieval.commands.output import DATA_HELP, BenchmarkOption, DataArg, console, errors, report_skipped
+from retrieval.commands.output import BENCHMARK_HELP, DATA_HELP, DataArg, console, errors, report_skipped
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
 from retrieval.runs import RunDir, read_json
 
-# Options default to None: what is not given takes training.config.TrainConfig's default, the one place they are set.
-HELP = {
-    "run": "Run directory to create (config, checkpoints, log).",
-    "loss": "Loss: supcon (Khosla et al. 2020), infonce (NT-Xent), npair (Sohn 2016), hcl (Robinson et al. 2021), "
-    "hard (Wang & Liu 2021); default supcon.",
-    "temperature": "Softmax temperature of the loss "
-    "(default: supcon 0.05, infonce 0.07, npair 1.0, hcl 0.5, hard 0.2).",
-    "epochs": "Passes over the data (default 50, or 15 from pretrained weights).",
-    "batch_size": "Images per batch (classes x images per class).",
-    "images_per_class": "Images of each class in a batch.",
-    "backbone": "torchvision backbone (resnet18, resnet34, resnet50, mobilenet_v3_small, mobilenet_v3_large, "
-    "efficientnet_b0, convnext_tiny, vit_b_16) or timm:<model> with timm installed.",
-    "pretrained": "--pretrained: start from ImageNet weights (torchvision downloads them once); --scratch: "
-    "random weights. Default: the weights when they are already cached, then 128-px inputs (224 on a GPU) and 15 "
-    "epochs; else from scratch at 64 px for 50 epochs (docs/recipe.md).",
-    "image_size": "Input size in pixels, square (default 64, or 128 from pretrained weights; 224 on a GPU).",
-    "stem": "imagenet, or small: a ResNet's first convolution 3x3 stride 1 for small inputs (4x the compute).",
-    "augment": "Augmentation steps, comma-separated, from crop, color, hue, grayscale, invert, blur, affine, erase; "
-    "or none (default: the recipe's, see docs/recipe.md).",
-    "embedding_dim": "Embedding dimension (default: the backbone's feature width, e.g. 512 for resnet18).",
-    "pooling": "Spatial pooling of the resnet features: avg, or gem (generalised mean, its exponent learned).",
-    "layers": "The resnet stages pooled into the embedding, comma-separated (e.g. 3,4: each L2-normalised, "
-    "concatenated); default 4, the last.",
-    "ema": "Export an exponential moving average of the weights with this decay per step (e.g. 0.99; 0: none).",
-    "learning_rate": "Peak learning rate, reached after the warm-up, then decayed to 0 along a cosine.",
-    "weight_decay": "Weight decay of the optimizer.",
-    "optimizer": "adamw, or sgd (Nesterov momentum 0.9; give it a larger --learning-rate, e.g. 0.1).",
-    "warmup": "Fraction of the steps spent warming the learning rate up linearly.",
-    "clip_grad": "Clip the gradient norm to this value (0: no clipping).",
-    "precision": "Autocast precision: fp32, bf16, fp16 (with loss scaling), or auto (bf16 on a GPU, or a CPU with "
-    "AVX-512 BF16 or AMX, that has it; else fp32). channels_last is used on GPUs.",
-    "compile": "Compile the encoder with torch.compile (slow start, faster steps on GPUs).",
-    "queue_size": "MoCo memory: keys of earlier batches from a momentum encoder, contrasted as extra rows "
-    "(supcon and infonce; 0: none).",
-    "momentum": "Momentum of the key encoder that fills the queue.",
-    "checkpoint_every": "Also save the resumable trainer state every this many steps (0: after each epoch only).",
-    "tensorboard": "Also log loss, learning rate and validation metrics to RUN/tensorboard "
-    "(needs the tensorboard extra).",
-    "resume": "Continue an interrupted run from its last saved trainer state, with its own config.json and data "
-    "(DATA may be left out).",
-    "overwrite": "Train into a run directory that already holds a run, starting it over.",
-    "val_classes": "Fraction of the classes held out to validate each epoch (recall@1, MAP@R); "
-    "the best epoch is exported.",
-    "patience": "Stop after this many epochs without a better validation MAP@R (0: never).",
-    "device": "auto, cpu or cuda.",
-    "seed": "Random seed.",
-}
-NO_DEFAULT = {"show_default": False}
+
+@dataclass(frozen=True)
+class Option:
+    """An option of `retrieval train` that sets the training.config.TrainConfig field of its name.
+
+    Each defaults to None: what is not given takes TrainConfig's default, the one place defaults are set.
+    """
+
+    name: str
+    type: type
+    help: str
+    flags: tuple[str, ...] = ()  # default: --name-with-dashes
+
+    def parameter(self) -> inspect.Parameter:
+        """The command's keyword parameter for it, as typer reads it."""
+        flags = self.flags or (f"--{self.name.replace('_', '-')}",)
+        option = typer.Option(*flags, help=self.help, show_default=False)
+        annotation = Annotated[self.type | None, option]  # type: ignore[name-defined]
+        return inspect.Parameter(self.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
 
 
+LOSS_HELP = (
+    "Loss: supcon (Khosla et al. 2020), infonce (NT-Xent), npair (Sohn 2016), hcl (Robinson et al. 2021), "
+    "hard (Wang & Liu 2021); default supcon."
+)
+PRETRAINED_HELP = (
+    "--pretrained: start from ImageNet weights (torchvision downloads them once); --scratch: random weights. "
+    "Default: the weights when they are already cached, then 128-px inputs (224 on a GPU) and 15 epochs; else from "
+    "scratch at 64 px for 50 epochs (docs/recipe.md)."
+)
+BACKBONE_HELP = (
+    "torchvision backbone (resnet18, resnet34, resnet50, mobilenet_v3_small, mobilenet_v3_large, efficientnet_b0, "
+    "convnext_tiny, vit_b_16) or timm:<model> with timm installed."
+)
+AUGMENT_HELP = "Augmentation steps, comma-separated: crop, color, hue, grayscale, invert, blur, affine, erase; or none."
+LAYERS_HELP = "The resnet stages pooled into the embedding, e.g. 3,4 (each L2-normalised, concatenated); default 4."
+PRECISION_HELP = (
+    "Autocast precision: fp32, bf16, fp16 (with loss scaling), or auto (bf16 on a GPU, or a CPU with AVX-512 BF16 "
+    "or AMX, that has it; else fp32). channels_last is used on GPUs."
+)
+QUEUE_HELP = "MoCo memory: keys of earlier batches from a momentum encoder, as extra rows (supcon, infonce; 0: none)."
+TEMPERATURE_HELP = "Softmax temperature of the loss (default: supcon 0.05, infonce 0.07, npair 1.0, hcl 0.5, hard 0.2)."
+# Every TrainConfig field but data, once each (tests/test_cli.py holds the two lists together).
+OPTIONS = (
+    Option("loss", str, LOSS_HELP),
+    Option("temperature", float, TEMPERATURE_HELP),
+    Option("epochs", int, "Passes over the data (default 50, or 15 from pretrained weights)."),
+    Option("batch_size", int, "Images per batch (classes x images per class)."),
+    Option("images_per_class", int, "Images of each class in a batch."),
+    Option("backbone", str, BACKBONE_HELP),
+    Option("pretrained", bool, PRETRAINED_HELP, ("--pretrained/--scratch",)),
+    Option("image_size", int, "Input size in pixels, square (default 64; pretrained: 128, or 224 on GPUs)."),
+    Option("stem", str, "imagenet, or small: a ResNet's first convolution 3x3 stride 1, for small inputs."),
+    Option("augment", str, AUGMENT_HELP),
+    Option("embedding_dim", int, "Embedding dimension (default: the backbone's width, e.g. 512 for resnet18)."),
+    Option("pooling", str, "Pooling of the resnet features: avg, or gem (generalised mean, exponent learned)."),
+    Option("layers", str, LAYERS_HELP),
+    Option("ema", float, "Export a moving average of the weights with this decay per step (e.g. 0.99; 0: none)."),
+    Option("learning_rate", float, "Peak learning rate, reached after the warm-up, then decayed to 0 along a cosine."),
+    Option("weight_decay", float, "Weight decay of the optimizer."),
+    Option("optimizer", str, "adamw, or sgd (Nesterov momentum 0.9; give it a larger --learning-rate)."),
+    Option("warmup", float, "Fraction of the steps spent warming the learning rate up linearly."),
+    Option("clip_grad", float, "Clip the gradient norm to this value (0: no clipping)."),
+    Option("precision", str, PRECISION_HELP),
+    Option("compile", bool, "Compile the encoder with torch.compile (slow start, faster GPU steps).", ("--compile",)),
+    Option("queue_size", int, QUEUE_HELP),
+    Option("momentum", float, "Momentum of the key encoder that fills the queue."),
+    Option("checkpoint_every", int, "Also save the trainer state every this many steps (0: after each epoch only)."),
+    Option("tensorboard", bool, "Also log to RUN/tensorboard (needs the tensorboard extra).", ("--tensorboard",)),
+    Option("val_classes", float, "Fraction of the classes held out to validate each epoch; the best epoch is kept."),
+    Option("patience", int, "Stop after this many epochs without a better validation MAP@R (0: never)."),
+    Option("device", str, "auto, cpu or cuda."),
+    Option("seed", int, "Random seed."),
+    Option("workers", int, "Processes that decode and augment the images (0: the training process itself)."),
+    Option("benchmark", str, BENCHMARK_HELP),
+)
+RUN_OPTION_HELP = "Run directory to create (config, checkpoints, log)."
+RESUME_HELP = (
+    "Continue an interrupted run from its last saved trainer state, with its own config.json and data "
+    "(DATA may be left out)."
+)
+OVERWRITE_HELP = "Train into a run directory that already holds a run, starting it over."
 OptionalDataArg = Annotated[
     Path | None, typer.Argument(help=DATA_HELP + " Not needed with --resume.", show_default=False)
 ]
@@ -71,45 +105,20 @@ OptionalDataArg = Annotated[
 def train(
     data: OptionalDataArg = None,
     *,
-    run: Annotated[Path, typer.Option("--run", help=HELP["run"])],
-    loss: Annotated[str | None, typer.Option(help=HELP["loss"], **NO_DEFAULT)] = None,
-    temperature: Annotated[float | None, typer.Option(help=HELP["temperature"], **NO_DEFAULT)] = None,
-    epochs: Annotated[int | None, typer.Option(help=HELP["epochs"], **NO_DEFAULT)] = None,
-    batch_size: Annotated[int | None, typer.Option(help=HELP["batch_size"], **NO_DEFAULT)] = None,
-    images_per_class: Annotated[int | None, typer.Option(help=HELP["images_per_class"], **NO_DEFAULT)] = None,
-    backbone: Annotated[str | None, typer.Option(help=HELP["backbone"], **NO_DEFAULT)] = None,
-    pretrained: Annotated[
-        bool | None, typer.Option("--pretrained/--scratch", help=HELP["pretrained"], **NO_DEFAULT)
-    ] = None,
-    image_size: Annotated[int | None, typer.Option(help=HELP["image_size"], **NO_DEFAULT)] = None,
-    stem: Annotated[str | None, typer.Option(help=HELP["stem"], **NO_DEFAULT)] = None,
-    augment: Annotated[str | None, typer.Option(help=HELP["augment"], **NO_DEFAULT)] = None,
-    embedding_dim: Annotated[int | None, typer.Option(help=HELP["embedding_dim"], **NO_DEFAULT)] = None,
-    pooling: Annotated[str | None, typer.Option(help=HELP["pooling"], **NO_DEFAULT)] = None,
-    layers: Annotated[str | None, typer.Option(help=HELP["layers"], **NO_DEFAULT)] = None,
-    ema: Annotated[float | None, typer.Option(help=HELP["ema"], **NO_DEFAULT)] = None,
-    learning_rate: Annotated[float | None, typer.Option(help=HELP["learning_rate"], **NO_DEFAULT)] = None,
-    weight_decay: Annotated[float | None, typer.Option(help=HELP["weight_decay"], **NO_DEFAULT)] = None,
-    optimizer: Annotated[str | None, typer.Option(help=HELP["optimizer"], **NO_DEFAULT)] = None,
-    warmup: Annotated[float | None, typer.Option(help=HELP["warmup"], **NO_DEFAULT)] = None,
-    clip_grad: Annotated[float | None, typer.Option(help=HELP["clip_grad"], **NO_DEFAULT)] = None,
-    precision: Annotated[str | None, typer.Option(help=HELP["precision"], **NO_DEFAULT)] = None,
-    compile: Annotated[bool | None, typer.Option("--compile", help=HELP["compile"], **NO_DEFAULT)] = None,
-    queue_size: Annotated[int | None, typer.Option(help=HELP["queue_size"], **NO_DEFAULT)] = None,
-    momentum: Annotated[float | None, typer.Option(help=HELP["momentum"], **NO_DEFAULT)] = None,
-    checkpoint_every: Annotated[int | None, typer.Option(help=HELP["checkpoint_every"], **NO_DEFAULT)] = None,
-    tensorboard: Annotated[bool | None, typer.Option("--tensorboard", help=HELP["tensorboard"], **NO_DEFAULT)] = None,
-    resume: Annotated[bool, typer.Option("--resume", help=HELP["resume"])] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help=HELP["overwrite"])] = False,
-    val_classes: Annotated[float | None, typer.Option(help=HELP["val_classes"], **NO_DEFAULT)] = None,
-    patience: Annotated[int | None, typer.Option(help=HELP["patience"], **NO_DEFAULT)] = None,
-    device: Annotated[str | None, typer.Option(help=HELP["device"], **NO_DEFAULT)] = None,
-    seed: Annotated[int | None, typer.Option(help=HELP["seed"], **NO_DEFAULT)] = None,
-    benchmark: BenchmarkOption = None,
+    run: Annotated[Path, typer.Option("--run", help=RUN_OPTION_HELP)],
+    resume: Annotated[bool, typer.Option("--resume", help=RESUME_HELP)] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)] = False,
+    **options: object,
 ) -> None:
     """Train an embedding model on a labeled image collection (or a benchmark's training split)."""
-    given = {name: value for name, value in locals().items() if name not in NOT_CONFIG and value is not None}
+    given = {option.name: options[option.name] for option in OPTIONS if options.get(option.name) is not None}
     run_training(data, RunDir(run), resume, overwrite, given)
+
+
+_own = inspect.signature(train, eval_str=True)
+train.__signature__ = _own.replace(  # type: ignore[attr-defined]  # the OPTIONS join the command's own parameters
+    parameters=[*list(_own.parameters.values())[:-1], *(option.parameter() for option in OPTIONS)]
+)
 
 
 def run_training(data: Path | None, run_dir: RunDir, resume: bool, overwrite: bool, given: dict) -> None:
@@ -144,9 +153,6 @@ def run_training(data: Path | None, run_dir: RunDir, resume: bool, overwrite: bo
     )
 
 
-NOT_CONFIG = ("data", "run", "resume", "overwrite")
-
-
 def _refuse_existing(run: RunDir, overwrite: bool) -> None:
     """A run directory that holds a run is continued (--resume) or started over (--overwrite), never silently."""
     if overwrite or not (run.trainer_state.is_file() or run.last_checkpoint.is_file()):
@@ -167,7 +173,7 @@ def _interrupted(run: RunDir) -> None:
         line = "interrupted before the first epoch ended, nothing saved; start again with --overwrite"
     else:
         line = (
-            f"interrupted: the trainer state of epoch {record['epoch']}, batch {record['batch']} is kept in "
+            f"interrupted: the trainer state of epoch {record.epoch}, batch {record.batch} is kept in "
             f"{run.trainer_state}; resume with `retrieval train --run {run.root} --resume`"
         )
     errors.print(line, soft_wrap=True, highlight=False, markup=False)
