@@ -29,6 +29,7 @@ from index.edit import add_images, remove_items
 from index.search import ImageQuery, Query, QueryResult, search_image_bytes, search_images, search_item, unknown_id
 from index.stats import exact_and_deployed
 from index.types import MANIFEST, GalleryBackend, Hit
+from retrieval.copies import CopyEvaluation, copy_figures
 from retrieval.data import Item, Skipped, decode_image, read_image_bytes
 from retrieval.embedders import OnnxEmbedder
 from retrieval.errors import Failure, ImageError, RetrievalError
@@ -256,10 +257,15 @@ class SearchService:
 
     def evaluate_now(
         self, progress: Callable[[float, str], None] = lambda fraction, text: None
-    ) -> tuple[Evaluation, list[Path]]:
+    ) -> tuple[Evaluation | CopyEvaluation, list[Path]]:
         """Leave-one-out retrieval over the index's labeled items, as the index searches them and exactly, and the
-        plots of the exact one; the metrics are the deployed index's, with each headline's exact value beside it."""
-        index = self.snapshot.index
+        plots of the exact one; the metrics are the deployed index's, with each headline's exact value beside it.
+        An index without two labels gets the figures of augmented copies of its images instead (no plots)."""
+        snapshot = self.snapshot
+        index = snapshot.index
+        if len({item.label for item in snapshot.items.values() if item.label}) < 2:
+            progress(0.1, "no labels: searching with augmented copies of the images")
+            return copy_figures(self.embedder, list(snapshot.items.values()), progress=False), []
         progress(0.1, f"scoring {len(index):,} stored vectors with the index's search and exactly")
         exact, deployed = exact_and_deployed(index, self.rerank)
         for key in EXACT_SHOWN:

@@ -11,26 +11,39 @@ from index.backends import open_index
 from index.search import deployed_ranking
 from index.tuning import leave_out, recall_at_10
 from index.types import GalleryBackend
+from retrieval.copies import copy_figures
+from retrieval.embedders import Embedder
 from retrieval.errors import RetrievalError
 from retrieval.evaluation import Evaluation, evaluate_embedded
 from retrieval.knn import nearest_neighbours
+from retrieval.metrics import uniformity
 from retrieval.rerank import NO_RERANK, Rerank
 
 
-def index_stats(directory: Path, sample: int = 1000, mmap: bool = False, seed: int = 0) -> dict:
+def index_stats(
+    directory: Path, sample: int = 1000, mmap: bool = False, seed: int = 0, embedder: Embedder | None = None
+) -> dict:
     """The backend's facts (the manifest's, the sizes on disk) and recall@10 against exact search.
 
     Two recalls: the one tuned at build time, for gallery vectors held out of the index, and one
     measured now: a seeded sample of the index's own vectors (those it stores, or for compressed
     types the exact ones kept for re-ranking) queries the index as searches do and, exactly, all of
     them, each left out of its own results (for a graph an upper bound: its own node leads to its
-    neighbours). Compressed codes forced without the exact vectors have only the first.
+    neighbours). Compressed codes forced without the exact vectors have only the first. Also the
+    uniformity of the stored vectors and, for an index without labels and with its encoder given,
+    the figures of augmented copies of a sample of its images (retrieval.copies).
     """
     index = open_index(directory, mmap=mmap)
     stats = index.facts()
     stored = index.stored()
     if stored is not None:
         stats.update(_measured_recall(index, *stored, sample, seed))
+        stats["uniformity (stored vectors)"] = uniformity(stored[1], sample, seed)
+    items = index.items()
+    own = embedder is not None and embedder.fingerprint == index.encoder_sha256  # the encoder that built it
+    if own and len({item.label for item in items.values() if item.label}) < 2:
+        figures = copy_figures(embedder, list(items.values()), sample, seed, progress=False).metrics  # type: ignore[arg-type]
+        stats.update({f"{key} (augmented copies)": figures[key] for key in ("copy recall@1", "alignment")})
     return stats
 
 

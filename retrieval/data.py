@@ -55,9 +55,10 @@ class Collection:
 def load_collection(source: str | Path) -> Collection:
     """Lists a folder `ROOT/<label>/<image>`, a CSV with columns `path,label`, or a .txt list of paths.
 
-    Paths in a CSV or list are relative to that file. Files directly under a folder root, and the
-    files of a list, are unlabeled. Files with a non-image suffix are skipped and
-    reported; decoding problems are found later, when the image is read.
+    Paths in a CSV or list are relative to that file. Files directly under a folder root, the files
+    of a list, and CSV rows with an empty label (or a CSV without a label column) are unlabeled.
+    Files with a non-image suffix are skipped and reported; decoding problems are found later, when
+    the image is read.
     """
     source = Path(source).expanduser()
     if not source.exists():
@@ -146,10 +147,9 @@ def _load_csv(csv_path: Path) -> Collection:
     seen: set[Path] = set()
     with csv_path.open(newline="", encoding="utf-8") as handle:
         reader = csv.DictReader(handle)
-        missing = {"path", "label"} - set(reader.fieldnames or [])
-        if missing:
+        if "path" not in (reader.fieldnames or []):
             raise RetrievalError(
-                f"{csv_path}: missing column(s) {', '.join(sorted(missing))}; the header must name path,label"
+                f"{csv_path}: missing column path; the header must name path,label (or path alone: unlabeled images)"
             )
         for row in reader:
             raw = (row.get("path") or "").strip()

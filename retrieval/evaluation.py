@@ -91,14 +91,8 @@ def evaluate_collection(
             "classes (ROOT/<label>/<image> or a CSV with labels)"
         )
     vectors, items, skipped = _embed_labeled(embedder, collection, progress)
-    return evaluate_embedded(
-        vectors,
-        items,
-        skipped,
-        {"protocol": protocol, "images": str(collection.source), "encoder": embedder.fingerprint},
-        ks,
-        rerank,
-    )
+    described = {"protocol": protocol, "images": str(collection.source), "encoder": embedder.fingerprint}
+    return evaluate_embedded(vectors, items, skipped, {**described, **seen_without_labels(embedder)}, ks, rerank)
 
 
 def evaluate_embedded(
@@ -146,8 +140,37 @@ def evaluate_query_gallery(
         "gallery": str(gallery.source),
         "encoder": embedder.fingerprint,
         "rerank": rerank.describe(),
+        **seen_without_labels(embedder),
     }
     return _evaluation(scores, query_vectors, query_items, gallery_items, skipped + gallery_skipped, described)
+
+
+SEEN = "seen without labels"  # the metrics' key naming the gallery an adapted model trained on
+
+
+def seen_without_labels(embedder: Embedder) -> dict:
+    """{SEEN: the gallery} when the embedder's model adapted to one in training (--adapt), else {}."""
+    gallery = getattr(embedder, "card", {}).get("seen_without_labels")
+    return {SEEN: gallery} if gallery else {}
+
+
+def linear_probe(vectors: np.ndarray, labels: Sequence[str], share: float = 0.3, seed: int = 0) -> dict:
+    """Top-1 accuracy of a linear classifier on frozen embeddings (SupCon's stage 2), trained on a seeded,
+    class-stratified 1 - share of the images and tested on the rest (classes of one image: training only)."""
+    from sklearn.linear_model import LogisticRegression
+
+    labels = np.asarray(labels)
+    rng = np.random.default_rng(seed)
+    test = np.zeros(len(labels), bool)
+    for label in np.unique(labels):
+        rows = rng.permutation(np.flatnonzero(labels == label))
+        if len(rows) >= 2:
+            test[rows[: max(1, round(share * len(rows)))]] = True
+    if len(np.unique(labels[~test])) < 2 or not test.any():
+        raise RetrievalError("--linear needs at least two classes with two or more labeled images each")
+    classifier = LogisticRegression(max_iter=2000, C=10.0).fit(vectors[~test], labels[~test])
+    accuracy = float(np.mean(classifier.predict(vectors[test]) == labels[test]))
+    return {"linear top-1": accuracy, "linear test images": int(test.sum()), "linear train images": int((~test).sum())}
 
 
 def _evaluation(

@@ -342,16 +342,7 @@ def embedding_diagnostics(
     """
     z = np.asarray(embeddings, np.float64)
     codes = np.unique(np.asarray(labels), return_inverse=True)[1]
-    if len(z) < 2:
-        raise RetrievalError("embedding diagnostics need at least two embeddings")
-    result = {
-        "uniformity": _uniformity(
-            z
-            if len(z) <= max_points
-            else z[np.sort(np.random.default_rng(seed).choice(len(z), max_points, replace=False))],
-            block,
-        )
-    }
+    result = {"uniformity": uniformity(z, max_points, seed, block)}
     class_sizes = np.bincount(codes)
     pairs = float((class_sizes * (class_sizes - 1)).sum())  # ordered same-label pairs
     if pairs:
@@ -361,6 +352,17 @@ def embedding_diagnostics(
         result["alignment"] = 2.0 - 2.0 * tolerance
         result["tolerance"] = tolerance
     return result
+
+
+def uniformity(embeddings: np.ndarray, max_points: int = 10_000, seed: int = 0, block: int = 1024) -> float:
+    """Uniformity (Wang & Isola 2020) of unit embeddings: log mean exp(-2 ||x - y||^2) over distinct pairs, of a
+    seeded random subset of max_points rows when there are more."""
+    z = np.asarray(embeddings, np.float64)
+    if len(z) < 2:
+        raise RetrievalError("embedding diagnostics need at least two embeddings")
+    if len(z) > max_points:
+        z = z[np.sort(np.random.default_rng(seed).choice(len(z), max_points, replace=False))]
+    return _uniformity(z, block)
 
 
 def _uniformity(z: np.ndarray, block: int) -> float:

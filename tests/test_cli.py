@@ -118,7 +118,8 @@ def test_too_few_validation_classes_is_an_error(small_folder: Path, tmp_path: Pa
 
 
 def test_every_training_option_is_a_config_field_stated_once() -> None:
-    """`retrieval train` states each option once (commands.train.OPTIONS), for every TrainConfig field but data:
+    """`retrieval train` states each option once (commands.train.OPTIONS), for every TrainConfig field but data and
+    mode (resolved from the data):
     a new field needs an option, and nothing else becomes a config key."""
     import typing
     from dataclasses import fields
@@ -127,7 +128,7 @@ def test_every_training_option_is_a_config_field_stated_once() -> None:
     from training.config import TrainConfig
 
     names = [option.name for option in OPTIONS]
-    assert len(names) == len(set(names)) and set(names) == {field.name for field in fields(TrainConfig)} - {"data"}
+    assert len(names) == len(set(names)) and set(names) == {field.name for field in fields(TrainConfig)} - {"data", "mode"}
     hints = typing.get_type_hints(TrainConfig)
     for option in OPTIONS:
         assert option.type in (hints[option.name], *typing.get_args(hints[option.name])), option.name

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
@@ -76,11 +77,13 @@ def test_ranks_get_distinct_batches_covering_the_classes() -> None:
     assert all(len(b) == 16 and len({labels[i] for i in b}) == 4 for batches in per_rank for b in batches)
 
 
-def test_torchrun_trains_with_two_processes(small_folder: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("extra", [[], ["--self-supervised", "--loss", "moco"], ["--adapt", "{gallery}"]], ids=["supervised", "self-supervised-moco", "adapted"])
+def test_torchrun_trains_with_two_processes(small_folder: Path, tmp_path: Path, extra: list[str]) -> None:
     # "--" ends torchrun's own options: its parser would take `--run` for an abbreviation of --run-path
     run = RunDir(tmp_path / "run")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD), "-m", "retrieval", "--", "train", str(small_folder)]
     options = ["--run", str(run.root), "--epochs", "2", "--batch-size", "8", "--image-size", "32", "--device", "cpu"]
+    options += [option.replace("{gallery}", str(small_folder)) for option in extra]  # adapting to its own images
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     finished = subprocess.run([*command, *options], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-3000:]
@@ -88,4 +91,4 @@ def test_torchrun_trains_with_two_processes(small_folder: Path, tmp_path: Path) 
     assert [entry["epoch"] for entry in log] == [1, 2]
     assert run.last_checkpoint.is_file()
     assert sum(name.startswith("rng/torch/") for name in load_file(str(run.trainer_state))) == WORLD
-    assert finished.stdout.count("trained on") == 1  # only process 0 reports
+    assert finished.stdout.count("trained ") == 1  # only process 0 reports

@@ -199,8 +199,9 @@ def test_the_demo_output_has_its_steps_and_the_time_left(tmp_path: Path) -> None
     command = [sys.executable, "-m", "retrieval", "demo", "--no-serve", "--run", str(tmp_path / "run"), "--classes", "4", "--epochs", "2"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])
     assert done.returncode == 0, done.stderr
-    steps = [line.split()[0] for line in done.stdout.splitlines() if line[:2] in ("1/", "2/", "3/", "4/")]
-    assert steps == ["1/4", "2/4", "3/4", "4/4"]
+    steps = [line.split()[0] for line in done.stdout.splitlines() if line[:2] in ("1/", "2/", "3/", "4/", "5/")]
+    assert steps == ["1/5", "2/5", "3/5", "4/5", "5/5"]  # (with serving: 1/6 ... 6/6 serve)
+    assert "no labels, 2" in done.stdout  # the self-supervised column beside the trained model's
     assert "about" in next(line for line in done.stdout.splitlines() if line.startswith("epoch 1/2")) and "left)" in done.stdout
     assert "max |Δ|" in done.stdout  # the export's parity figures
 

@@ -4,6 +4,8 @@ Each step makes another view of the same concept as cross-style retrieval sees i
 (crop, affine), other colours and tones (color: mild brightness, contrast, saturation and hue
 changes; hue: any hue; grayscale; invert), other line weights and detail (blur), occlusion
 (erase). No flips: some classes are mirror images of each other. docs/recipe.md measures each.
+Self-supervised views are stronger (SimCLR, MoCo v2): strongcrop (30-100 % of the image) and
+jitter (brightness, contrast, saturation 0.4, hue 0.1, 80 % of the time), with grey and blur.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ WHITE = (255, 255, 255)  # the background transparent images are composed on (re
 def _pil_step(name: str, size: int) -> v2.Transform:
     if name == "crop":
         return v2.RandomResizedCrop(size, scale=(0.7, 1.0), ratio=(0.9, 1.1), antialias=True)
+    if name == "strongcrop":  # SimCLR's and MoCo's crop, its smallest share raised for small images
+        return v2.RandomResizedCrop(size, scale=(0.3, 1.0), ratio=(0.75, 1.33), antialias=True)
+    if name == "jitter":  # SimCLR's colour distortion
+        return v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8)
     if name == "color":
         return v2.RandomApply([v2.ColorJitter(0.2, 0.2, 0.2, 0.05)], p=0.5)
     if name == "hue":
@@ -38,8 +44,11 @@ def _pil_step(name: str, size: int) -> v2.Transform:
     raise AssertionError(name)
 
 
-AUGMENTATIONS = ("crop", "color", "hue", "grayscale", "invert", "blur", "affine", "erase")
+AUGMENTATIONS = ("crop", "strongcrop", "color", "jitter", "hue", "grayscale", "invert", "blur", "affine", "erase")
+CROPS = ("crop", "strongcrop")
 DEFAULT_AUGMENT = "crop,color"
+# The two views of self-supervised training (SimCLR and MoCo v2: crop, colour distortion, grey, blur; docs/recipe.md)
+SSL_AUGMENT = "strongcrop,jitter,grayscale,blur"
 
 
 def parse_augment(text: str) -> tuple[str, ...]:
@@ -50,6 +59,8 @@ def parse_augment(text: str) -> tuple[str, ...]:
         raise RetrievalError(f"--augment: unknown step {unknown[0]!r}; choose from {', '.join(AUGMENTATIONS)}, or none")
     if len(set(names)) != len(names):
         raise RetrievalError(f"--augment {text!r} names a step twice")
+    if all(crop in names for crop in CROPS):
+        raise RetrievalError(f"--augment {text!r}: take crop or strongcrop, not both")
     return names
 
 
@@ -67,7 +78,7 @@ def make_augmentation(text: str, preprocessing: Preprocessing) -> Callable[[Imag
     erase = v2.RandomErasing(p=0.25, scale=(0.02, 0.15), value=0) if "erase" in names else None
 
     def augment(image: Image.Image) -> torch.Tensor:
-        viewed = steps(image if "crop" in names else resize_and_crop(image, size))
+        viewed = steps(image if any(crop in names for crop in CROPS) else resize_and_crop(image, size))
         tensor = torch.from_numpy(preprocessing.normalise(viewed))
         return erase(tensor) if erase is not None else tensor
 

@@ -24,6 +24,7 @@ from training.config import TrainConfig
 from training.distributed import Ranks, gather_objects
 from training.memory import MemoryQueue
 from training.model import Encoder
+from training.selfsup import MemoryBank
 
 
 def _weights(model: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -124,6 +125,7 @@ class TrainerState:
     queue: MemoryQueue | None
     ranks: Ranks
     average: nn.Module | None = None  # the moving average of the weights (--ema), with its count of averaged steps
+    bank: MemoryBank | None = None  # instdisc's memory bank, with its NCE constant
 
     def save(self, record: Progress) -> None:
         """Writes the state after record's step (a collective call: every process must make it)."""
@@ -150,6 +152,10 @@ class TrainerState:
             tensors.update({f"queue/{name}": t for name, t in queue_tensors.items()})
             tensors.update(_weights(self.queue.encoder, prefix="queue/encoder/"))
             metadata["queue"] = json.dumps(counters)
+        if self.bank is not None:
+            bank_tensors, bank_counters = self.bank.state()
+            tensors.update({f"bank/{name}": t for name, t in bank_tensors.items()})
+            metadata["bank"] = json.dumps(bank_counters)
         write_atomic(self.path, sealed_safetensors(tensors, metadata))
 
     def load(self) -> Progress:
@@ -177,6 +183,10 @@ class TrainerState:
                     raise RetrievalError(f"{self.path}: saved without a memory queue, but the run has --queue-size")
                 self.queue.encoder.load_state_dict(_prefixed(tensors, "queue/encoder/"))
                 self.queue.load_state(_prefixed(tensors, "queue/"), json.loads(metadata["queue"]))
+            if self.bank is not None:
+                if "bank" not in metadata:
+                    raise RetrievalError(f"{self.path}: saved without a memory bank, but the run keeps one")
+                self.bank.load_state(_prefixed(tensors, "bank/"), json.loads(metadata["bank"]))
             if self.average is not None:
                 averaged = _prefixed(tensors, "average/")
                 if not averaged:

@@ -2,35 +2,51 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
 from retrieval.errors import RetrievalError
 from retrieval.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
-from training.augment import DEFAULT_AUGMENT, parse_augment
-from training.losses import DEFAULT_TEMPERATURES
+from training.augment import DEFAULT_AUGMENT, SSL_AUGMENT, parse_augment
+from training.losses import DEFAULT_TEMPERATURES, LOSSES
 from training.model import POOLINGS, STEMS, Architecture, parse_layers, weights_cached
+from training.selfsup import SSL_LOSSES, SSL_TEMPERATURES
 
 OPTIMIZERS = ("adamw", "sgd")
 # The default recipe, by whether ImageNet weights are used (docs/recipe.md): from scratch, small inputs and long
 # training; from pretrained weights, larger inputs and a short fine-tuning (the weights' own 224 px on a GPU).
+# Self-supervised runs see two views of each image, so their epochs cost twice as much: fewer of them.
 RECIPE = {"scratch": {"image_size": 64, "epochs": 50}, "pretrained": {"image_size": 128, "epochs": 15}}
+SSL_EPOCHS = {"scratch": 35, "pretrained": 10}
 GPU_IMAGE_SIZE = 224
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 QUEUE_LOSSES = ("supcon", "infonce")
+# What a run learns from (decided from the data, or by --self-supervised and --adapt; docs/guide.md):
+SUPERVISED = "supervised"  # every image labeled: the supervised loss alone
+SELF_SUPERVISED = "self-supervised"  # no labels used: the self-supervised loss (--loss names its method)
+PARTLY_LABELED = "partly labeled"  # some images unlabeled: supervised on the labeled, self-supervised on all
+ADAPTED = "adapted"  # supervised on the labeled images, self-supervised on the gallery's (--adapt)
+MODES = (SUPERVISED, SELF_SUPERVISED, PARTLY_LABELED, ADAPTED)
+SSL_DEFAULT = "simclr"  # the self-supervised method of the recipe (chosen on held-out classes, docs/recipe.md)
+MODE_DEPENDENT = ("loss", "temperature", "epochs", "ssl_loss", "ssl_temperature")  # their defaults depend on it
 
 
 @dataclass
 class TrainConfig:
-    """Everything that decides a training run (written to RUN/config.json)."""
+    """Everything that decides a training run (written to RUN/config.json).
+
+    Defaults that depend on what the run learns from (`mode`: the losses, their temperatures, the epochs) are
+    resolved for the mode given or expected (`expected_mode`), and again by `for_mode` once the data has shown
+    which it is (a collection without labels trains self-supervised).
+    """
 
     data: str
     benchmark: str | None = None  # cub, cars196, sop or inshop: data is that archive, trained on its training split
-    loss: str = "supcon"
+    loss: str | None = None  # the supervised loss (default supcon); in a self-supervised run, its method
     temperature: float | None = None  # None: the loss's default (training.losses.DEFAULT_TEMPERATURES)
-    epochs: int | None = None  # None: the recipe's (RECIPE)
-    batch_size: int = 128
+    epochs: int | None = None  # None: the recipe's (RECIPE, SSL_EPOCHS)
+    batch_size: int = 128  # images per batch (a self-supervised run: each seen as two views)
     images_per_class: int = 4
     backbone: str = "resnet18"
     pretrained: bool | None = None  # None: ImageNet weights when torchvision has them cached (never downloads)
@@ -48,7 +64,7 @@ class TrainConfig:
     clip_grad: float = 0.0  # maximum gradient norm (0: no clipping)
     precision: str = "auto"  # fp32, bf16 or fp16 autocast; auto: bf16 on a GPU or CPU that has it, else fp32
     compile: bool = False  # torch.compile the encoder
-    queue_size: int = 0  # keys of earlier batches kept as extra contrast (MoCo memory; 0: none)
+    queue_size: int = 0  # keys of earlier batches kept as extra contrast (MoCo memory; moco: 0 sizes it to the data)
     momentum: float = 0.999  # momentum of the key encoder that fills the queue
     checkpoint_every: int = 0  # also save the trainer state every this many steps (0: after each epoch only)
     tensorboard: bool = False  # also log to RUN/tensorboard
@@ -57,51 +73,55 @@ class TrainConfig:
     device: str = "auto"
     seed: int = 0
     workers: int = 0
+    self_supervised: bool = False  # learn without the labels of a labeled collection
+    adapt: str | None = None  # a gallery (folder or list) whose images join the self-supervised loss, labels ignored
+    ssl_loss: str | None = None  # the self-supervised method beside a supervised loss (None: SSL_DEFAULT)
+    ssl_temperature: float | None = None  # its temperature (None: the method's default)
+    ssl_weight: float = 1.0  # weight of the self-supervised loss beside the supervised one
+    ssl_batch: int | None = None  # images a batch adds for the self-supervised loss beside a supervised one
+    ssl_augment: str | None = None  # augmentation of the two views (None: training.augment.SSL_AUGMENT)
+    bank_momentum: float = 0.5  # instdisc: how much of a memory bank row is kept when its image is seen again
+    nce_negatives: int = 0  # instdisc: sampled negatives of its NCE estimate (0: the softmax over every image)
+    proximal: float = 0.0  # instdisc: weight of the proximal term ||v - bank row||^2 (Wu et al. 2018)
+    mode: str | None = None  # what the run learns from (MODES); None: decided from the data
 
     def __post_init__(self) -> None:
+        if not hasattr(self, "asked"):  # the mode-dependent values as given, to resolve again for another mode
+            self.asked = {name: getattr(self, name) for name in MODE_DEPENDENT}
         if self.pretrained is None:
             self.pretrained = self.stem == "imagenet" and weights_cached(self.backbone)
-        recipe = RECIPE["pretrained" if self.pretrained else "scratch"]
+        scratch = "pretrained" if self.pretrained else "scratch"
         if self.image_size is None:
             on_gpu = self.device != "cpu" and gpu_available()
-            self.image_size = GPU_IMAGE_SIZE if self.pretrained and on_gpu else recipe["image_size"]
+            self.image_size = GPU_IMAGE_SIZE if self.pretrained and on_gpu else RECIPE[scratch]["image_size"]
+        mode = self.mode or self.expected_mode()
         if self.epochs is None:
-            self.epochs = recipe["epochs"]
-        if self.loss not in DEFAULT_TEMPERATURES:
-            raise RetrievalError(f"unknown loss {self.loss!r}; choose one of {', '.join(sorted(DEFAULT_TEMPERATURES))}")
-        if self.temperature is None:
-            self.temperature = DEFAULT_TEMPERATURES[self.loss]
-        if self.temperature <= 0:
-            raise RetrievalError(f"--temperature must be positive, got {self.temperature}")
-        for name in ("epochs", "batch_size", "image_size", "embedding_dim"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise RetrievalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.image_size < 32:
-            raise RetrievalError(f"--image-size must be at least 32 pixels, got {self.image_size}")
-        if self.optimizer not in OPTIMIZERS:
-            raise RetrievalError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        if self.precision not in PRECISIONS:
-            raise RetrievalError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if not 0 <= self.warmup < 1:
-            raise RetrievalError(f"--warmup is a fraction of the training steps in [0, 1), got {self.warmup}")
-        if self.clip_grad < 0 or self.queue_size < 0 or self.checkpoint_every < 0:
-            raise RetrievalError("--clip-grad, --queue-size and --checkpoint-every must not be negative")
-        if self.queue_size and self.loss not in QUEUE_LOSSES:
-            raise RetrievalError(f"--queue-size works with the {' and '.join(QUEUE_LOSSES)} losses, not {self.loss!r}")
-        if not 0 <= self.momentum < 1:
-            raise RetrievalError(f"--momentum must be in [0, 1), got {self.momentum}")
-        if self.stem not in STEMS:
-            raise RetrievalError(f"--stem must be one of {', '.join(STEMS)}, got {self.stem!r}")
-        if self.pooling not in POOLINGS:
-            raise RetrievalError(f"--pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
-        parse_layers(self.layers)
-        if not 0 <= self.ema < 1:
-            raise RetrievalError(f"--ema is a decay in [0, 1) (e.g. 0.99; 0: no averaging), got {self.ema}")
+            self.epochs = SSL_EPOCHS[scratch] if mode == SELF_SUPERVISED else RECIPE[scratch]["epochs"]
+        _resolve_losses(self, mode)
         if self.augment is None:
             self.augment = DEFAULT_AUGMENT
-        parse_augment(self.augment)
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise RetrievalError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.ssl_augment is None:
+            self.ssl_augment = SSL_AUGMENT
+        _check(self)
+
+    def expected_mode(self) -> str:
+        """The mode the options ask for, before the data is read (a collection without labels may change it)."""
+        return self.mode or (SELF_SUPERVISED if self.self_supervised else ADAPTED if self.adapt else SUPERVISED)
+
+    def for_mode(self, mode: str) -> TrainConfig:
+        """This config for a run of that mode, its mode-dependent defaults resolved again from the values asked."""
+        return replace(self, mode=mode, **self.asked)
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the run has a supervised and a self-supervised loss."""
+        return self.expected_mode() in (PARTLY_LABELED, ADAPTED)
+
+    @property
+    def ssl_method(self) -> str | None:
+        """The self-supervised method the run uses (None in a supervised run)."""
+        mode = self.expected_mode()
+        return self.loss if mode == SELF_SUPERVISED else self.ssl_loss if mode != SUPERVISED else None
 
     @property
     def architecture(self) -> Architecture:
@@ -125,6 +145,85 @@ class TrainConfig:
         if unknown:
             raise RetrievalError(f"config.json has unknown keys {sorted(unknown)}; it was written by another version")
         return cls(**values)
+
+
+def _resolve_losses(config: TrainConfig, mode: str) -> None:
+    """Fills in the losses and temperatures of the mode; strict (a mode given) refuses what cannot apply to it."""
+    if mode not in MODES:
+        raise RetrievalError(f"unknown training mode {mode!r}; one of {', '.join(MODES)}")
+    strict = config.mode is not None
+    for name in (config.loss, config.ssl_loss):
+        if name is not None and name not in LOSSES and name not in SSL_LOSSES:
+            known = ", ".join(sorted(set(LOSSES) | set(SSL_LOSSES)))
+            raise RetrievalError(f"unknown loss {name!r}; choose one of {known}")
+    if mode == SELF_SUPERVISED:
+        if config.loss is not None and config.ssl_loss is not None and config.loss != config.ssl_loss:
+            given = f"--loss {config.loss} and --ssl-loss {config.ssl_loss}"
+            raise RetrievalError(f"{given}: a self-supervised run has one method; give it with --loss")
+        method = config.loss or config.ssl_loss or SSL_DEFAULT
+        if method not in SSL_LOSSES:
+            raise RetrievalError(
+                f"--loss {method} needs labels; a self-supervised run takes one of {', '.join(SSL_LOSSES)}"
+            )
+        config.temperature = config.temperature or config.ssl_temperature or SSL_TEMPERATURES[method]
+        config.loss, config.ssl_loss, config.ssl_temperature = method, None, None
+        return
+    config.loss = config.loss or "supcon"
+    if config.loss not in LOSSES and (strict or config.loss not in SSL_LOSSES):
+        raise RetrievalError(
+            f"--loss {config.loss} is a self-supervised method: add --self-supervised to train without labels, or "
+            f"give it as --ssl-loss beside a supervised loss ({', '.join(LOSSES)}) with --adapt GALLERY"
+        )
+    if config.temperature is None:
+        config.temperature = DEFAULT_TEMPERATURES.get(config.loss, SSL_TEMPERATURES.get(config.loss, 0.1))
+    if mode == SUPERVISED:
+        if strict and (config.ssl_loss is not None or config.ssl_temperature is not None):
+            raise RetrievalError(
+                "--ssl-loss and --ssl-temperature need a self-supervised part: --adapt GALLERY, unlabeled images, "
+                "or --self-supervised"
+            )
+        return
+    config.ssl_loss = config.ssl_loss or SSL_DEFAULT
+    if config.ssl_loss not in SSL_LOSSES:
+        raise RetrievalError(f"--ssl-loss {config.ssl_loss}: choose one of {', '.join(SSL_LOSSES)}")
+    config.ssl_temperature = config.ssl_temperature or SSL_TEMPERATURES[config.ssl_loss]
+
+
+def _check(config: TrainConfig) -> None:
+    """Refuses values out of their range, naming the option (the losses are _resolve_losses')."""
+    for name in ("epochs", "batch_size", "image_size", "embedding_dim", "ssl_batch"):
+        if getattr(config, name) is not None and getattr(config, name) < 1:
+            raise RetrievalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
+    if int(config.image_size or 0) < 32:
+        raise RetrievalError(f"--image-size must be at least 32 pixels, got {config.image_size}")
+    _one_of("optimizer", config.optimizer, OPTIMIZERS)
+    _one_of("precision", config.precision, PRECISIONS)
+    _one_of("stem", config.stem, STEMS)
+    _one_of("pooling", config.pooling, POOLINGS)
+    for name in ("temperature", "ssl_temperature", "ssl_weight"):
+        if getattr(config, name) is not None and getattr(config, name) <= 0:
+            raise RetrievalError(f"--{name.replace('_', '-')} must be positive, got {getattr(config, name)}")
+    if not 0 <= config.warmup < 1:
+        raise RetrievalError(f"--warmup is a fraction of the training steps in [0, 1), got {config.warmup}")
+    negative = [name for name in ("clip_grad", "queue_size", "checkpoint_every", "nce_negatives", "proximal")]
+    if any(getattr(config, name) < 0 for name in negative):
+        raise RetrievalError(f"{', '.join('--' + name.replace('_', '-') for name in negative)} must not be negative")
+    queued = "moco" in (config.ssl_method, config.loss) or config.loss in QUEUE_LOSSES
+    if config.queue_size and not queued:
+        raise RetrievalError(f"--queue-size works with the {' and '.join(QUEUE_LOSSES)} losses and moco")
+    for name in ("momentum", "bank_momentum", "ema"):
+        if not 0 <= getattr(config, name) < 1:
+            raise RetrievalError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(config, name)}")
+    parse_layers(config.layers)
+    parse_augment(str(config.augment))
+    parse_augment(str(config.ssl_augment))
+    if config.device not in ("auto", "cpu", "cuda") and not config.device.startswith("cuda:"):
+        raise RetrievalError(f"--device must be auto, cpu or cuda, got {config.device!r}")
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise RetrievalError(f"--{name} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 def gpu_available() -> bool:

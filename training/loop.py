@@ -1,8 +1,10 @@
 """The training loop: class-balanced batches, a contrastive loss, checkpoints after every epoch.
 
-`train` prepares the data (checked once, held-out classes split off), then a `Trainer` holds the
-model, loader, optimizer, schedule and memory queue and runs epochs of steps; checkpoints and the
-resumable trainer state are training.checkpoints', validation training.validation's.
+`train` prepares the data (training.inputs: checked once, the mode decided, held-out classes split
+off), then a `Trainer` holds the model, loader, optimizer, schedule, memory queue or bank and runs
+epochs of steps: the supervised loss on class-balanced batches, the self-supervised one
+(training.selfsup) on two views of each pool image, or both, weighted (--ssl-weight); checkpoints
+and the resumable trainer state are training.checkpoints', validation training.validation's.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import json
 import math
 import re
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,26 +22,28 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from retrieval.benchmarks import load_training_data
-from retrieval.data import Item, Skipped, load_image, split_by_class, write_skip_report
-from retrieval.errors import ImageError, RetrievalError
+from retrieval.data import Skipped
+from retrieval.errors import RetrievalError
 from retrieval.extras import require
 from retrieval.plots import plot_training_log
-from retrieval.preprocess import Preprocessing
 from retrieval.progress import progress as progress_bar
 from retrieval.progress import say
-from retrieval.runs import RunDir, write_atomic, write_json
-from training.augment import make_augmentation
+from retrieval.runs import RunDir, write_atomic
 from training.checkpoints import Progress, TrainerState, save_checkpoint
-from training.config import TrainConfig
+from training.config import SELF_SUPERVISED, TrainConfig
 from training.distributed import Ranks, broadcast_object, gather_rows, start, stop
+from training.images import VIEWS, AugmentedImages, Batch, ViewedImages, collate
+from training.inputs import TrainingData, prepare_data
 from training.losses import make_loss
 from training.memory import MemoryQueue
 from training.model import Encoder
-from training.samplers import ClassBalancedBatchSampler
+from training.samplers import ClassBalancedBatchSampler, InstanceBatchSampler, MixedBatchSampler
+from training.selfsup import MemoryBank, Objective, make_objective
 from training.validation import VALIDATION_KEYS, Validator
+
+Batches = ClassBalancedBatchSampler | InstanceBatchSampler | MixedBatchSampler
 
 
 @dataclass
@@ -48,46 +51,20 @@ class TrainResult:
     """What a finished run produced."""
 
     run: RunDir
-    num_images: int
+    num_images: int  # labeled images the supervised loss trained on
     num_classes: int
     skipped: list[Skipped]
     final_loss: float
     reporting: bool = True  # False in the torchrun processes other than process 0, which reports for all
+    mode: str = "supervised"  # training.config.MODES
+    pool: int = 0  # images of the self-supervised loss
 
-
-class AugmentedImages(Dataset):
-    """Items decoded on access, augmented (training.augment) and normalised as at evaluation."""
-
-    def __init__(
-        self, items: Sequence[Item], classes: Sequence[str], preprocessing: Preprocessing, augment: str
-    ) -> None:
-        self.items = list(items)
-        codes = {label: code for code, label in enumerate(classes)}
-        self.codes = [codes[item.label] for item in self.items]
-        self.augment = make_augmentation(augment, preprocessing)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        return self.augment(load_image(self.items[index].path)), self.codes[index]
-
-
-def readable_items(items: Sequence[Item], progress: bool = True) -> tuple[list[Item], list[Skipped]]:
-    """Splits items into those that decode and those skipped (with the reason)."""
-    good: list[Item] = []
-    skipped: list[Skipped] = []
-    for item in progress_bar(items, desc="checking images", unit="img", enabled=progress):
-        if not item.label:
-            skipped.append(Skipped(item.path, "no label (put it in a label folder or give it a label in the CSV)"))
-            continue
-        try:
-            load_image(item.path)
-        except ImageError as error:
-            skipped.append(Skipped(item.path, error.reason))
-            continue
-        good.append(item)
-    return good, skipped
+    def describe(self) -> str:
+        """What was trained on, in a few words."""
+        if self.mode == SELF_SUPERVISED:
+            return f"trained self-supervised on {self.pool} images"
+        own = f"trained on {self.num_images} images of {self.num_classes} classes"
+        return own + (f", self-supervised on {self.pool} images ({self.mode})" if self.pool else "")
 
 
 class _Projected(nn.Module):
@@ -161,63 +138,42 @@ def train(config: TrainConfig, run: RunDir, progress: bool = True, resume: bool 
     ranks, device = start(config.device)
     try:
         data = prepare_data(config, run, progress and ranks.is_main, ranks)
-        trainer = Trainer(config, run, data, ranks, device, progress and ranks.is_main)
+        trainer = Trainer(data.config, run, data, ranks, device, progress and ranks.is_main)
         return trainer.fit(resume)
     finally:
         stop()
 
 
-@dataclass
-class TrainingData:
-    """The readable items split into training and validation classes, and the files skipped."""
-
-    items: list[Item]
-    validation: list[Item]
-    classes: list[str]
-    skipped: list[Skipped]
-
-
-def prepare_data(config: TrainConfig, run: RunDir, progress: bool, ranks: Ranks) -> TrainingData:
-    """Checks every image once, splits off the validation classes, and writes config.json and skipped.json."""
-    collection = load_training_data(config.data, config.benchmark)
-    # process 0 decodes every image once; the others take its verdict rather than decoding them again
-    checked = readable_items(collection.items, progress) if ranks.is_main else None
-    readable, skipped = broadcast_object(checked)  # type: ignore[misc]
-    skipped = collection.skipped + skipped
-    items, validation = split_by_class(readable, config.val_classes, config.seed)
-    classes = sorted({item.label for item in items})
-    if len(classes) < 2:
-        found = f"only class {classes[0]!r}" if classes else "no readable labeled image"
-        raise RetrievalError(
-            f"{config.data}: {found} to train on; training needs at least two labeled classes (ROOT/<label>/<image>)"
-        )
-    if config.val_classes > 0 and len({item.label for item in validation}) < 2:
-        total = len({item.label for item in readable})
-        raise RetrievalError(
-            f"--val-classes {config.val_classes} holds out fewer than two of the {total} classes; raise it or use 0"
-        )
-    if ranks.is_main:
-        run.root.mkdir(parents=True, exist_ok=True)
-        write_json(run.config, config.to_dict(), sealed=True)
-        write_skip_report(run.root / "skipped.json", skipped)
-    return TrainingData(items, validation, classes, skipped)
-
-
-def make_loader(
-    data: TrainingData,
-    preprocessing: Preprocessing,
-    augment: str,
-    sampler: ClassBalancedBatchSampler,
-    workers: int,
-    seed: int,
-    pin_memory: bool,
-) -> DataLoader:
-    """The training images, decoded and augmented on access, in the sampler's batches."""
+def make_batches(config: TrainConfig, data: TrainingData, ranks: Ranks, pin_memory: bool) -> tuple[Batches, DataLoader]:
+    """The sampler and loader of the run's mode: class-balanced batches of labeled images, batches of pool images
+    (two views each), or both at once."""
     # its own generator: starting an epoch's iterator must not draw from the augmentation's, or a run resumed
     # mid-epoch would diverge
-    generator = torch.Generator().manual_seed(seed)
-    images = AugmentedImages(data.items, data.classes, preprocessing, augment)
-    return DataLoader(images, batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory, generator=generator)
+    generator = torch.Generator().manual_seed(config.seed)
+    loading = {"num_workers": config.workers, "pin_memory": pin_memory, "generator": generator}
+    preprocessing = config.preprocessing
+    labeled = AugmentedImages(data.items, data.classes, preprocessing, str(config.augment)) if data.items else None
+    balanced = (
+        ClassBalancedBatchSampler(
+            [item.label for item in data.items],
+            config.batch_size,
+            config.images_per_class,
+            config.seed,
+            ranks.rank,
+            ranks.world_size,
+        )
+        if data.items
+        else None
+    )
+    if not data.pool:
+        return balanced, DataLoader(labeled, batch_sampler=balanced, **loading)  # type: ignore[arg-type,return-value]
+    if balanced is not None:
+        extra = config.ssl_batch or config.batch_size // 2
+        sampler: Batches = MixedBatchSampler(balanced, len(data.items), len(data.pool), extra, config.seed)
+    else:
+        sampler = InstanceBatchSampler(len(data.pool), config.batch_size, config.seed, ranks.rank, ranks.world_size)
+    images = ViewedImages(labeled, data.pool, preprocessing, str(config.ssl_augment))
+    return sampler, DataLoader(images, batch_sampler=sampler, collate_fn=collate, **loading)
 
 
 def make_average(model: nn.Module, decay: float) -> AveragedModel | None:
@@ -226,7 +182,7 @@ def make_average(model: nn.Module, decay: float) -> AveragedModel | None:
 
 
 class Trainer:
-    """One training run: the model, its loader, optimizer, schedule and queue, stepped epoch by epoch."""
+    """One training run: the model, its loader, optimizer, schedule and queue or bank, stepped epoch by epoch."""
 
     def __init__(
         self,
@@ -246,15 +202,10 @@ class Trainer:
         self.validator = Validator(data.validation, config.preprocessing, device) if data.validation and main else None
         self.model = Encoder.build(config.architecture, bool(config.pretrained))
         self.model.to(device, memory_format=self.memory_format)
-        self.queue = MemoryQueue(self.model, config.queue_size, config.momentum) if config.queue_size else None
-        self.loss_fn = make_loss(config.loss, config.temperature)
-        labels = [item.label for item in data.items]
-        self.sampler = ClassBalancedBatchSampler(
-            labels, config.batch_size, config.images_per_class, config.seed, ranks.rank, ranks.world_size
-        )
-        self.loader = make_loader(
-            data, config.preprocessing, str(config.augment), self.sampler, config.workers, config.seed, cuda
-        )
+        self.objective, self.queue, self.bank = self._self_supervised()
+        supervised = config.mode != SELF_SUPERVISED
+        self.loss_fn = make_loss(str(config.loss), float(config.temperature)) if supervised else None
+        self.sampler, self.loader = make_batches(config, data, ranks, cuda)
         self.optimizer = make_optimizer(config, self.model)
         self.average = make_average(self.model, config.ema)
         self.schedule = warmup_cosine(self.optimizer, int(config.epochs) * len(self.sampler), config.warmup)
@@ -264,9 +215,30 @@ class Trainer:
         self.state = TrainerState(
             run.trainer_state, self.model, self.optimizer, self.schedule, self.scaler, self.queue, ranks, self.average
         )
+        self.state.bank = self.bank
         self.board = _tensorboard(run) if config.tensorboard and main else None
         self.record = Progress()
         self.epoch_seconds: list[float] = []  # of this process's epochs: the estimate of the time left
+
+    def _self_supervised(self) -> tuple[Objective | None, MemoryQueue | None, MemoryBank | None]:
+        """The self-supervised objective and the queue (MoCo's, or the supervised loss's) or bank it keeps."""
+        config, model = self.config, self.model
+        method = config.ssl_method
+        if method is None:
+            queue = MemoryQueue(model, config.queue_size, config.momentum) if config.queue_size else None
+            return None, queue, None
+        temperature = config.temperature if config.mode == SELF_SUPERVISED else config.ssl_temperature
+        return make_objective(
+            method,
+            float(temperature),
+            model,
+            len(self.data.pool),
+            config.queue_size,
+            config.momentum,
+            config.bank_momentum,
+            config.nce_negatives,
+            config.proximal,
+        )
 
     def _wrapped(self) -> nn.Module:
         """The encoder as the loss sees it, under DDP with several processes and compiled with --compile."""
@@ -294,8 +266,16 @@ class Trainer:
             self.board.close()
         if self.ranks.is_main:
             plot_training_log(self.run.train_log, self.run.loss_plot)
+        data = self.data
         return TrainResult(
-            self.run, len(self.data.items), len(self.data.classes), self.data.skipped, epoch_loss, self.ranks.is_main
+            self.run,
+            len(data.items),
+            len(data.classes),
+            data.skipped,
+            epoch_loss,
+            self.ranks.is_main,
+            str(self.config.mode),
+            len(data.pool),
         )
 
     def _begin(self, resume: bool) -> None:
@@ -336,8 +316,8 @@ class Trainer:
         bar = progress_bar(
             self.loader, desc=f"epoch {epoch + 1}/{config.epochs}", unit="batch", enabled=self.progress, leave=False
         )
-        for images, labels in bar:
-            value, lr, count = self.step(images, labels)
+        for batch in bar:
+            value, lr, count = self.step(batch) if isinstance(batch, Batch) else self.step_supervised(*batch)
             seen += count
             bar.set_postfix(loss=f"{value:.4f}", lr=f"{lr:.2e}", img_s=f"{seen / (time.perf_counter() - started):.0f}")
             every = config.checkpoint_every
@@ -376,9 +356,9 @@ class Trainer:
             f" ({seconds:.1f}s, {entry['images_per_second']:.0f} img/s{remaining})"
         )
 
-    def step(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, float, int]:
+    def step_supervised(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, float, int]:
         """One optimisation step on a batch; returns the loss, the learning rate and the images seen (all processes)."""
-        queue, record = self.queue, self.record
+        queue = self.queue
         images = images.to(self.device, memory_format=self.memory_format, non_blocking=True)
         labels = gather_rows(labels.to(self.device, non_blocking=True))
         with autocast(self.device, self.dtype):
@@ -393,6 +373,32 @@ class Trainer:
         self._optimise(loss)
         if queue is not None:
             queue.follow(self.model)
+        return self._stepped(loss, len(labels))
+
+    def step(self, batch: Batch) -> tuple[float, float, int]:
+        """One step on a batch with a self-supervised part: the supervised loss on its labeled images (if any) and,
+        weighted, the self-supervised one on its pool images' two views; returns as step_supervised."""
+        assert self.objective is not None
+        labeled = batch.images.to(self.device, memory_format=self.memory_format, non_blocking=True)
+        views = batch.views.to(self.device, non_blocking=True)
+        flat = views.flatten(0, 1).contiguous(memory_format=self.memory_format)
+        with autocast(self.device, self.dtype):
+            z = self.forward(torch.cat([labeled, flat]) if len(labeled) else flat)
+            keys = self.objective.encode(views)
+        z = z.float()
+        instances = gather_rows(batch.instances.to(self.device, non_blocking=True))
+        pooled = gather_rows(z[len(labeled) :]).view(len(instances), VIEWS, -1)
+        loss = self.objective.loss(pooled, instances, keys)
+        if len(labeled):
+            labels = gather_rows(batch.labels.to(self.device, non_blocking=True))
+            loss = self.loss_fn(gather_rows(z[: len(labeled)]), labels) + self.config.ssl_weight * loss  # type: ignore[misc]
+        self._optimise(loss)
+        self.objective.follow(self.model)
+        return self._stepped(loss, (len(batch.labels) + len(batch.instances)) * self.ranks.world_size)
+
+    def _stepped(self, loss: torch.Tensor, images: int) -> tuple[float, float, int]:
+        """After a step: the weight average, the record, TensorBoard; the loss, learning rate and images seen."""
+        record = self.record
         if self.average is not None:
             self.average.update_parameters(self.model)
         value, lr = loss.item(), self.schedule.get_last_lr()[0]
@@ -402,7 +408,7 @@ class Trainer:
         if self.board is not None:
             self.board.add_scalar("train/loss", value, record.step)
             self.board.add_scalar("train/lr", lr, record.step)
-        return value, lr, len(labels)
+        return value, lr, images
 
     def _optimise(self, loss: torch.Tensor) -> None:
         """The backward pass and the optimizer's and schedule's step (loss scaling, gradient clipping)."""

@@ -66,3 +66,68 @@ class ClassBalancedBatchSampler(Sampler[list[int]]):
                 batch += rng.choice(group, self.images_per_class, replace=replace).tolist()
             if number % self.world_size == self.rank and number // self.world_size >= self.skip:
                 yield batch
+
+
+class InstanceBatchSampler(Sampler[list[int]]):
+    """Batches of `batch_size` distinct images of `count`, in a fresh seeded order every epoch (each image its own
+    class: self-supervised training). The last incomplete batch is left out, so every batch has the same size;
+    under DDP every rank draws the same sequence and keeps every world_size-th batch from its rank on."""
+
+    def __init__(self, count: int, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
+        if count < 2:
+            raise RetrievalError(f"self-supervised training needs at least two images to contrast, got {count}")
+        self.count, self.batch_size = count, max(2, min(batch_size, count))
+        self.num_batches = max(1, count // (self.batch_size * world_size))
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.epoch = self.skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Makes the next iteration yield this epoch's batches after the first `skip` (seeded by epoch)."""
+        self.epoch, self.skip = epoch, skip
+
+    def __len__(self) -> int:
+        return self.num_batches - self.skip
+
+    def __iter__(self) -> Iterator[list[int]]:
+        rng = np.random.default_rng((self.seed, self.epoch))
+        total = self.num_batches * self.world_size * self.batch_size
+        order = np.concatenate([rng.permutation(self.count) for _ in range(total // self.count + 1)])
+        for number in range(self.num_batches * self.world_size):
+            if number % self.world_size == self.rank and number // self.world_size >= self.skip:
+                yield order[number * self.batch_size : (number + 1) * self.batch_size].tolist()
+
+
+class MixedBatchSampler(Sampler[list[int]]):
+    """Class-balanced batches of the labeled images (ClassBalancedBatchSampler), each with `pool_batch` images of a
+    pool for the self-supervised loss beside it (partly labeled and adapted runs).
+
+    Indices below len(labels) are labeled images, the others pool images (len(labels) + their position in the
+    pool). The pool is drawn in a seeded order per epoch, continued from batch to batch, so that an epoch of the
+    labeled batches sees about epochs x batches x pool_batch pool images, and a resumed epoch the same ones.
+    """
+
+    def __init__(
+        self, labeled: ClassBalancedBatchSampler, offset: int, pool: int, pool_batch: int, seed: int = 0
+    ) -> None:
+        if pool < 2:
+            raise RetrievalError(f"the self-supervised loss needs at least two images to contrast, got {pool}")
+        self.labeled, self.offset, self.pool = labeled, offset, pool
+        self.pool_batch = max(2, min(pool_batch, pool))
+        self.seed = seed
+        self.num_batches = labeled.num_batches
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.labeled.set_epoch(epoch, skip)
+
+    def __len__(self) -> int:
+        return len(self.labeled)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        sampler = self.labeled
+        rng = np.random.default_rng((self.seed, sampler.epoch, 1))
+        wanted = sampler.num_batches * sampler.world_size * self.pool_batch
+        order = np.concatenate([rng.permutation(self.pool) for _ in range(wanted // self.pool + 1)])
+        for number, batch in enumerate(sampler, start=sampler.skip):
+            drawn = number * sampler.world_size + sampler.rank
+            pool = order[drawn * self.pool_batch : (drawn + 1) * self.pool_batch] + self.offset
+            yield batch + pool.tolist()

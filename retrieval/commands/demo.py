@@ -24,7 +24,8 @@ from retrieval.evaluation import evaluate_collection, write_plots
 from retrieval.extras import require
 from retrieval.runs import RunDir, read_json, write_json
 
-STEPS = 4  # train, export, index, evaluate (serving is the fifth, when asked for)
+STEPS = 5  # train, export, index, evaluate, self-supervised (serving is the sixth, when asked for)
+SSL_EPOCHS = 10  # the self-supervised run's short schedule (the recipe's is 35: docs/recipe.md)
 
 
 @dataclass
@@ -35,6 +36,9 @@ class DemoOutcome:
     baseline_metrics: dict
     train_seconds: float
     total_seconds: float
+    self_supervised_metrics: dict | None = None  # the same test classes, trained without any label
+    self_supervised_seconds: float = 0.0
+    self_supervised_epochs: int = 0
 
 
 def demo(
@@ -55,12 +59,14 @@ def demo(
     outcome = None if retrain else finished_demo(run_dir, epochs, classes)
     if outcome is None:
         require("torch", "train")
-        outcome = run_demo(run_dir, epochs=epochs, classes=classes)
+        outcome = run_demo(run_dir, epochs=epochs, classes=classes, steps=STEPS + serve_app)
     else:
         console.print(f"{run} holds a finished demo: reusing it (train it again with --retrain)", soft_wrap=True)
-    console.print(
-        metrics_table({"trained model": outcome.model_metrics, "raw pixels 16x16 gray": outcome.baseline_metrics})
-    )
+    columns = {"trained model": outcome.model_metrics}
+    if outcome.self_supervised_metrics:
+        columns[f"no labels, {outcome.self_supervised_epochs} epochs"] = outcome.self_supervised_metrics
+    columns["raw pixels 16x16 gray"] = outcome.baseline_metrics
+    console.print(metrics_table(columns))
     console.print(f"run directory: {run}  (train {outcome.train_seconds:.0f}s, total {outcome.total_seconds:.0f}s)")
     console.print(f"reopen the app later with: {reopen_command(run)}", highlight=False, soft_wrap=True)
     if serve_app:
@@ -90,7 +96,9 @@ def finished_demo(run: RunDir, epochs: int | None, classes: int | None) -> DemoO
     return DemoOutcome(**saved["outcome"])
 
 
-def run_demo(run: RunDir, epochs: int | None = None, classes: int | None = None, progress: bool = True) -> DemoOutcome:
+def run_demo(
+    run: RunDir, epochs: int | None = None, classes: int | None = None, progress: bool = True, steps: int = STEPS
+) -> DemoOutcome:
     """Runs train -> export -> index -> evaluate on the icons dataset and the raw-pixel baseline.
 
     Training uses the default recipe of `retrieval train`; epochs and classes shorten the demo.
@@ -108,24 +116,45 @@ def run_demo(run: RunDir, epochs: int | None = None, classes: int | None = None,
     config = (
         TrainConfig(data=str(train_source)) if epochs is None else TrainConfig(data=str(train_source), epochs=epochs)
     )
-    step(f"train: {config.backbone} at {config.image_size} px, {config.loss}, {config.epochs} epochs", 1)
+    step(f"train: {config.backbone} at {config.image_size} px, {config.loss}, {config.epochs} epochs", 1, steps)
     train(config, run, progress=progress)
     train_seconds = time.perf_counter() - started
-    step("export to ONNX, checked against PyTorch", 2)
+    step("export to ONNX, checked against PyTorch", 2, steps)
     console.print(f"{run.model}: {export(run).describe()}", highlight=False, soft_wrap=True)
     embedder = OnnxEmbedder.from_run(run)
     test = load_collection(test_source)
-    step(f"index the {len(test.items)} test images (classes never seen in training)", 3)
+    step(f"index the {len(test.items)} test images (classes never seen in training)", 3, steps)
     build_index(embedder, test, run.index, rebuild=True, progress=progress)
-    step("evaluate leave-one-out on the test classes, and a raw-pixel baseline", 4)
+    step("evaluate leave-one-out on the test classes, and a raw-pixel baseline", 4, steps)
     evaluation = evaluate_collection(embedder, test, progress=progress)
     run.save_metrics(f"icons-{Path(test_source).stem}", evaluation.metrics)
     write_plots(evaluation, run.plots)
     baseline = evaluate_collection(PixelEmbedder(16), test, progress=progress).metrics
     write_json(run.root / "baseline_metrics.json", baseline)
+    step(f"self-supervised: {SSL_EPOCHS if epochs is None else epochs} epochs without labels, the same test", 5, steps)
+    ssl_started = time.perf_counter()
+    ssl = self_supervised(run, train_source, test, epochs, progress)
     outcome = DemoOutcome(evaluation.metrics, baseline, train_seconds, time.perf_counter() - started)
+    outcome.self_supervised_metrics, outcome.self_supervised_seconds = ssl, time.perf_counter() - ssl_started
+    outcome.self_supervised_epochs = epochs or SSL_EPOCHS
     write_json(run.root / "demo.json", {"settings": {"epochs": epochs, "classes": classes}, "outcome": asdict(outcome)})
     return outcome
+
+
+def self_supervised(run: RunDir, train_source: Path, test: Collection, epochs: int | None, progress: bool) -> dict:
+    """The recipe's self-supervised method on the training images without their labels, a short schedule, in
+    RUN/self-supervised, scored on the same test classes."""
+    from training.config import TrainConfig
+    from training.exporting import export
+    from training.loop import train
+
+    ssl_run = RunDir(run.root / "self-supervised")
+    config = TrainConfig(data=str(train_source), self_supervised=True, epochs=epochs or SSL_EPOCHS)
+    train(config, ssl_run, progress=progress)
+    export(ssl_run)
+    metrics = evaluate_collection(OnnxEmbedder.from_run(ssl_run), test, progress=progress).metrics
+    ssl_run.save_metrics(f"icons-{test.source.stem}", metrics)
+    return metrics
 
 
 def _split(folder: Path, classes: int | None, csv_path: Path) -> Path:

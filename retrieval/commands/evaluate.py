@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -23,12 +24,19 @@ from retrieval.rerank import SPEC_HELP as RERANK_HELP
 from retrieval.rerank import Rerank, parse_rerank
 from retrieval.runs import RunDir, write_json
 
+if TYPE_CHECKING:
+    from retrieval.evaluation import Evaluation
+
 IMAGES_HELP = (
     "A labeled collection to score leave-one-out, or with --benchmark "
     "the extracted archive (omit it with --query/--gallery)."
 )
 SPLIT_HELP = "Score only a seeded, class-disjoint fraction of the classes of IMAGES (0: all)."
 COMPARE_HELP = "A second run directory, scored on the same protocol and shown side by side."
+LINEAR_HELP = (
+    "Also the top-1 accuracy of a linear classifier on the frozen embeddings (SupCon's stage 2), trained on a seeded "
+    "70 % of each class's images and tested on the rest."
+)
 DEPLOYED_HELP = (
     "Score the index as deployed (its type, tuned depth and re-scoring) beside exact search, leave-one-out over "
     "its labeled items; no IMAGES."
@@ -53,14 +61,16 @@ def evaluate(
     model: ModelOption = "float32",
     deployed: Annotated[bool, typer.Option("--deployed", help=DEPLOYED_HELP)] = False,
     index_dir: IndexOption = None,
+    linear: Annotated[bool, typer.Option("--linear", help=LINEAR_HELP)] = False,
 ) -> None:
-    """Score retrieval on labeled images; writes RUN/metrics/<set>.json, RUN/metrics.json (the latest), RUN/plots/.
+    """Score retrieval on images; writes RUN/metrics/<set>.json, RUN/metrics.json (the latest), RUN/plots/.
 
-    Each evaluated source and protocol keeps its own file, named after it (IMAGES' name, Q-vs-G,
-    the benchmark's); the app shows them side by side. With --compare, also RUN/comparison.json.
+    Labeled images get the metrics of metric learning; images without labels get quality figures
+    from augmented copies (each image, changed, must find itself: copy recall@1, alignment,
+    uniformity). Each evaluated source and protocol keeps its own file, named after it (IMAGES'
+    name, Q-vs-G, the benchmark's); the app shows them side by side. With --compare, also
+    RUN/comparison.json.
     """
-    from retrieval.evaluation import write_plots
-
     ks = parse_ks(k)
     reranker = parse_rerank(rerank)
     if deployed:
@@ -69,26 +79,61 @@ def evaluate(
         _deployed(RunDir(run), index_dir, ks, reranker, model)
         return
     sources = _sources(images, query, gallery, split_classes, benchmark)
-    run_dir = RunDir(run)
+    if sources[0] is not None and not any(item.label for item in sources[0].items):
+        if linear or compare is not None:
+            raise RetrievalError(f"{images}: has no labels; --linear and --compare need labeled images")
+        _label_free(RunDir(run), sources[0], Path(str(images)), model)
+        return
     evaluation = _score(run, sources, ks, split_classes, seed, reranker, model)
     if benchmark:
         evaluation.metrics["benchmark"] = benchmark
+    if linear:
+        from retrieval.evaluation import linear_probe
+
+        evaluation.metrics.update(linear_probe(evaluation.vectors, evaluation.labels, seed=seed))
     name = _set_name(images, query, gallery, split_classes, seed, benchmark)
     name += (f"-{reranker.method}" if reranker.active else "") + ("-int8" if model == "int8" else "")
-    saved = run_dir.save_metrics(name, evaluation.metrics)
+    compared = (lambda: _score(compare, sources, ks, split_classes, seed, reranker, model).metrics) if compare else None
+    _report(RunDir(run), name, evaluation, compare, compared)
+
+
+def _report(
+    run_dir: RunDir, name: str, evaluation: Evaluation, compare: Path | None, compared: Callable[[], dict] | None
+) -> None:
+    """Saves the metrics and plots of an evaluation, and prints them (beside a compared run's, with --compare)."""
+    from retrieval.evaluation import SEEN, write_plots
+
+    metrics = evaluation.metrics
+    saved = run_dir.save_metrics(name, metrics)
     write_plots(evaluation, run_dir.plots)
     report_skipped(evaluation.skipped, None)
-    columns = {run_dir.root.name: evaluation.metrics}
-    if compare is not None:
-        columns = _compared(
-            run_dir,
-            compare,
-            evaluation.metrics,
-            _score(compare, sources, ks, split_classes, seed, reranker, model).metrics,
-        )
+    columns = {run_dir.root.name: metrics}
+    if compare is not None and compared is not None:
+        columns = _compared(run_dir, compare, metrics, compared())
     console.print(metrics_table(columns))
+    if SEEN in metrics:
+        console.print(f"the model has seen the images of {metrics[SEEN]} in training, without their labels (--adapt)")
     also = " and comparison.json" if compare else ""
     console.print(f"wrote {saved} (also as {run_dir.metrics}){also} and the plots in {run_dir.plots}", soft_wrap=True)
+
+
+def _label_free(run: RunDir, collection: Collection, images: Path, model: str) -> None:
+    """Quality figures of images without labels (retrieval.copies), printed and saved as their set."""
+    from retrieval.copies import copy_figures
+    from retrieval.embedders import OnnxEmbedder
+    from retrieval.evaluation import SEEN, seen_without_labels
+
+    embedder = OnnxEmbedder.from_run(run, model=model)
+    evaluation = copy_figures(embedder, collection.items)
+    figures, skipped = evaluation.metrics, evaluation.skipped
+    figures.update({"images": str(collection.source), **seen_without_labels(embedder)})
+    name = (images.stem if images.suffix else images.name) + ("-int8" if model == "int8" else "")
+    saved = run.save_metrics(name, figures)
+    report_skipped(collection.skipped + skipped, None)
+    console.print(metrics_table({run.root.name: figures}))
+    if SEEN in figures:
+        console.print(f"the model has seen the images of {figures[SEEN]} in training, without their labels (--adapt)")
+    console.print(f"{images} has no labels: figures of augmented copies; wrote {saved} (also as {run.metrics})")
 
 
 def _deployed(run: RunDir, index_dir: Path | None, ks: list[int], rerank: Rerank, model: str) -> None:
@@ -156,7 +201,7 @@ def _sources(
 
 def _score(
     run: Path, sources: tuple, ks: list[int], split_classes: float, seed: int, rerank: Rerank, model: str
-) -> object:
+) -> Evaluation:
     """The evaluation of one run's exported model on the sources."""
     from retrieval.embedders import OnnxEmbedder
     from retrieval.evaluation import evaluate_collection, evaluate_query_gallery

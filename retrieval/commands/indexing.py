@@ -92,6 +92,11 @@ def index(
     )
 
 
+def directory_of_run(path: Path) -> bool:
+    """Whether path is a run directory holding an index (index/manifest.json)."""
+    return (path / "index" / "manifest.json").is_file()
+
+
 def _engine_and_backend(
     engine: str, address: str | None, workers: int | None, backend: str, uri: str | None, milvus_index: str | None
 ) -> tuple[object | None, object | None]:
@@ -125,11 +130,17 @@ def index_stats(
     """Show an index's size, type, parameters and memory, and measure its recall@10 against exact search."""
     from index.stats import index_stats as measure
 
-    directory = index_dir / "index" if (index_dir / "index" / "manifest.json").is_file() else index_dir
+    run = RunDir(index_dir if directory_of_run(index_dir) else index_dir.parent)
+    directory = run.index if directory_of_run(index_dir) else index_dir
+    embedder = None
+    if run.model.is_file() and run.model_card.is_file():  # its encoder: figures of augmented copies without labels
+        from retrieval.embedders import OnnxEmbedder
+
+        embedder = OnnxEmbedder.from_run(run, spinning=False)
     table = Table(title=f"index {directory}")
     table.add_column("", no_wrap=True)
     table.add_column("", overflow="fold")
-    for key, value in measure(directory, sample, mmap).items():
+    for key, value in measure(directory, sample, mmap, embedder=embedder).items():
         shown = (
             (", ".join(f"{name}={setting}" for name, setting in value.items()) or "none")
             if isinstance(value, dict)

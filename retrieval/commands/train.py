@@ -38,7 +38,7 @@ class Option:
 
 LOSS_HELP = (
     "Loss: supcon (Khosla et al. 2020), infonce (NT-Xent), npair (Sohn 2016), hcl (Robinson et al. 2021), "
-    "hard (Wang & Liu 2021); default supcon."
+    "hard (Wang & Liu 2021); default supcon. Without labels: simclr (default), moco, instdisc, hcl, hard."
 )
 PRETRAINED_HELP = (
     "--pretrained: start from ImageNet weights (torchvision downloads them once); --scratch: random weights. "
@@ -56,8 +56,17 @@ PRECISION_HELP = (
     "or AMX, that has it; else fp32). channels_last is used on GPUs."
 )
 QUEUE_HELP = "MoCo memory: keys of earlier batches from a momentum encoder, as extra rows (supcon, infonce; 0: none)."
-TEMPERATURE_HELP = "Softmax temperature of the loss (default: supcon 0.05, infonce 0.07, npair 1.0, hcl 0.5, hard 0.2)."
-# Every TrainConfig field but data, once each (tests/test_cli.py holds the two lists together).
+TEMPERATURE_HELP = "Softmax temperature of the loss (default: supcon 0.05, infonce 0.07, npair 1, hcl 0.5, hard 0.2)."
+SELF_SUPERVISED_HELP = (
+    "Learn without the labels of DATA (a collection without labels trains so anyway); --loss then names the "
+    "method: simclr (default), moco, instdisc, hcl or hard."
+)
+ADAPT_HELP = (
+    "A gallery (folder, CSV or .txt list; its labels ignored) whose images join the self-supervised loss: the "
+    "model adapts to the images it will search."
+)
+# Every TrainConfig field but data and mode (resolved from the data), once each (tests/test_cli.py holds the two lists
+# together).
 OPTIONS = (
     Option("loss", str, LOSS_HELP),
     Option("temperature", float, TEMPERATURE_HELP),
@@ -90,7 +99,18 @@ OPTIONS = (
     Option("seed", int, "Random seed."),
     Option("workers", int, "Processes that decode and augment the images (0: the training process itself)."),
     Option("benchmark", str, BENCHMARK_HELP),
+    Option("self_supervised", bool, SELF_SUPERVISED_HELP, ("--self-supervised",)),
+    Option("adapt", str, ADAPT_HELP),
+    Option("ssl_loss", str, "The self-supervised method beside a supervised loss: simclr, moco, instdisc, hcl, hard."),
+    Option("ssl_temperature", float, "Its temperature (simclr 0.1, moco 0.2, instdisc 0.07, hcl 0.5, hard 0.2)."),
+    Option("ssl_weight", float, "Weight of the self-supervised loss beside the supervised one (default 1)."),
+    Option("ssl_batch", int, "Images a batch adds for the self-supervised loss (default: half of --batch-size)."),
+    Option("ssl_augment", str, "Augmentation of the two views (default strongcrop,jitter,grayscale,blur)."),
+    Option("bank_momentum", float, "instdisc: the share of a memory bank row kept when its image comes again."),
+    Option("nce_negatives", int, "instdisc: negatives sampled for its NCE estimate (0: a softmax over every image)."),
+    Option("proximal", float, "instdisc: weight of the proximal term ||v - bank row||^2 (Wu et al. 2018)."),
 )
+SWEEP_SELF_SUPERVISED_HELP = "Train each run without labels (the labels only pick the held-out classes)."
 RUN_OPTION_HELP = "Run directory to create (config, checkpoints, log)."
 RESUME_HELP = (
     "Continue an interrupted run from its last saved trainer state, with its own config.json and data "
@@ -147,10 +167,7 @@ def run_training(data: Path | None, run_dir: RunDir, resume: bool, overwrite: bo
     if not result.reporting:
         return  # under torchrun, process 0 reports
     report_skipped(result.skipped, run_dir.root / "skipped.json")
-    console.print(
-        f"trained on {result.num_images} images of {result.num_classes} classes; final loss {result.final_loss:.4f}; "
-        f"checkpoint {run_dir.last_checkpoint}"
-    )
+    console.print(f"{result.describe()}; final loss {result.final_loss:.4f}; checkpoint {run_dir.last_checkpoint}")
 
 
 def _refuse_existing(run: RunDir, overwrite: bool) -> None:
@@ -180,6 +197,24 @@ def _interrupted(run: RunDir) -> None:
     raise typer.Exit(130)
 
 
+def _sweep_table(rows: list[dict]) -> Table:
+    """The sweep's rows as a table: loss, temperature, uniformity and tolerance in both spaces, recall@1, MAP@R."""
+    table = Table(title="temperature sweep (held-out classes)")
+    for column in ("loss", "temperature", *SWEEP_COLUMNS):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["loss"], f"{row['temperature']:g}", *(f"{row[key]:.3f}" for key in SWEEP_KEYS))
+    return table
+
+
+def _numbers(text: str) -> list[float]:
+    """--temperatures "0.05,0.1" -> [0.05, 0.1], or one line saying what it takes."""
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise RetrievalError(f"--temperatures {text!r}: give numbers separated by commas, e.g. 0.05,0.1,0.5") from None
+
+
 SWEEP_COLUMNS = (
     "uniformity (loss space)",
     "tolerance (loss space)",
@@ -201,8 +236,13 @@ def analyze(
         str, typer.Option(help="Comma-separated temperatures to train at.")
     ] = "0.05,0.1,0.2,0.5,1.0",
     losses: Annotated[
-        str, typer.Option(help="Comma-separated losses to sweep (any of supcon, infonce, npair, hcl, hard).")
-    ] = "supcon,hard",
+        str | None,
+        typer.Option(
+            help="Comma-separated losses to sweep (supcon, infonce, npair, hcl, hard; with --self-supervised simclr, "
+            "moco, instdisc, hcl, hard). Default supcon,hard, or simclr,hard.",
+            show_default=False,
+        ),
+    ] = None,
     epochs: Annotated[int, typer.Option(help="Epochs of each run (short runs show the trend).")] = 5,
     batch_size: Annotated[int, typer.Option(help="Images per batch.")] = 128,
     image_size: Annotated[int, typer.Option(help="Input size in pixels.")] = 64,
@@ -212,8 +252,16 @@ def analyze(
     ] = 0.25,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     seed: Annotated[int, typer.Option(help="Random seed (the same for every run).")] = 0,
+    self_supervised: Annotated[
+        bool, typer.Option("--self-supervised", help=SWEEP_SELF_SUPERVISED_HELP, show_default=False)
+    ] = False,
 ) -> None:
-    """Sweep the temperature of SupCon and the hard contrastive loss; plot uniformity and tolerance against it."""
+    """Sweep the temperature of SupCon and the hard contrastive loss; plot uniformity and tolerance against it.
+
+    With --self-supervised, the runs learn without labels (Wang & Liu's own setting; --losses then
+    names self-supervised methods, default simclr,hard); the labels only pick the held-out classes on
+    which uniformity and tolerance are measured.
+    """
     require("torch", "train")
     from training.analyze import temperature_sweep
     from training.config import TrainConfig
@@ -223,30 +271,14 @@ def analyze(
             "--val-classes must be between 0 and 1 (uniformity and "
             f"tolerance are measured on held-out classes), got {val_classes}"
         )
-    try:
-        values = [float(part) for part in temperatures.split(",") if part.strip()]
-    except ValueError:
-        raise RetrievalError(
-            f"--temperatures {temperatures!r}: give numbers separated by commas, e.g. 0.05,0.1,0.5"
-        ) from None
-    names = [part.strip() for part in losses.split(",") if part.strip()]
-    settings = {
-        "epochs": epochs,
-        "batch_size": batch_size,
-        "image_size": image_size,
-        "backbone": backbone,
-        "device": device,
-        "seed": seed,
-    }
+    values = _numbers(temperatures)
+    names = [part.strip() for part in (losses or ("simclr,hard" if self_supervised else "supcon,hard")).split(",")]
+    names = [name for name in names if name]
+    settings = {"epochs": epochs, "batch_size": batch_size, "image_size": image_size, "backbone": backbone}
+    settings.update(device=device, seed=seed, self_supervised=self_supervised)
     base = TrainConfig(data=str(data.expanduser().resolve()), val_classes=val_classes, **settings)
     for name in names:  # every loss and temperature is checked before hours of training
         for value in values:
-            TrainConfig(data=base.data, loss=name, temperature=value)
-    rows = temperature_sweep(base, out, values, names)
-    table = Table(title="temperature sweep (held-out classes)")
-    for column in ("loss", "temperature", *SWEEP_COLUMNS):
-        table.add_column(column)
-    for row in rows:
-        table.add_row(row["loss"], f"{row['temperature']:g}", *(f"{row[key]:.3f}" for key in SWEEP_KEYS))
-    console.print(table)
+            TrainConfig(data=base.data, loss=name, temperature=value, self_supervised=self_supervised)
+    console.print(_sweep_table(temperature_sweep(base, out, values, names)))
     console.print(f"wrote {out / 'temperature_sweep.png'} and {out / 'temperature_sweep.json'}")
