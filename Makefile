@@ -1,25 +1,39 @@
 # Two entry points for a fresh machine: `make demo` (the main job) and `make test` (the test suite).
 # DEVICE=gpu installs faiss-gpu and onnxruntime-gpu instead of the CPU builds (never both).
+# TORCH=cpu installs PyTorch's CPU-only wheels from PyTorch's own index first (no CUDA libraries).
+# PORT=N serves the demo's app on another port.
 PYTHON ?= python3
 DEVICE ?= cpu
+TORCH ?= default
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_PINS := torch==2.14.1 torchvision==0.29.1
+PORT ?= 7860
 VENV := .venv
 BIN := $(VENV)/bin
+PIP := $(BIN)/pip install --disable-pip-version-check
+TEST_EXTRAS := train,test
 
 .PHONY: demo test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed-run-$(DEVICE): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[$(DEVICE),train]"
+define install
+	@echo "installing retrieval and its $(1) dependencies into $(VENV): about 7 GB with PyTorch's default wheel, whose"
+	@echo "CUDA libraries (3.2 GB of it) also run on CPUs; 'make $(2) TORCH=cpu' takes PyTorch's CPU-only wheels instead"
+	$(if $(filter cpu,$(TORCH)),$(PIP) $(TORCH_PINS) --index-url $(TORCH_CPU_INDEX))
+	$(PIP) -e ".[$(DEVICE),$(1)]"
 	touch $@
+endef
+
+$(VENV)/.installed-run-$(DEVICE): pyproject.toml | $(BIN)/python
+	$(call install,train,demo)
 
 $(VENV)/.installed-test-$(DEVICE): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[$(DEVICE),train,test]"
-	touch $@
+	$(call install,$(TEST_EXTRAS),test)
 
 demo: $(VENV)/.installed-run-$(DEVICE)
-	$(BIN)/retrieval demo
+	$(BIN)/retrieval demo --port $(PORT)
 
 test: $(VENV)/.installed-test-$(DEVICE)
 	$(BIN)/python -m pytest

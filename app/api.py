@@ -26,6 +26,7 @@ from typing import Annotated
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel
 
 from app.service import SearchService
@@ -79,7 +80,7 @@ def parse_size(text: str) -> int:
 
 def build_api(service: SearchService, credentials: tuple[str, str] | None, max_upload: str) -> FastAPI:
     """The FastAPI application with the JSON routes; the Gradio app is mounted on it afterwards (app.server)."""
-    api = FastAPI(
+    api = FastAPIOffline(  # /docs with Swagger UI's files served from the package: it shows offline too
         title="retrieval search API",
         version="1",
         description="Image search over the run's gallery index: the same index, model and rules as the app at /.",

@@ -48,9 +48,9 @@ def hit_mark(hit: Hit, label: str) -> str:
 
 
 def caption(rank: int, hit: Hit, mark: str) -> str:
-    """A result's caption: its mark, rank, similarity, label, file and id."""
+    """A result's caption, short enough for a tile: its mark, rank, similarity and label (file and id on hover)."""
     prefix = {"hit": "HIT · ", "miss": "miss · "}.get(mark, "")
-    return f"{prefix}#{rank} · {hit.score:.3f} · {hit.label} · {Path(hit.path).name} · id {hit.id}"
+    return f"{prefix}#{rank} · {hit.score:.3f} · {hit.label}"
 
 
 def result_tiles(service: SearchService, result: SearchResult) -> tuple[Tiles, list[Shown]]:
@@ -63,14 +63,16 @@ def result_tiles(service: SearchService, result: SearchResult) -> tuple[Tiles, l
     return tiles, shown
 
 
-def item_tiles(service: SearchService, ids: list[int]) -> tuple[Tiles, list[Shown]]:
-    """Indexed items as gallery tiles (label, file name, id), and what each shows."""
+def item_tiles(service: SearchService, ids: list[int], labelled: bool = True) -> tuple[Tiles, list[Shown]]:
+    """Indexed items as gallery tiles (label, file name and id; without the label where they share one), and what
+    each shows."""
     items = service.items
-    tiles = [
-        (str(thumbnail), f"{items[i].label} · {items[i].path.name} · id {i}")
-        for i, thumbnail in zip(ids, service.thumbnails(ids))
-    ]
-    return tiles, [Shown(i, "", f"{items[i].path.name} · id {i}") for i in ids]
+
+    def named(i: int) -> str:
+        return f"{items[i].label} · {items[i].path.name} · id {i}" if labelled else f"{items[i].path.name} · id {i}"
+
+    tiles = [(str(thumbnail), named(i)) for i, thumbnail in zip(ids, service.thumbnails(ids))]
+    return tiles, [Shown(i, "", named(i)) for i in ids]
 
 
 def as_data(shown: list[Shown]) -> list[dict]:
@@ -221,13 +223,14 @@ class Handlers:
         path, label = self.choose(item_id)
         future = self._submit(path, self._query(k, depth, label if only and label else None))
         tiles, summary, data, page = self._shown(future.result(), label)
-        return path, label, gr.Tabs(selected="search"), tiles, summary, data, page
+        fresh = gr.Gallery(value=tiles, selected_index=None)  # the tile clicked is not left selected in the new results
+        return path, label, gr.Tabs(selected="search"), fresh, summary, data, page  # type: ignore[return-value]
 
     def label_table(self) -> list[list]:
         return [[label or "(unlabeled)", count] for label, count in self.service.label_counts()]
 
     def browse(self, label: str | None) -> tuple[Tiles, list[dict]]:
-        tiles, shown = item_tiles(self.service, self.service.browse(label or None))
+        tiles, shown = item_tiles(self.service, self.service.browse(label or None), labelled=not label)
         return tiles, as_data(shown)
 
     def evaluate(self, progress: gr.Progress = gr.Progress()) -> tuple[list[list[str]], list[tuple[str, str]]]:
@@ -247,7 +250,12 @@ class Handlers:
         if not metrics:
             return "No evaluation yet: run `retrieval evaluate RUN IMAGES`, or evaluate the index below."
         where = metrics.get("images") or f"{metrics.get('queries', '')} against {metrics.get('gallery', '')}"
-        return f"**{name}**: {metrics.get('protocol', '')} over `{where}`, {metrics.get('num_queries', '?')} queries"
+        line = f"**{name}**: {metrics.get('protocol', '')} over `{where}`, {metrics.get('num_queries', '?')} queries"
+        baseline = self.service.baseline
+        if baseline and baseline.get("images") == metrics.get("images"):
+            figures = ", ".join(f"{key} {baseline[key]:.3f}" for key in ("recall@1", "recall@5", "map@r"))
+            line += f"  \nRaw pixels (16×16 grey, the demo's baseline) on the same images: {figures}"
+        return line
 
     def embedding_map(self, projection: str) -> str:
         return str(self.service.embedding_map(projection).image)

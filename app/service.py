@@ -35,7 +35,7 @@ from retrieval.embedders import OnnxEmbedder
 from retrieval.errors import Failure, ImageError, RetrievalError
 from retrieval.evaluation import Evaluation, write_plots
 from retrieval.rerank import NO_RERANK, Rerank
-from retrieval.runs import RunDir, write_atomic
+from retrieval.runs import RunDir, read_json, write_atomic
 
 THUMBNAIL = 256  # longest side of the thumbnails the app serves, in pixels
 BROWSE_LIMIT = 200  # thumbnails shown for one label
@@ -114,6 +114,8 @@ class SearchService:
         self._making_cache = threading.Lock()
         self.uploads = self.index_dir.parent / "uploads"  # where images added through the app are kept
         self.metric_sets = run.saved_metrics()  # every evaluated set, the latest first
+        baseline = run.root / "baseline_metrics.json"  # the raw-pixel baseline of `retrieval demo`
+        self.baseline = read_json(baseline) if baseline.is_file() else None
         self._reload = threading.Lock()
         self._snapshot = self._load()
         self._maps: dict[tuple[tuple[int, int], str, str | None], EmbeddingMap] = {}

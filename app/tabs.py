@@ -10,7 +10,7 @@ API (gradio_client, endpoint names and parameter names are stable):
   /embedding_map  (projection)         -> map image
   /add            (files, label)       -> message   (only with --allow-write)
   /remove         (ids)                -> message   (only with --allow-write)
-Results are a gallery of (image, caption); a caption reads "HIT · #1 · 0.912 · label · file · id 42". Each gallery
+Results are a gallery of (image, caption); a caption reads "HIT · #1 · 0.912 · label" (file and id on hover). Each gallery
 has the items it shows beside it, in gallery order (app.handlers.Shown in an app.components.PageData, not part of the
 API), which clicks read.
 """
@@ -104,7 +104,7 @@ def search_tab(on: Handlers, labels: list[str], searching: dict) -> SearchTab:
             results = gr.Gallery(
                 label="Nearest neighbours (click one to search with it)",
                 columns=5,
-                height=480,
+                height="auto",
                 object_fit="contain",
                 allow_preview=False,
                 elem_id="results",
@@ -116,7 +116,7 @@ def search_tab(on: Handlers, labels: list[str], searching: dict) -> SearchTab:
         label="One image per label (click to search with it)",
         elem_id="picker",
         columns=10,
-        height=300,
+        height="auto",
         allow_preview=False,
     )
     shown_results, shown_picker = PageData([], visible=False), PageData(as_data(shown), visible=False)
@@ -174,7 +174,7 @@ def browse_tab(on: Handlers, labels: list[str]) -> tuple[gr.Gallery, PageData]:
                 labels, value=first, label=f"Label (up to {BROWSE_LIMIT} shown; click an image to search with it)"
             )
             tiles, shown = on.browse(first) if first else ([], [])
-            browsed = gr.Gallery(tiles, label="Items", columns=8, height=420, allow_preview=False, elem_id="browsed")
+            browsed = gr.Gallery(tiles, label="Items", columns=8, height="auto", allow_preview=False, elem_id="browsed")
             browsed_shown = PageData(shown, visible=False)
     with gr.Group(visible=service.allow_write):
         gr.Markdown("### Add and remove (started with `--allow-write`)")
@@ -196,30 +196,35 @@ def browse_tab(on: Handlers, labels: list[str]) -> tuple[gr.Gallery, PageData]:
 
 
 def metrics_tab(on: Handlers) -> None:
-    """The metrics of each set the run was evaluated on (one to choose), its plots, and the index evaluated now."""
+    """The metrics of each set the run was evaluated on (one to choose, beside the raw-pixel baseline where the demo
+    scored one), the run's plots at full width, and the index evaluated now."""
     service = on.service
     names = list(service.metric_sets) or ["(none)"]
     with gr.Row():
         with gr.Column():
-            chosen = gr.Dropdown(
-                names, value=names[0], label="Evaluated set (`retrieval evaluate RUN IMAGES` adds one)"
-            )
+            chosen = gr.Dropdown(names, value=names[0], label="Evaluated set (retrieval evaluate RUN IMAGES adds one)")
             source = gr.Markdown(on.metric_source(names[0]))
-            table = gr.Dataframe(
-                metrics_rows(service.metric_sets.get(names[0])), headers=["metric", "value"], interactive=False
-            )
-        gr.Gallery(
-            value=run_plots(service),
-            label="Plots of the run (its latest evaluation)",
-            columns=2,
-            height="auto",
-            object_fit="contain",
-            elem_id="run-plots",
+        table = gr.Dataframe(
+            metrics_rows(service.metric_sets.get(names[0])),
+            headers=["metric", "value"],
+            interactive=False,
+            wrap=True,
+            column_widths=["40%", "60%"],
         )
+    gr.Gallery(
+        value=run_plots(service),
+        label="Plots of the run (its latest evaluation)",
+        columns=1,
+        height="auto",
+        object_fit="contain",
+        elem_id="run-plots",
+    )
     chosen.change(on.metric_set, chosen, [table, source], api_name=False)
-    evaluate_button = gr.Button("Evaluate the index's labeled items now (leave-one-out)")
+    evaluate_button = gr.Button("Evaluate the index's items now (labeled: leave-one-out; else augmented copies)")
     with gr.Row():
-        evaluated = gr.Dataframe(headers=["metric", "value"], interactive=False, label="Evaluation of the index")
+        evaluated = gr.Dataframe(
+            headers=["metric", "value"], interactive=False, label="Evaluation of the index", wrap=True
+        )
         evaluated_plots = gr.Gallery(label="Its plots", columns=2, height="auto", object_fit="contain")
     evaluate_button.click(on.evaluate, None, [evaluated, evaluated_plots], api_name="evaluate", concurrency_limit=1)
 
@@ -233,12 +238,8 @@ def map_tab(on: Handlers, labels: list[str]) -> tuple[gr.Image, list]:
             labels, value=None, label="Highlight a label (type to find it)", allow_custom_value=False
         )
     draw = gr.Button("Draw the map")
-    map_image = gr.Image(
-        label="Gallery embeddings (point at a dot to see its label and file; click it to search with it)",
-        interactive=False,
-        type="filepath",
-        elem_id="map",
-    )
+    gr.Markdown("Gallery embeddings: point at a dot to see its label and file; click it to search with it.")
+    map_image = gr.Image(show_label=False, interactive=False, type="filepath", elem_id="map")
     points = gr.HTML(elem_id="map-points-holder")
     drawn = draw.click(on.embedding_map, projection, map_image, api_name="embedding_map", concurrency_limit=1)
     drawn.then(on.map_view, [projection, highlight], [map_image, points], api_name=False, concurrency_limit=1)

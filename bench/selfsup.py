@@ -55,6 +55,8 @@ CONFIGURATIONS = {
     "adapted, weight 0.5": "--adapt {gallery} --ssl-weight 0.5",
     "adapted, weight 2": "--adapt {gallery} --ssl-weight 2",
     "adapted, 32 gallery images a batch": "--adapt {gallery} --ssl-batch 32",
+    "adapted, 128 gallery images a batch": "--adapt {gallery} --ssl-batch 128",
+    "adapted, mild views": "--adapt {gallery} --ssl-augment crop,color,grayscale,blur",
     "adapted, ssl t=0.2": "--adapt {gallery} --ssl-temperature 0.2",
     "adapted, hcl": "--adapt {gallery} --ssl-loss hcl",
     "25 % labeled": "",

@@ -60,12 +60,7 @@ def load_collection(source: str | Path) -> Collection:
     Files with a non-image suffix are skipped and reported; decoding problems are found later, when
     the image is read.
     """
-    source = Path(source).expanduser()
-    if not source.exists():
-        raise RetrievalError(
-            f"{source}: no such file or folder; give an image folder "
-            "ROOT/<label>/<image> or a CSV with columns path,label"
-        )
+    source = require_source(source)
     if source.is_dir():
         collection = _load_folder(source)
     elif source.suffix.lower() == ".txt":
@@ -78,6 +73,17 @@ def load_collection(source: str | Path) -> Collection:
             "put images in ROOT/<label>/<image> or list them in a CSV with columns path,label"
         )
     return collection
+
+
+def require_source(source: str | Path) -> Path:
+    """The path of a collection, or one line saying it is not there (before anything slow is imported)."""
+    source = Path(source).expanduser()
+    if not source.exists():
+        raise RetrievalError(
+            f"{source}: no such file or folder; give an image folder "
+            "ROOT/<label>/<image> or a CSV with columns path,label"
+        )
+    return source
 
 
 def _load_folder(root: Path) -> Collection:
@@ -283,8 +289,8 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 
 def write_skip_report(path: Path, skipped: Sequence[Skipped]) -> None:
-    """Writes the skipped files and their reasons as JSON (an empty list when nothing was skipped)."""
-    write_json(path, [{"path": str(s.path), "reason": s.reason} for s in skipped])
+    """Writes the skipped files (absolute paths) and their reasons as JSON (an empty list when nothing was skipped)."""
+    write_json(path, [{"path": str(Path(s.path).absolute()), "reason": s.reason} for s in skipped])
 
 
 def split_by_class(items: Sequence[Item], fraction: float, seed: int = 0) -> tuple[list[Item], list[Item]]:

@@ -234,7 +234,8 @@ def plot_embedding_map(
     legend_limit: int = 20,
     highlight: str | None = None,
 ) -> np.ndarray:
-    """Draws 2-D points coloured by label (a legend up to legend_limit labels) and returns each point's
+    """Draws 2-D points coloured by label with a legend (up to legend_limit labels; above, in one colour, the title
+    saying so) and returns each point's
     position in the PNG's pixels (x right, y down), so that a click on the image can be mapped to a point.
 
     highlight: one label drawn large in red over the others in grey (the way to find a label among many).
@@ -247,8 +248,11 @@ def plot_embedding_map(
     canvas = FigureCanvasAgg(figure)
     axis = figure.add_subplot()
     names, codes = np.unique(np.asarray(labels, dtype=str), return_inverse=True)
-    if highlight is None:
+    coloured = highlight is None and len(names) <= legend_limit  # more labels than colours a legend can name: one
+    if coloured:
         axis.scatter(points[:, 0], points[:, 1], c=matplotlib.colormaps["tab20"](codes % 20), s=14, linewidths=0)
+    elif highlight is None:
+        axis.scatter(points[:, 0], points[:, 1], color="#4c72b0", s=12, linewidths=0)
     else:
         chosen = np.asarray(labels, dtype=str) == highlight
         axis.scatter(points[~chosen, 0], points[~chosen, 1], color="#c8c8c8", s=10, linewidths=0, label="other labels")
@@ -261,7 +265,8 @@ def plot_embedding_map(
                 colour = matplotlib.colormaps["tab20"](code % 20)
                 axis.scatter([], [], color=colour, label=_shorten(name or "(unlabeled)"), s=14)
         axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    axis.set_title(f"{title} · {len(names)} labels · click a point to search with it", fontsize=9)
+    many = "" if coloured or highlight is not None else " (too many to colour apart: highlight one)"
+    axis.set_title(f"{title} · {len(names)} labels{many} · click a point to search with it", fontsize=9)
     axis.set_xticks([])
     axis.set_yticks([])
     figure.tight_layout()

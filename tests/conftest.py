@@ -56,3 +56,13 @@ def write_bad_files(folder: Path) -> dict[str, Path]:
     paths["truncated"].write_bytes(good.read_bytes()[:60])
     paths["text"].write_text("this is not an image\n")
     return paths
+
+
+def pytest_terminal_summary(terminalreporter: object, exitstatus: int, config: object) -> None:
+    """Says in one line at the end when the browser tests were skipped, and how to run them."""
+    skipped = [report for report in terminalreporter.stats.get("skipped", []) if "test_browser" in report.nodeid]  # type: ignore[attr-defined]
+    if skipped:
+        terminalreporter.write_line(  # type: ignore[attr-defined]
+            f"{len(skipped)} browser test(s) skipped: they need Debian's Chromium and Playwright (sudo apt-get install chromium)",
+            yellow=True,
+        )

@@ -128,3 +128,14 @@ def test_the_api_asks_for_the_apps_password(demo_run: RunDir) -> None:
     finally:
         server.close()
         service.close()
+
+
+def test_the_docs_page_needs_nothing_from_outside(served: tuple[SearchService, str]) -> None:
+    """/docs loads Swagger UI's script and style from the app itself (fastapi-offline), so it renders offline."""
+    import re
+
+    _, url = served
+    page = httpx.get(f"{url}/docs").text
+    sources = re.findall(r'(?:src|href)="([^"]+)"', page)
+    assert sources and all(source.startswith("/") for source in sources), sources
+    assert all(httpx.get(f"{url}{source}").status_code == 200 for source in sources)

@@ -52,6 +52,19 @@ def page_url(demo_run: RunDir) -> Iterator[tuple[str, SearchService]]:
         service.close()
 
 
+def whole_images(page: object, gallery: str) -> bool:
+    """Whether every tile of the gallery shows its image whole, its caption below it, inside the gallery's width."""
+    return page.locator(f"{gallery} .thumbnail-item").evaluate_all(  # type: ignore[attr-defined]
+        """nodes => nodes.every(node => {
+            const image = node.querySelector('img').getBoundingClientRect();
+            const caption = node.querySelector('.caption-label').getBoundingClientRect();
+            const tile = node.getBoundingClientRect();
+            const grid = node.closest('.grid-wrap').getBoundingClientRect();
+            return caption.top >= image.bottom - 1 && image.top >= tile.top && tile.right <= grid.right + 1;
+        })"""
+    )
+
+
 @contextmanager
 def opened(url: str) -> Iterator[object]:
     """A page of headless Chromium (Debian's, driven by Playwright) showing url; the browser closed after."""
@@ -82,12 +95,11 @@ def test_a_query_uploaded_in_the_browser_shows_its_nearest_neighbour(page_url: t
     with opened(url) as page:
         page.locator("#query input[type=file]").set_input_files(str(query))
         page.locator("#search").click()
-        first = page.locator("#results .caption-label").first
-        expect(first).to_contain_text(f"id {item_id}", timeout=60_000)
-        expect(first).to_contain_text(Path(item.path).name)
+        first = page.locator("#results .thumbnail-item").first
+        expect(first).to_have_attribute("title", f"{Path(item.path).name} · id {item_id}", timeout=60_000)  # on hover
         expect(page.locator("#summary")).to_contain_text("results in")
         page.screenshot(path=str(ARTIFACTS / "app-search.png"), full_page=True)
-        second = page.locator("#results .caption-label").nth(1).inner_text()
+        second = page.locator("#results .thumbnail-item").nth(1).get_attribute("title") or ""
         page.locator("#results .thumbnail-item").nth(1).click()  # searching with a result: its label is known
         expect(page.locator("#summary")).to_contain_text(f"label {service.items[int(second.rsplit('id ', 1)[1])].label}", timeout=60_000)
         page.get_by_role("tab", name="Embedding map").click()
@@ -127,12 +139,16 @@ def test_the_first_hour_in_the_browser(page_url: tuple[str, SearchService], tmp_
         caption = page.locator("#results .caption-label").first
         assert caption.evaluate("node => getComputedStyle(node).whiteSpace") == "normal"
         assert caption.evaluate("node => node.scrollWidth <= node.clientWidth + 1")  # the whole caption is shown
+        assert whole_images(page, "#results")  # each image above its caption, none covered or cut
         page.screenshot(path=str(ARTIFACTS / "app-upload-keeps-label.png"), full_page=True)
         page.locator("#results .thumbnail-item").nth(2).click()
         expect(page.locator("#summary")).to_contain_text("results in", timeout=60_000)
         page.wait_for_timeout(1500)
         rings = page.locator("#results .thumbnail-item.selected").evaluate_all("nodes => nodes.map(node => getComputedStyle(node).getPropertyValue('--ring-color').trim())")
         assert all(ring == "transparent" for ring in rings), rings
+        page.mouse.move(0, 0)  # the pointer off the tiles: nothing of the click is left on the new results
+        faded = page.locator("#results .thumbnail-item").evaluate_all("nodes => nodes.filter(node => node.classList.contains('selected') || getComputedStyle(node.querySelector('img')).opacity < 1 || getComputedStyle(node.querySelector('.caption-label')).opacity < 1).length")
+        assert faded == 0
         page.get_by_role("tab", name="Browse").click()
         first_label, second_label = [label for label, _ in service.label_counts()][:2]  # the table's order
         expect(page.locator("#browsed .caption-label").first).to_contain_text(first_label, timeout=30_000)  # not empty on opening
@@ -163,3 +179,54 @@ def test_the_first_hour_in_the_browser(page_url: tuple[str, SearchService], tmp_
         expect(tooltip).to_be_visible(timeout=10_000)
         expect(tooltip).to_contain_text(" · ")
         page.screenshot(path=str(ARTIFACTS / "app-map-hover.png"), full_page=True)
+
+
+def test_tiles_at_two_widths_a_missed_map_click_and_the_docs_offline(page_url: tuple[str, SearchService], tmp_path: Path) -> None:
+    """Issue-27 trial in the browser: the result grid fits 1400 and 420 px with whole images and short captions; a click
+    between the map's points leaves a quiet note and no error anywhere; /docs renders with nothing fetched from outside."""
+    from playwright.sync_api import expect, sync_playwright
+
+    url, service = page_url
+    item = next(iter(service.items.values()))
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        try:
+            for width in (1400, 420):
+                page = browser.new_page(viewport={"width": width, "height": 900})
+                page.goto(url)
+                page.locator("#query input[type=file]").set_input_files(str(item.path))
+                page.locator("#search").click()
+                expect(page.locator("#summary")).to_contain_text("results in", timeout=60_000)
+                expect(page.locator("#results .thumbnail-item")).to_have_count(10, timeout=10_000)
+                assert whole_images(page, "#results") and whole_images(page, "#picker")
+                captions = page.locator("#results .caption-label").all_inner_texts()
+                assert all(len(caption) <= 60 and "id " not in caption for caption in captions), captions
+                page.screenshot(path=str(ARTIFACTS / f"app-results-{width}.png"), full_page=True)
+                if width == 420:
+                    page.get_by_role("tab", name="Browse").click()
+                    expect(page.locator("#browsed .thumbnail-item").first).to_be_visible(timeout=30_000)
+                    assert whole_images(page, "#browsed")
+                    page.screenshot(path=str(ARTIFACTS / "app-browse-420.png"), full_page=True)
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(url)
+            page.get_by_role("tab", name="Embedding map").click()
+            page.get_by_role("button", name="Draw the map").click()
+            picture = page.locator("#map img")
+            expect(picture).to_be_visible(timeout=60_000)
+            box = picture.bounding_box()
+            page.mouse.click(box["x"] + 2, box["y"] + 2)  # the figure's corner: no point there
+            expect(page.get_by_text("No gallery item there")).to_be_visible(timeout=10_000)
+            page.get_by_role("tab", name="Search").click()
+            page.wait_for_timeout(1000)
+            assert page.locator(".toast-body.error, .error").count() == 0  # no red toast, no error badge
+            page.screenshot(path=str(ARTIFACTS / "app-map-missed.png"), full_page=True)
+            docs = browser.new_page()
+            outside: list[str] = []
+            docs.route("**/*", lambda route: (outside.append(route.request.url), route.abort()) if not route.request.url.startswith(url.rstrip("/")) else route.continue_())
+            docs.goto(f"{url}docs")
+            expect(docs.get_by_text("/api/v1/search").first).to_be_visible(timeout=30_000)
+            docs.screenshot(path=str(ARTIFACTS / "api-docs-offline.png"), full_page=True)
+            assert outside == [], outside
+        finally:
+            browser.close()

@@ -272,3 +272,40 @@ def test_an_unknown_label_fails_only_its_own_query(demo_run: RunDir) -> None:
         assert not results[1].error and len(results[1].hits) == 3
     finally:
         service.close()
+
+
+def test_make_says_what_the_install_takes_and_takes_a_cpu_torch_and_a_port() -> None:
+    """`make demo TORCH=cpu PORT=8080` (dry run): the size note first, PyTorch's CPU wheels from PyTorch's own index,
+    pinned as pyproject.toml pins them, then the package, then the demo on that port."""
+    import re
+    import subprocess
+
+    root = Path(__file__).parents[1]
+    plan = subprocess.run(["make", "-n", "-W", "pyproject.toml", "demo", "TORCH=cpu", "PORT=8080"], cwd=root, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert "about 7 GB" in plan[0] and "TORCH=cpu" in plan[1]
+    pins = re.findall(r'"(torch(?:vision)?==[^"]+)"', (root / "pyproject.toml").read_text())
+    assert plan[2].endswith(f"{' '.join(pins)} --index-url https://download.pytorch.org/whl/cpu") and "-e " in plan[3]
+    assert plan[-1].endswith("retrieval demo --port 8080")
+    default = subprocess.run(["make", "-n", "-W", "pyproject.toml", "demo"], cwd=root, capture_output=True, text=True, check=True).stdout
+    assert "--index-url" not in default and "--port 7860" in default
+
+
+def test_the_parsers_own_mistakes_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from retrieval.commands import main
+
+    assert main(["train", "photos/train"]) == 2
+    assert capsys.readouterr().err == "error: Missing option '--run'; see `retrieval train --help`\n"
+    assert main(["search", "run", "q.jpg", "-k", "many"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Invalid value for '-k'" in err and "╭" not in err
+
+
+def test_skipped_files_are_listed_with_absolute_paths(small_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from retrieval.commands import main
+    from tests.conftest import write_bad_files
+
+    write_bad_files(small_folder / "broken")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", str(small_folder.relative_to(tmp_path)), "--run", "run", *TINY]) == 0
+    paths = [entry["path"] for entry in json.loads((tmp_path / "run" / "skipped.json").read_text())]
+    assert paths and all(Path(path).is_absolute() for path in paths)

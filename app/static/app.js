@@ -1,6 +1,7 @@
 // The search app's page script. Result tiles are marked hit or miss, and named on hover, from the data the server
 // sends beside the results (#result-data, one entry per tile in gallery order), never from their captions; the
-// embedding map names the point under the pointer from its points' pixels (#map-points).
+// other galleries' tiles show their whole caption on hover; the embedding map names the point under the pointer
+// from its points' pixels (#map-points).
 (() => {
   const markResults = () => {
     const data = document.getElementById("result-data");
@@ -10,6 +11,10 @@
       item.classList.toggle("result-hit", tile.mark === "hit");
       item.classList.toggle("result-miss", tile.mark === "miss");
       item.title = tile.title || "";
+    });
+    document.querySelectorAll("#picker .thumbnail-item, #browsed .thumbnail-item").forEach((item) => {
+      const caption = item.querySelector(".caption-label");
+      item.title = caption ? caption.textContent : "";
     });
   };
   new MutationObserver(markResults).observe(document.documentElement, {subtree: true, childList: true, characterData: true});

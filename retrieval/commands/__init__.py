@@ -91,10 +91,18 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
     try:
-        app(args=argv, prog_name="retrieval")
+        code = app(args=argv, prog_name="retrieval", standalone_mode=False)
     except RetrievalError as error:
         errors.print(f"error: {error}", highlight=False, soft_wrap=True, markup=False)
         return 2
-    except SystemExit as exit_:  # the command line parser exits by itself, with 0 after --help
+    except typer.TyperException as error:  # the parser's: a missing option, an unknown one, a value of the wrong type
+        context, message = getattr(error, "ctx", None), error.format_message().rstrip(".")
+        where = f"; see `{context.command_path} --help`" if context is not None else ""
+        if message:  # (no message: the help was shown, as for a bare `retrieval`)
+            errors.print(f"error: {message}{where}", highlight=False, soft_wrap=True, markup=False)
+        return int(getattr(error, "exit_code", 2))
+    except typer.Abort:  # Ctrl+C or end of input at a prompt
+        return 130
+    except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    return 0
+    return code if isinstance(code, int) else 0

@@ -69,6 +69,14 @@ def demo(
     console.print(metrics_table(columns))
     console.print(f"run directory: {run}  (train {outcome.train_seconds:.0f}s, total {outcome.total_seconds:.0f}s)")
     console.print(f"reopen the app later with: {reopen_command(run)}", highlight=False, soft_wrap=True)
+    dataset = icons()
+    query = min((dataset / "test").rglob("*.png"))
+    console.print(
+        f"the icons are in {dataset} (train/, test/: a folder per label); search with one of them: "
+        f"{reopen_command(run).replace(' serve ', ' search ')} {shlex.quote(str(query))}",
+        highlight=False,
+        soft_wrap=True,
+    )
     if serve_app:
         step("serve", STEPS + 1, STEPS + 1)
         serve(run, host, port)

@@ -33,6 +33,7 @@ def export(
     calibration: Annotated[str, typer.Option(help=CALIBRATION_HELP)] = "minmax",
 ) -> None:
     """Export the run's encoder to RUN/model.onnx and RUN/model.json, checked against PyTorch."""
+    RunDir(run).require_checkpoint()  # said before torch is loaded (seconds)
     require("torch", "train")
     from training.exporting import DEFAULT_WHITENING
     from training.exporting import export as run_export

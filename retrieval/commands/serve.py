@@ -37,10 +37,11 @@ def serve(
     # FAISS's OpenMP threads spin between searches, on the cores the encoder needs next: idle, they sleep instead
     # (bench/app_load.py: 8.3 instead of 15.3 ms of server CPU per query at one client). Read when OpenMP loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from app.server import serve as run_server
-
     reranker = parse_rerank(rerank)
     require_free_port(host, port)
+    RunDir(run).require_model()  # said before Gradio is loaded (seconds)
+    from app.server import serve as run_server
+
     options = {"allow_write": allow_write, "auth": auth, "max_upload": max_upload, "mmap": mmap, "max_batch": max_batch}
     options.update(rerank=reranker, model=model)
     run_server(RunDir(run), host, port, index_dir, **options)
@@ -58,5 +59,6 @@ def require_free_port(host: str, port: int) -> None:
             free = probe.getsockname()[1]
         reason = "in use" if error.errno == errno.EADDRINUSE else error.strerror or error
         raise RetrievalError(
-            f"port {port} on {host} is {reason}: give another with --port (e.g. --port {free}), or stop what holds it"
+            f"port {port} on {host} is {reason}: give another with --port (e.g. --port {free}; "
+            f"through make: make demo PORT={free}), or stop what holds it"
         ) from None

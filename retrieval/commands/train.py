@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 
 from retrieval.commands.output import BENCHMARK_HELP, DATA_HELP, DataArg, console, errors, report_skipped
+from retrieval.data import require_source
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
 from retrieval.runs import RunDir, read_json
@@ -130,7 +131,8 @@ def train(
     overwrite: Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)] = False,
     **options: object,
 ) -> None:
-    """Train an embedding model on a labeled image collection (or a benchmark's training split)."""
+    """Train an embedding model on an image collection: labeled, partly labeled or without labels (or a benchmark's
+    training split); --adapt adds the images of the gallery it will search, without their labels."""
     given = {option.name: options[option.name] for option in OPTIONS if options.get(option.name) is not None}
     run_training(data, RunDir(run), resume, overwrite, given)
 
@@ -143,6 +145,11 @@ train.__signature__ = _own.replace(  # type: ignore[attr-defined]  # the OPTIONS
 
 def run_training(data: Path | None, run_dir: RunDir, resume: bool, overwrite: bool, given: dict) -> None:
     """Builds the run's TrainConfig (its own, to resume) from the options given, trains, and reports."""
+    for path in (data, given.get("adapt")):  # a mistyped path is said before torch is loaded (seconds)
+        if path is not None and not given.get("benchmark"):
+            require_source(path)
+    if resume and not run_dir.config.is_file():
+        raise RetrievalError(f"{run_dir.config}: missing; nothing to resume (start the run without --resume)")
     require("torch", "train")
     from training.config import TrainConfig
     from training.loop import train
@@ -262,6 +269,7 @@ def analyze(
     names self-supervised methods, default simclr,hard); the labels only pick the held-out classes on
     which uniformity and tolerance are measured.
     """
+    require_source(data)  # a mistyped path is said before torch is loaded (seconds)
     require("torch", "train")
     from training.analyze import temperature_sweep
     from training.config import TrainConfig
