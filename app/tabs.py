@@ -10,9 +10,9 @@ API (gradio_client, endpoint names and parameter names are stable):
   /embedding_map  (projection)         -> map image
   /add            (files, label)       -> message   (only with --allow-write)
   /remove         (ids)                -> message   (only with --allow-write)
-Results are a gallery of (image, caption); a caption reads "HIT · #1 · 0.912 · label" (file and id on hover). Each gallery
-has the items it shows beside it, in gallery order (app.handlers.Shown in an app.components.PageData, not part of the
-API), which clicks read.
+Results are a gallery of (image, caption); a caption reads "HIT · #1 · 0.912 · label" (file and id on hover).
+Each gallery has the items it shows beside it, in gallery order (app.handlers.Shown in an app.components.PageData,
+not part of the API), which clicks read.
 """
 
 from __future__ import annotations
