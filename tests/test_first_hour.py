@@ -281,12 +281,12 @@ def test_make_says_what_the_install_takes_and_takes_a_cpu_torch_and_a_port() -> 
     import subprocess
 
     root = Path(__file__).parents[1]
-    plan = subprocess.run(["make", "-n", "-W", "pyproject.toml", "demo", "TORCH=cpu", "PORT=8080"], cwd=root, capture_output=True, text=True, check=True).stdout.splitlines()
+    plan = subprocess.run(["make", "--no-print-directory", "-n", "-W", "pyproject.toml", "demo", "TORCH=cpu", "PORT=8080"], cwd=root, capture_output=True, text=True, check=True).stdout.splitlines()
     assert "about 7 GB" in plan[0] and "TORCH=cpu" in plan[1]
     pins = re.findall(r'"(torch(?:vision)?==[^"]+)"', (root / "pyproject.toml").read_text())
     assert plan[2].endswith(f"{' '.join(pins)} --index-url https://download.pytorch.org/whl/cpu") and "-e " in plan[3]
     assert plan[-1].endswith("retrieval demo --port 8080")
-    default = subprocess.run(["make", "-n", "-W", "pyproject.toml", "demo"], cwd=root, capture_output=True, text=True, check=True).stdout
+    default = subprocess.run(["make", "--no-print-directory", "-n", "-W", "pyproject.toml", "demo"], cwd=root, capture_output=True, text=True, check=True).stdout
     assert "--index-url" not in default and "--port 7860" in default
 
 

@@ -102,7 +102,14 @@ OPTIONS = (
     Option("benchmark", str, BENCHMARK_HELP),
     Option("self_supervised", bool, SELF_SUPERVISED_HELP, ("--self-supervised",)),
     Option("adapt", str, ADAPT_HELP),
-    Option("ssl_loss", str, "The self-supervised method beside a supervised loss: simclr, moco, instdisc, hcl, hard."),
+    Option(
+        "ssl_loss",
+        str,
+        (
+            "The self-supervised method beside a supervised loss: simclr, moco, instdisc, hcl, hard, or joint "
+            "(the images without labels join the supervised loss's batch, each its own class)."
+        ),
+    ),
     Option("ssl_temperature", float, "Its temperature (simclr 0.1, moco 0.2, instdisc 0.07, hcl 0.5, hard 0.2)."),
     Option("ssl_weight", float, "Weight of the self-supervised loss beside the supervised one (default 1)."),
     Option("ssl_batch", int, "Images a batch adds for the self-supervised loss (default: half of --batch-size)."),
@@ -145,9 +152,15 @@ train.__signature__ = _own.replace(  # type: ignore[attr-defined]  # the OPTIONS
 
 def run_training(data: Path | None, run_dir: RunDir, resume: bool, overwrite: bool, given: dict) -> None:
     """Builds the run's TrainConfig (its own, to resume) from the options given, trains, and reports."""
-    for path in (data, given.get("adapt")):  # a mistyped path is said before torch is loaded (seconds)
-        if path is not None and not given.get("benchmark"):
-            require_source(path)
+    if data is not None and not given.get("benchmark"):  # a mistyped path is said before torch loads (seconds)
+        require_source(data)
+    if given.get("adapt") is not None:
+        try:
+            require_source(given["adapt"])
+        except RetrievalError:
+            raise RetrievalError(
+                f"--adapt {given['adapt']}: no such file or folder; give the gallery's image folder or a .txt list"
+            ) from None
     if resume and not run_dir.config.is_file():
         raise RetrievalError(f"{run_dir.config}: missing; nothing to resume (start the run without --resume)")
     require("torch", "train")
