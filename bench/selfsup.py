@@ -9,7 +9,7 @@ held-out fifth with --split validation, test/ with --split full (their labels ne
 
 A configuration is `retrieval train` options; in them {gallery} stands for those images, and a
 configuration whose name starts with "25 %" trains on a copy of the training CSV in which a seeded
-three quarters of the images lose their labels ("25 % labeled": partly labeled) or are left out
+three quarters of the images lose their labels ("25 % labeled...": partly labeled) or are left out
 ("25 % only": the supervised loss on the labeled quarter alone). Every run goes through the command line in
 its own process (`retrieval train`, `export`, `evaluate`), one after another, so that their times compare.
 
@@ -40,8 +40,8 @@ CONFIGURATIONS = {
     "simclr": "--self-supervised --loss simclr",
     "simclr t=0.2": "--self-supervised --loss simclr --temperature 0.2",
     "simclr t=0.5": "--self-supervised --loss simclr --temperature 0.5",
-    "simclr, mild crop": "--self-supervised --loss simclr --ssl-augment crop,jitter,grayscale,blur",
-    "simclr, 50 epochs": "--self-supervised --loss simclr --epochs 50",
+    "simclr mild crop": "--self-supervised --loss simclr --ssl-augment crop,jitter,grayscale,blur",
+    "simclr 50 epochs": "--self-supervised --loss simclr --epochs 50",
     "moco": "--self-supervised --loss moco",
     "moco t=0.1": "--self-supervised --loss moco --temperature 0.1",
     "instdisc": "--self-supervised --loss instdisc",
@@ -52,14 +52,18 @@ CONFIGURATIONS = {
     "hard": "--self-supervised --loss hard",
     "hard t=0.1": "--self-supervised --loss hard --temperature 0.1",
     "adapted": "--adapt {gallery}",
-    "adapted, weight 0.5": "--adapt {gallery} --ssl-weight 0.5",
-    "adapted, weight 2": "--adapt {gallery} --ssl-weight 2",
-    "adapted, 32 gallery images a batch": "--adapt {gallery} --ssl-batch 32",
-    "adapted, 128 gallery images a batch": "--adapt {gallery} --ssl-batch 128",
-    "adapted, mild views": "--adapt {gallery} --ssl-augment crop,color,grayscale,blur",
-    "adapted, ssl t=0.2": "--adapt {gallery} --ssl-temperature 0.2",
-    "adapted, hcl": "--adapt {gallery} --ssl-loss hcl",
+    "adapted weight 0.5": "--adapt {gallery} --ssl-weight 0.5",
+    "adapted weight 2": "--adapt {gallery} --ssl-weight 2",
+    "adapted 32 gallery images a batch": "--adapt {gallery} --ssl-batch 32",
+    "adapted 128 gallery images a batch": "--adapt {gallery} --ssl-batch 128",
+    "adapted mild views": "--adapt {gallery} --ssl-augment crop,color,grayscale,blur",
+    "adapted ssl t=0.2": "--adapt {gallery} --ssl-temperature 0.2",
+    "adapted hcl": "--adapt {gallery} --ssl-loss hcl",
+    "adapted joint": "--adapt {gallery} --ssl-loss joint",
+    "adapted joint 128 gallery images a batch": "--adapt {gallery} --ssl-loss joint --ssl-batch 128",
+    "adapted joint 32 gallery images a batch": "--adapt {gallery} --ssl-loss joint --ssl-batch 32",
     "25 % labeled": "",
+    "25 % labeled joint": "--ssl-loss joint",
     "25 % only": "",
 }
 SHOWN = ("recall@1", "recall@5", "map@r")
@@ -77,7 +81,7 @@ def partly_labeled(fit: Path, work: Path, keep_unlabeled: bool) -> Path:
 def one_run(name: str, seed: int, epochs: int | None, split: str, fit: Path, held: Path, work: Path) -> dict:
     """Trains a configuration (unless --work holds the run), exports it and scores it on the held-out classes and
     (with --split validation) test/."""
-    data = partly_labeled(fit, work, name == "25 % labeled") if name.startswith("25 %") else fit
+    data = partly_labeled(fit, work, name.startswith("25 % labeled")) if name.startswith("25 %") else fit
     options = CONFIGURATIONS[name].replace("{gallery}", str(held))
     run = work / split / f"{''.join(c if c.isalnum() else '_' for c in name)}-seed{seed}{'' if epochs is None else f'-{epochs}ep'}"
     timing = run / "train_seconds.json"

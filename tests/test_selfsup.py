@@ -19,7 +19,7 @@ from tests.conftest import copy_classes
 from training.losses import HardContrastiveLoss, HCLLoss, SupConLoss
 from training.memory import MemoryQueue
 from training.samplers import ClassBalancedBatchSampler, InstanceBatchSampler, MixedBatchSampler
-from training.selfsup import InstanceDiscrimination, MemoryBank, MoCoLoss, nce_criterion
+from training.selfsup import InstanceDiscrimination, JointObjective, MemoryBank, MoCoLoss, nce_criterion
 
 TINY = ["--epochs", "1", "--batch-size", "8", "--image-size", "32"]
 
@@ -224,6 +224,11 @@ def test_labels_withheld_partly_labeled_and_adapted_runs(icons_root: Path, tmp_p
     configs = {name: json.loads(run.config.read_text()) for name, run in runs.items()}
     assert [configs[name]["mode"] for name in runs] == ["self-supervised", "partly labeled", "adapted"]
     assert configs["adapted"]["adapt"] == str(gallery) and configs["adapted"]["ssl_loss"] == "simclr" and configs["adapted"]["loss"] == "supcon"
+    joint = RunDir(tmp_path / "joint")
+    assert main(["train", str(tmp_path / "clean"), "--run", str(joint.root), "--adapt", str(gallery), "--ssl-loss", "joint", *TINY]) == 0
+    config = json.loads(joint.config.read_text())
+    assert (config["ssl_loss"], config["ssl_temperature"]) == ("joint", config["temperature"])
+    assert math.isfinite(json.loads(joint.train_log.read_text().splitlines()[-1])["loss"])
 
 
 @pytest.mark.parametrize(
@@ -237,6 +242,9 @@ def test_labels_withheld_partly_labeled_and_adapted_runs(icons_root: Path, tmp_p
         ("labeled", ["--self-supervised", "--loss", "npair"], "--loss npair needs labels"),
         ("labeled", ["--loss", "moco"], "--loss moco is a self-supervised method"),
         ("labeled", ["--ssl-loss", "moco"], "--ssl-loss and --ssl-temperature need a self-supervised part"),
+        ("labeled", ["--self-supervised", "--loss", "joint"], "a self-supervised run has no labeled images"),
+        ("labeled", ["--adapt", "{tmp}/data", "--queue-size", "64"], "only --ssl-loss moco keeps a queue"),
+        ("labeled", ["--adapt", "{tmp}/data", "--ssl-loss", "joint", "--ssl-temperature", "0.3"], "drop --ssl-temperature"),
     ],
 )
 def test_what_cannot_train_without_labels_is_one_line(make: str, options: list[str], words: str, small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -245,7 +253,7 @@ def test_what_cannot_train_without_labels_is_one_line(make: str, options: list[s
     data = tmp_path / "data"
     images = sorted(small_folder.rglob("*.png"))
     if make == "labeled":
-        data = small_folder
+        shutil.copytree(small_folder, data)  # also the --adapt gallery of some
     else:
         data.mkdir()
         if make == "one":
@@ -302,6 +310,18 @@ def test_images_without_labels_get_quality_figures_everywhere(demo_run: RunDir, 
         assert evaluation.metrics["copy recall@1"] >= 0.5 and plots == []
     finally:
         service.close()
+
+
+def test_joint_is_the_supervised_loss_with_each_pool_image_a_class_of_its_own() -> None:
+    torch.manual_seed(0)
+    labeled, labels = torch.randn(6, 16, dtype=torch.float64), torch.tensor([0, 0, 1, 1, 2, 2])
+    views, instances = torch.randn(4, 2, 16, dtype=torch.float64), torch.tensor([3, 0, 2, 1])
+    joint = JointObjective(SupConLoss(temperature=0.1), classes=3).loss(views, instances, None, (labeled, labels))
+    # by hand: SupCon over the labeled rows and the views, pool image i's views labeled 3 + i
+    rows = torch.cat([labeled, views.reshape(8, 16)])
+    ids = torch.cat([labels, torch.tensor([6, 6, 3, 3, 5, 5, 4, 4])])
+    assert torch.allclose(joint, SupConLoss(temperature=0.1)(rows, ids))
+    assert not torch.allclose(joint, SupConLoss(temperature=0.1)(rows, torch.cat([labels, torch.tensor([0, 0, 3, 3, 5, 5, 4, 4])])))
 
 
 def test_an_adapted_model_says_so_beside_its_figures(icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

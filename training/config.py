@@ -11,7 +11,7 @@ from retrieval.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 from training.augment import DEFAULT_AUGMENT, SSL_AUGMENT, parse_augment
 from training.losses import DEFAULT_TEMPERATURES, LOSSES
 from training.model import POOLINGS, STEMS, Architecture, parse_layers, weights_cached
-from training.selfsup import SSL_LOSSES, SSL_TEMPERATURES
+from training.selfsup import JOINT, SSL_LOSSES, SSL_TEMPERATURES
 
 OPTIMIZERS = ("adamw", "sgd")
 # The default recipe, by whether ImageNet weights are used (docs/recipe.md): from scratch, small inputs and long
@@ -153,14 +153,19 @@ def _resolve_losses(config: TrainConfig, mode: str) -> None:
         raise RetrievalError(f"unknown training mode {mode!r}; one of {', '.join(MODES)}")
     strict = config.mode is not None
     for name in (config.loss, config.ssl_loss):
-        if name is not None and name not in LOSSES and name not in SSL_LOSSES:
-            known = ", ".join(sorted(set(LOSSES) | set(SSL_LOSSES)))
+        if name is not None and name not in LOSSES and name not in (*SSL_LOSSES, JOINT):
+            known = ", ".join(sorted(set(LOSSES) | {*SSL_LOSSES, JOINT}))
             raise RetrievalError(f"unknown loss {name!r}; choose one of {known}")
     if mode == SELF_SUPERVISED:
         if config.loss is not None and config.ssl_loss is not None and config.loss != config.ssl_loss:
             given = f"--loss {config.loss} and --ssl-loss {config.ssl_loss}"
             raise RetrievalError(f"{given}: a self-supervised run has one method; give it with --loss")
         method = config.loss or config.ssl_loss or SSL_DEFAULT
+        if method == JOINT:
+            raise RetrievalError(
+                f"{JOINT} joins images without labels to a supervised loss's batch; a self-supervised run has no "
+                f"labeled images: use one of {', '.join(SSL_LOSSES)}"
+            )
         if method not in SSL_LOSSES:
             raise RetrievalError(
                 f"--loss {method} needs labels; a self-supervised run takes one of {', '.join(SSL_LOSSES)}"
@@ -184,8 +189,15 @@ def _resolve_losses(config: TrainConfig, mode: str) -> None:
             )
         return
     config.ssl_loss = config.ssl_loss or SSL_DEFAULT
-    if config.ssl_loss not in SSL_LOSSES:
-        raise RetrievalError(f"--ssl-loss {config.ssl_loss}: choose one of {', '.join(SSL_LOSSES)}")
+    if config.ssl_loss not in (*SSL_LOSSES, JOINT):
+        raise RetrievalError(f"--ssl-loss {config.ssl_loss}: choose one of {', '.join((*SSL_LOSSES, JOINT))}")
+    if config.ssl_loss == JOINT:  # the supervised loss itself, at its temperature
+        if config.ssl_temperature not in (None, config.temperature):
+            raise RetrievalError(
+                "--ssl-loss joint uses the supervised loss and its --temperature; drop --ssl-temperature"
+            )
+        config.ssl_temperature = config.temperature
+        return
     config.ssl_temperature = config.ssl_temperature or SSL_TEMPERATURES[config.ssl_loss]
 
 
@@ -211,6 +223,11 @@ def _check(config: TrainConfig) -> None:
     queued = "moco" in (config.ssl_method, config.loss) or config.loss in QUEUE_LOSSES
     if config.queue_size and not queued:
         raise RetrievalError(f"--queue-size works with the {' and '.join(QUEUE_LOSSES)} losses and moco")
+    if config.queue_size and config.ssl_method not in (None, "moco"):
+        raise RetrievalError(
+            f"--queue-size beside the self-supervised method {config.ssl_method}: only --ssl-loss moco keeps a queue "
+            "in a run with images without labels; drop --queue-size or use --ssl-loss moco"
+        )
     for name in ("momentum", "bank_momentum", "ema"):
         if not 0 <= getattr(config, name) < 1:
             raise RetrievalError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(config, name)}")

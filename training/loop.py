@@ -40,7 +40,7 @@ from training.losses import make_loss
 from training.memory import MemoryQueue
 from training.model import Encoder
 from training.samplers import ClassBalancedBatchSampler, InstanceBatchSampler, MixedBatchSampler
-from training.selfsup import MemoryBank, Objective, make_objective
+from training.selfsup import JOINT, JointObjective, MemoryBank, Objective, make_objective
 from training.validation import VALIDATION_KEYS, Validator
 
 Batches = ClassBalancedBatchSampler | InstanceBatchSampler | MixedBatchSampler
@@ -227,6 +227,9 @@ class Trainer:
         if method is None:
             queue = MemoryQueue(model, config.queue_size, config.momentum) if config.queue_size else None
             return None, queue, None
+        if method == JOINT:
+            criterion = make_loss(str(config.loss), float(config.temperature))
+            return JointObjective(criterion, len(self.data.classes)), None, None
         temperature = config.temperature if config.mode == SELF_SUPERVISED else config.ssl_temperature
         return make_objective(
             method,
@@ -377,7 +380,8 @@ class Trainer:
 
     def step(self, batch: Batch) -> tuple[float, float, int]:
         """One step on a batch with a self-supervised part: the supervised loss on its labeled images (if any) and,
-        weighted, the self-supervised one on its pool images' two views; returns as step_supervised."""
+        weighted, the self-supervised one on its pool images' two views (joint: one loss over both); returns as
+        step_supervised."""
         assert self.objective is not None
         labeled = batch.images.to(self.device, memory_format=self.memory_format, non_blocking=True)
         views = batch.views.to(self.device, non_blocking=True)
@@ -388,10 +392,16 @@ class Trainer:
         z = z.float()
         instances = gather_rows(batch.instances.to(self.device, non_blocking=True))
         pooled = gather_rows(z[len(labeled) :]).view(len(instances), VIEWS, -1)
-        loss = self.objective.loss(pooled, instances, keys)
-        if len(labeled):
+        if not len(labeled):
+            loss = self.objective.loss(pooled, instances, keys)
+        else:
             labels = gather_rows(batch.labels.to(self.device, non_blocking=True))
-            loss = self.loss_fn(gather_rows(z[: len(labeled)]), labels) + self.config.ssl_weight * loss  # type: ignore[misc]
+            supervised = gather_rows(z[: len(labeled)])
+            if isinstance(self.objective, JointObjective):
+                loss = self.objective.loss(pooled, instances, keys, (supervised, labels))
+            else:
+                own = self.objective.loss(pooled, instances, keys)
+                loss = self.loss_fn(supervised, labels) + self.config.ssl_weight * own  # type: ignore[misc]
         self._optimise(loss)
         self.objective.follow(self.model)
         return self._stepped(loss, (len(batch.labels) + len(batch.instances)) * self.ranks.world_size)

@@ -16,6 +16,10 @@ Each image of a batch is seen as two augmented views, and each image is its own 
   negatives without labels (training.losses.HCLLoss over instance ids, as joshr17/HCL computes it).
 - `hard`: Wang & Liu 2021's hard contrastive loss over instance ids.
 
+Beside a supervised loss (partly labeled and adapted runs) one more: `joint`, the pool's images joining
+the supervised loss's own batch, each image a class of its own whose two views are its positives, so
+that labeled images and pool images are each other's negatives (`JointObjective`).
+
 `make_objective` gives the trainer one object per method: `encode(views)` (MoCo's keys, under the
 trainer's autocast), `loss(z, instances, keys)` on the projections z [U, 2, P] of U images' two
 views, and `follow(model)` after the step (the key encoder, the memory bank).
@@ -35,6 +39,7 @@ from training.losses import HardContrastiveLoss, HCLLoss, SupConLoss
 from training.memory import MemoryQueue
 
 SSL_LOSSES = ("simclr", "moco", "instdisc", "hcl", "hard")
+JOINT = "joint"  # beside a supervised loss only: the pool's images as classes of the supervised loss's batch
 # Each method's temperature (the papers': MoCo v2 0.2, instance discrimination 0.07, HCL 0.5, Wang & Liu 0.2;
 # SimCLR's 0.5 is for batches of thousands, 0.1 did better on the icons' held-out classes: docs/recipe.md)
 SSL_TEMPERATURES = {"simclr": 0.1, "moco": 0.2, "instdisc": 0.07, "hcl": 0.5, "hard": 0.2}
@@ -200,7 +205,27 @@ class BankObjective:
             self.pending = None
 
 
-Objective = PairObjective | MoCoObjective | BankObjective
+class JointObjective:
+    """joint: the supervised loss over the labeled images and the pool's views together, each pool image a class
+    of its own (numbered after the labeled classes), so that the two kinds of image repel each other."""
+
+    def __init__(self, criterion: nn.Module, classes: int) -> None:
+        self.criterion, self.classes = criterion, classes
+
+    def encode(self, views: Tensor) -> None:
+        """No keys."""
+
+    def loss(self, z: Tensor, instances: Tensor, keys: Tensor | None, labeled: tuple[Tensor, Tensor]) -> Tensor:
+        """The criterion over labeled = (projections [B, P], class indices [B]) and the pool's views z [U, 2, P]."""
+        embeddings, labels = labeled
+        ids = instances.repeat_interleave(z.shape[1]) + self.classes
+        return self.criterion(torch.cat([embeddings, z.reshape(-1, z.shape[-1])]), torch.cat([labels, ids]))
+
+    def follow(self, model: nn.Module) -> None:
+        """Nothing moves with the encoder."""
+
+
+Objective = PairObjective | MoCoObjective | BankObjective | JointObjective
 
 
 def make_objective(
