@@ -245,6 +245,7 @@ def test_labels_withheld_partly_labeled_and_adapted_runs(icons_root: Path, tmp_p
         ("labeled", ["--self-supervised", "--loss", "joint"], "a self-supervised run has no labeled images"),
         ("labeled", ["--adapt", "{tmp}/data", "--queue-size", "64"], "only --ssl-loss moco keeps a queue"),
         ("labeled", ["--adapt", "{tmp}/data", "--ssl-loss", "joint", "--ssl-temperature", "0.3"], "drop --ssl-temperature"),
+        ("labeled", ["--adapt", "{tmp}/data", "--ssl-loss", "joint", "--ssl-weight", "2"], "drop --ssl-weight"),
     ],
 )
 def test_what_cannot_train_without_labels_is_one_line(make: str, options: list[str], words: str, small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -196,6 +196,8 @@ def _resolve_losses(config: TrainConfig, mode: str) -> None:
             raise RetrievalError(
                 "--ssl-loss joint uses the supervised loss and its --temperature; drop --ssl-temperature"
             )
+        if config.ssl_weight != 1.0:
+            raise RetrievalError("--ssl-loss joint is one loss over both kinds of images; drop --ssl-weight")
         config.ssl_temperature = config.temperature
         return
     config.ssl_temperature = config.ssl_temperature or SSL_TEMPERATURES[config.ssl_loss]
