@@ -65,6 +65,8 @@ CONFIGURATIONS = {
     "25 % labeled": "",
     "25 % labeled joint": "--ssl-loss joint",
     "25 % only": "",
+    "25 % labeled 150 epochs": "--epochs 150",
+    "25 % only 150 epochs": "--epochs 150",
 }
 SHOWN = ("recall@1", "recall@5", "map@r")
 LABELED_SHARE = 0.25
