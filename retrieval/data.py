@@ -75,14 +75,15 @@ def load_collection(source: str | Path) -> Collection:
     return collection
 
 
-def require_source(source: str | Path) -> Path:
-    """The path of a collection, or one line saying it is not there (before anything slow is imported)."""
+COLLECTION_HINT = "an image folder ROOT/<label>/<image> or a CSV with columns path,label"
+
+
+def require_source(source: str | Path, option: str = "", hint: str = COLLECTION_HINT) -> Path:
+    """The path of a collection, or one line saying it is not there (before anything slow is imported); option
+    names the command-line option that gave it, hint what to give instead."""
     source = Path(source).expanduser()
     if not source.exists():
-        raise RetrievalError(
-            f"{source}: no such file or folder; give an image folder "
-            "ROOT/<label>/<image> or a CSV with columns path,label"
-        )
+        raise RetrievalError(f"{option + ' ' if option else ''}{source}: no such file or folder; give {hint}")
     return source
 
 

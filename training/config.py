@@ -11,7 +11,7 @@ from retrieval.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 from training.augment import DEFAULT_AUGMENT, SSL_AUGMENT, parse_augment
 from training.losses import DEFAULT_TEMPERATURES, LOSSES
 from training.model import POOLINGS, STEMS, Architecture, parse_layers, weights_cached
-from training.selfsup import JOINT, SSL_LOSSES, SSL_TEMPERATURES
+from training.selfsup import BESIDE_LABELS, JOINT, SSL_LOSSES, SSL_TEMPERATURES
 
 OPTIMIZERS = ("adamw", "sgd")
 # The default recipe, by whether ImageNet weights are used (docs/recipe.md): from scratch, small inputs and long
@@ -153,8 +153,8 @@ def _resolve_losses(config: TrainConfig, mode: str) -> None:
         raise RetrievalError(f"unknown training mode {mode!r}; one of {', '.join(MODES)}")
     strict = config.mode is not None
     for name in (config.loss, config.ssl_loss):
-        if name is not None and name not in LOSSES and name not in (*SSL_LOSSES, JOINT):
-            known = ", ".join(sorted(set(LOSSES) | {*SSL_LOSSES, JOINT}))
+        if name is not None and name not in LOSSES and name not in BESIDE_LABELS:
+            known = ", ".join(sorted({*LOSSES, *BESIDE_LABELS}))
             raise RetrievalError(f"unknown loss {name!r}; choose one of {known}")
     if mode == SELF_SUPERVISED:
         if config.loss is not None and config.ssl_loss is not None and config.loss != config.ssl_loss:
@@ -189,8 +189,8 @@ def _resolve_losses(config: TrainConfig, mode: str) -> None:
             )
         return
     config.ssl_loss = config.ssl_loss or SSL_DEFAULT
-    if config.ssl_loss not in (*SSL_LOSSES, JOINT):
-        raise RetrievalError(f"--ssl-loss {config.ssl_loss}: choose one of {', '.join((*SSL_LOSSES, JOINT))}")
+    if config.ssl_loss not in BESIDE_LABELS:
+        raise RetrievalError(f"--ssl-loss {config.ssl_loss}: choose one of {', '.join(BESIDE_LABELS)}")
     if config.ssl_loss == JOINT:  # the supervised loss itself, at its temperature
         if config.ssl_temperature not in (None, config.temperature):
             raise RetrievalError(

@@ -202,9 +202,9 @@ class Trainer:
         self.validator = Validator(data.validation, config.preprocessing, device) if data.validation and main else None
         self.model = Encoder.build(config.architecture, bool(config.pretrained))
         self.model.to(device, memory_format=self.memory_format)
-        self.objective, self.queue, self.bank = self._self_supervised()
         supervised = config.mode != SELF_SUPERVISED
         self.loss_fn = make_loss(str(config.loss), float(config.temperature)) if supervised else None
+        self.objective, self.queue, self.bank = self._self_supervised()
         self.sampler, self.loader = make_batches(config, data, ranks, cuda)
         self.optimizer = make_optimizer(config, self.model)
         self.average = make_average(self.model, config.ema)
@@ -227,9 +227,9 @@ class Trainer:
         if method is None:
             queue = MemoryQueue(model, config.queue_size, config.momentum) if config.queue_size else None
             return None, queue, None
-        if method == JOINT:
-            criterion = make_loss(str(config.loss), float(config.temperature))
-            return JointObjective(criterion, len(self.data.classes)), None, None
+        if method == JOINT:  # the supervised loss itself, over both kinds of image
+            assert self.loss_fn is not None
+            return JointObjective(self.loss_fn, len(self.data.classes)), None, None
         temperature = config.temperature if config.mode == SELF_SUPERVISED else config.ssl_temperature
         return make_objective(
             method,

@@ -40,6 +40,7 @@ from training.memory import MemoryQueue
 
 SSL_LOSSES = ("simclr", "moco", "instdisc", "hcl", "hard")
 JOINT = "joint"  # beside a supervised loss only: the pool's images as classes of the supervised loss's batch
+BESIDE_LABELS = (*SSL_LOSSES, JOINT)  # what --ssl-loss takes in a partly labeled or adapted run
 # Each method's temperature (the papers': MoCo v2 0.2, instance discrimination 0.07, HCL 0.5, Wang & Liu 0.2;
 # SimCLR's 0.5 is for batches of thousands, 0.1 did better on the icons' held-out classes: docs/recipe.md)
 SSL_TEMPERATURES = {"simclr": 0.1, "moco": 0.2, "instdisc": 0.07, "hcl": 0.5, "hard": 0.2}

@@ -155,12 +155,7 @@ def run_training(data: Path | None, run_dir: RunDir, resume: bool, overwrite: bo
     if data is not None and not given.get("benchmark"):  # a mistyped path is said before torch loads (seconds)
         require_source(data)
     if given.get("adapt") is not None:
-        try:
-            require_source(given["adapt"])
-        except RetrievalError:
-            raise RetrievalError(
-                f"--adapt {given['adapt']}: no such file or folder; give the gallery's image folder or a .txt list"
-            ) from None
+        require_source(given["adapt"], "--adapt", "the gallery's image folder or a .txt list")
     if resume and not run_dir.config.is_file():
         raise RetrievalError(f"{run_dir.config}: missing; nothing to resume (start the run without --resume)")
     require("torch", "train")
