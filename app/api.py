@@ -1,7 +1,8 @@
 """The JSON search API, served beside the Gradio app on the same port (FastAPI, with the app mounted at /).
 
     POST /api/v1/search                  an image (multipart field "image", or the raw bytes as the body);
-                                         query k, label (only that label), depth, rerank -> hits, took_ms
+                                         query k, label (only that label), depth, rerank -> hits, took_ms;
+                                         each hit's match: whether it reaches the run's match threshold
     GET  /api/v1/items/{id}/neighbours   the same for an indexed item (itself left out)
     GET  /api/v1/health                  ok, and what is served
     GET  /api/v1/stats                   the index and model in numbers
@@ -31,7 +32,6 @@ from pydantic import BaseModel
 
 from app.service import SearchService
 from index.search import ImageQuery, QueryResult, search_item
-from index.search import Query as SearchQuery
 from retrieval.errors import ErrorKind, ImageError, RetrievalError
 from retrieval.rerank import Rerank, parse_rerank
 
@@ -60,6 +60,7 @@ class HitOut(BaseModel):
     score: float
     path: str
     label: str
+    match: bool | None = None  # whether the score reaches the run's match threshold (null: the run has none)
 
 
 class SearchOut(BaseModel):
@@ -111,8 +112,8 @@ def _errors(api: FastAPI) -> None:
 def _search_routes(api: FastAPI, service: SearchService, limit: int, allowed: list) -> None:
     """POST /api/v1/search and GET /api/v1/items/{id}/neighbours."""
 
-    def reranked(spec: str | None) -> Rerank:
-        return service.rerank if spec is None else parse_rerank(spec)
+    def reranked(spec: str | None) -> Rerank | None:
+        return None if spec is None else parse_rerank(spec)  # None: the server's
 
     @api.post("/api/v1/search", response_model=SearchOut, dependencies=allowed)
     async def search(
@@ -124,7 +125,7 @@ def _search_routes(api: FastAPI, service: SearchService, limit: int, allowed: li
     ) -> SearchOut:
         """The k nearest gallery items to an image: multipart field "image", or the image's bytes as the body."""
         image = await _upload(request, limit)
-        query = SearchQuery(k, depth, label, reranked(rerank))
+        query = service.query(k, depth, label, reranked(rerank))
         result: QueryResult = await asyncio.wrap_future(service.batcher.submit(image, query))
         return _answer(result)
 
@@ -137,7 +138,7 @@ def _search_routes(api: FastAPI, service: SearchService, limit: int, allowed: li
         rerank: Annotated[str | None, Query(description=RERANK_HELP)] = None,
     ) -> SearchOut:
         """The k nearest gallery items to an indexed item, itself left out (404 for an unknown id)."""
-        return _answer(search_item(service.snapshot.index, item_id, SearchQuery(k, depth, label, reranked(rerank))))
+        return _answer(search_item(service.snapshot.index, item_id, service.query(k, depth, label, reranked(rerank))))
 
 
 def _info_routes(api: FastAPI, service: SearchService, allowed: list) -> None:
@@ -163,6 +164,7 @@ def _info_routes(api: FastAPI, service: SearchService, allowed: list) -> None:
             "encoder": service.embedder.fingerprint,
             "precision": service.embedder.card.get("precision", "float32"),
             "rerank": service.rerank.describe(),
+            "match_threshold": service.query().threshold,
             "run": str(service.run.root),
         }
 
@@ -181,7 +183,7 @@ def _not_allowed(methods: set[str]):  # noqa: ANN202  (a FastAPI endpoint)
 def _answer(result: QueryResult) -> SearchOut:
     if result.error is not None:
         raise HTTPException(STATUS[result.error.kind], result.error.message)
-    hits = [HitOut(id=hit.id, score=hit.score, path=hit.path, label=hit.label) for hit in result.hits]
+    hits = [HitOut(id=hit.id, score=hit.score, path=hit.path, label=hit.label, match=hit.match) for hit in result.hits]
     return SearchOut(hits=hits, took_ms=round(result.seconds * 1000, 2), notes=result.notes)
 
 

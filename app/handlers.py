@@ -37,6 +37,7 @@ class Shown:
     id: int
     mark: str = ""  # "hit" or "miss" when the query's label is known, else ""
     title: str = ""
+    match: bool | None = None  # a result's: whether it reaches the match threshold (None: no threshold, or no result)
 
 
 Tiles = list[tuple[str, str]]  # a gallery's value: (thumbnail file, caption) per tile
@@ -48,14 +49,18 @@ def hit_mark(hit: Hit, label: str) -> str:
 
 
 def caption(rank: int, hit: Hit, mark: str) -> str:
-    """A result's caption, short enough for a tile: its mark, rank, similarity and label (file and id on hover)."""
+    """A result's caption, short enough for a tile: its mark, rank, similarity, label and whether it is a match (file
+    and id on hover)."""
     prefix = {"hit": "HIT · ", "miss": "miss · "}.get(mark, "")
-    return f"{prefix}#{rank} · {hit.score:.3f} · {hit.label}"
+    return f"{prefix}#{rank} · {hit.score:.3f} · {hit.label}" + (" · match" if hit.match else "")
 
 
 def result_tiles(service: SearchService, result: SearchResult) -> tuple[Tiles, list[Shown]]:
     """The results as gallery tiles, and what each shows, in the same order."""
-    shown = [Shown(hit.id, hit_mark(hit, result.label), f"{Path(hit.path).name} · id {hit.id}") for hit in result.hits]
+    shown = [
+        Shown(hit.id, hit_mark(hit, result.label), f"{Path(hit.path).name} · id {hit.id}", hit.match)
+        for hit in result.hits
+    ]
     tiles = [
         (str(service.thumbnail(hit.path, hit.sha256)), caption(rank, hit, tile.mark))
         for rank, (hit, tile) in enumerate(zip(result.hits, shown), 1)
@@ -170,7 +175,7 @@ class Handlers:
 
     def _query(self, k: float, depth: float | None, only: str | None = None) -> Query:
         """A query as the app's fields give it (k, depth 0: the tuned one), re-ranked as the server was started."""
-        return Query(int(k or 10), int(depth) if depth else None, only, self.service.rerank)
+        return self.service.query(int(k or 10), int(depth) if depth else None, only)
 
     def _submit(self, path: str, query: Query) -> Future:
         try:

@@ -140,11 +140,13 @@ def serve(
     max_batch: int = MAX_BATCH,
     rerank: Rerank = NO_RERANK,
     model: str = "float32",
+    threshold: float | None = None,
 ) -> None:
     """Starts the app and blocks until Ctrl+C or SIGTERM (systemd, docker stop); then removes its cache."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, stop_like_ctrl_c)
     options = {"mmap": mmap, "allow_write": allow_write, "rerank": rerank, "model": model, "max_batch": max_batch}
+    options["threshold"] = threshold
     service = SearchService(run, index_dir, **options)
     try:
         launch(service, host, port, auth, max_upload)

@@ -29,6 +29,7 @@ from index.edit import add_images, remove_items
 from index.search import ImageQuery, Query, QueryResult, search_image_bytes, search_images, search_item, unknown_id
 from index.stats import exact_and_deployed
 from index.types import MANIFEST, GalleryBackend, Hit
+from retrieval.calibration import match_similarity
 from retrieval.copies import CopyEvaluation, copy_figures
 from retrieval.data import Item, Skipped, decode_image, read_image_bytes
 from retrieval.embedders import OnnxEmbedder
@@ -45,6 +46,7 @@ PICK_RADIUS = 12.0  # pixels around a point of the map that a click picks it fro
 
 
 MAX_BATCH = 16  # concurrent image queries embedded in one call
+NO_MATCH = "no confident match"  # said above results whose best hit is below the match threshold
 
 
 @dataclass
@@ -102,9 +104,11 @@ class SearchService:
         rerank: Rerank = NO_RERANK,
         model: str = "float32",
         max_batch: int = MAX_BATCH,
+        threshold: float | None = None,
     ) -> None:
         self.run = run
         self.rerank = rerank  # the re-ranking of every search and of "evaluate now" (retrieval.rerank)
+        self.threshold = threshold  # the match threshold given to serve (--threshold), over the model card's
         self.index_dir = Path(index_dir or run.index)
         self.mmap = mmap
         self.allow_write = allow_write
@@ -158,6 +162,16 @@ class SearchService:
 
     # searching (index.search), worded for people
 
+    def query(
+        self, k: int = 10, depth: int | None = None, label: str | None = None, rerank: Rerank | None = None
+    ) -> Query:
+        """A query as this app answers it: re-ranked as the server was started (unless rerank is given), its hits
+        marked by the match threshold that applies (--threshold, or the model card's fitted for that re-ranking)."""
+        reranker = self.rerank if rerank is None else rerank
+        return Query(
+            k, depth, label, reranker, match_similarity(self.embedder.card, reranker.describe(), self.threshold)
+        )
+
     def search(
         self,
         image_path: str | Path,
@@ -179,7 +193,7 @@ class SearchService:
     ) -> list[SearchResult]:
         """Answers a batch of image queries with one embedding call (index.search.search_images); labels mark hits."""
         only = list(only) if only is not None else [None] * len(paths)
-        queries = [Query(int(k), depth, label, self.rerank) for k, depth, label in zip(ks, depths, only)]
+        queries = [self.query(int(k), depth, label) for k, depth, label in zip(ks, depths, only)]
         found = search_images(self.snapshot.index, self.embedder, paths, queries)
         return [worded(result, label) for result, label in zip(found, labels)]
 
@@ -194,7 +208,7 @@ class SearchService:
         item = snapshot.items.get(int(item_id))
         if item is None:
             return worded(QueryResult(error=unknown_id(snapshot.index, int(item_id))), "")
-        result = worded(search_item(snapshot.index, int(item_id), Query(k, depth, only, self.rerank)), item.label)
+        result = worded(search_item(snapshot.index, int(item_id), self.query(k, depth, only)), item.label)
         result.summary = f"item {item_id} ({item.path.name}): {result.summary}"
         return result
 
@@ -331,9 +345,12 @@ def worded(result: QueryResult, label: str) -> SearchResult:
     """A search result for people: its hits and one line (the failure, or the count, time and hits of the label)."""
     if result.error is not None:
         return SearchResult([], f"⚠️ {result.error.message}", label, result.error)
+    unsure = bool(result.hits) and result.hits[0].match is False
     summary = f"{len(result.hits)} results in {result.seconds * 1000:.0f} ms" + (
         f" (a batch of {result.batch} queries)" if result.batch > 1 else ""
     )
+    if unsure:
+        summary = f"**{NO_MATCH}**: the best hit is below the match threshold · {summary}"
     if label:
         first = next((str(rank) for rank, hit in enumerate(result.hits, 1) if hit.label == label), "none")
         summary += (

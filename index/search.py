@@ -33,12 +33,14 @@ ANIMATED = "animated: searched with its first frame"
 @dataclass(frozen=True)
 class Query:
     """How one query is answered: k hits, at a search depth (nprobe or efSearch; None: the tuned one), of one label
-    only (None: any), its shortlist re-ranked (retrieval.rerank; by default not)."""
+    only (None: any), its shortlist re-ranked (retrieval.rerank; by default not), each hit marked a match when its
+    score reaches threshold (retrieval.calibration; None: not marked)."""
 
     k: int = 10
     depth: int | None = None
     label: str | None = None
     rerank: Rerank = NO_RERANK
+    threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -97,8 +99,15 @@ def search_vectors(
                 _without(hits, mine)[0] for hits, mine in zip(index.search(vectors[rows], k, depth, label=label), own)
             ]
         for row, hits in zip(rows, hits_of):
-            found[row] = hits[: queries[row].k]
+            found[row] = _marked(hits[: queries[row].k], queries[row].threshold)
     return found
+
+
+def _marked(hits: list[Hit], threshold: float | None) -> list[Hit]:
+    """The hits, each marked whether it reaches the match threshold (unmarked without one)."""
+    if threshold is None:
+        return hits
+    return [replace(hit, match=hit.score >= threshold) for hit in hits]
 
 
 def _without(hits: list[Hit], itself: Itself | None) -> tuple[list[Hit], int]:

@@ -34,13 +34,14 @@ class Row(NamedTuple):
 
 @dataclass(frozen=True)
 class Hit:
-    """One search result."""
+    """One search result; match: whether its score reaches the run's match threshold (None: no threshold known)."""
 
     id: int
     path: str
     label: str
     score: float
     sha256: str
+    match: bool | None = None
 
 
 @dataclass(frozen=True)

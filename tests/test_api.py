@@ -44,7 +44,7 @@ def test_search_by_upload_and_by_raw_bytes_is_the_one_search_path(served: tuple[
         assert response.status_code == 200
         body = response.json()
         assert [hit["id"] for hit in body["hits"]] == [hit.id for hit in expected]
-        assert set(body["hits"][0]) == {"id", "score", "path", "label"} and body["took_ms"] > 0
+        assert set(body["hits"][0]) == {"id", "score", "path", "label", "match"} and body["took_ms"] > 0
 
 
 def test_neighbours_of_an_item_and_the_label_filter(served: tuple[SearchService, str]) -> None:

@@ -22,7 +22,7 @@ from retrieval.data import Collection
 from retrieval.errors import RetrievalError
 from retrieval.rerank import SPEC_HELP as RERANK_HELP
 from retrieval.rerank import Rerank, parse_rerank
-from retrieval.runs import RunDir, write_json
+from retrieval.runs import RunDir, read_json, write_json
 
 if TYPE_CHECKING:
     from retrieval.evaluation import Evaluation
@@ -37,6 +37,11 @@ LINEAR_HELP = (
     "Also the top-1 accuracy of a linear classifier on the frozen embeddings (SupCon's stage 2), trained on a seeded "
     "70 % of each class's images and tested on the rest."
 )
+CALIBRATE_HELP = (
+    "Fit the match threshold on IMAGES (labeled images the run did not train on) and store it in the model card: "
+    "search then marks each hit a match or not (docs/trust.md)."
+)
+TARGET_HELP = "The top-1 precision the match threshold is fitted for (--calibrate)."
 DEPLOYED_HELP = (
     "Score the index as deployed (its type, tuned depth and re-scoring) beside exact search, leave-one-out over "
     "its labeled items; no IMAGES."
@@ -62,6 +67,8 @@ def evaluate(
     deployed: Annotated[bool, typer.Option("--deployed", help=DEPLOYED_HELP)] = False,
     index_dir: IndexOption = None,
     linear: Annotated[bool, typer.Option("--linear", help=LINEAR_HELP)] = False,
+    calibrate: Annotated[bool, typer.Option("--calibrate", help=CALIBRATE_HELP)] = False,
+    target_precision: Annotated[float, typer.Option(help=TARGET_HELP)] = 0.9,
 ) -> None:
     """Score retrieval on images; writes RUN/metrics/<set>.json, RUN/metrics.json (the latest), RUN/plots/.
 
@@ -69,19 +76,29 @@ def evaluate(
     from augmented copies (each image, changed, must find itself: copy recall@1, alignment,
     uniformity). Each evaluated source and protocol keeps its own file, named after it (IMAGES'
     name, Q-vs-G, the benchmark's); the app shows them side by side. With --compare, also
-    RUN/comparison.json.
+    RUN/comparison.json. With --calibrate, the match threshold goes into RUN/model.json; a calibrated
+    run's evaluation shows the precision and coverage of its threshold on the images evaluated.
     """
     ks = parse_ks(k)
     reranker = parse_rerank(rerank)
+    if calibrate:
+        from retrieval.calibration import require_target
+
+        require_target(target_precision)
+        RunDir(run).require_model()
     if deployed:
-        if images is not None or query is not None or benchmark or compare is not None:
-            raise RetrievalError("--deployed scores the run's index itself; give no IMAGES, --query or --compare")
+        if images is not None or query is not None or benchmark or compare is not None or calibrate:
+            raise RetrievalError(
+                "--deployed scores the run's index itself; give no IMAGES, --query, --compare or --calibrate"
+            )
         _deployed(RunDir(run), index_dir, ks, reranker, model)
         return
     sources = _sources(images, query, gallery, split_classes, benchmark)
+    if calibrate:
+        _require_held_out(RunDir(run), [source for source in sources if source is not None])
     if sources[0] is not None and not any(item.label for item in sources[0].items):
-        if linear or compare is not None:
-            raise RetrievalError(f"{images}: has no labels; --linear and --compare need labeled images")
+        if linear or compare is not None or calibrate:
+            raise RetrievalError(f"{images}: has no labels; --linear, --compare and --calibrate need labeled images")
         _label_free(RunDir(run), sources[0], Path(str(images)), model)
         return
     evaluation = _score(run, sources, ks, split_classes, seed, reranker, model)
@@ -92,6 +109,7 @@ def evaluate(
 
         evaluation.metrics.update(linear_probe(evaluation.vectors, evaluation.labels, seed=seed))
     name = _set_name(images, query, gallery, split_classes, seed, benchmark)
+    _match(RunDir(run), evaluation, name, reranker, target_precision if calibrate else None)
     name += (f"-{reranker.method}" if reranker.active else "") + ("-int8" if model == "int8" else "")
     compared = (lambda: _score(compare, sources, ks, split_classes, seed, reranker, model).metrics) if compare else None
     _report(RunDir(run), name, evaluation, compare, compared)
@@ -115,6 +133,41 @@ def _report(
         console.print(f"the model has seen the images of {metrics[SEEN]} in training, without their labels (--adapt)")
     also = " and comparison.json" if compare else ""
     console.print(f"wrote {saved} (also as {run_dir.metrics}){also} and the plots in {run_dir.plots}", soft_wrap=True)
+
+
+def _require_held_out(run: RunDir, collections: list[Collection]) -> None:
+    """Refuses to calibrate on images the run trained on (its hits there are over-confident), when its training data
+    is still where it was."""
+    from retrieval.data import load_collection
+
+    trained_on = read_json(run.model_card).get("trained_on")
+    if not trained_on or not Path(trained_on).exists():
+        return
+    seen = {item.path.resolve() for item in load_collection(Path(trained_on)).items}
+    for collection in collections:
+        shared = sum(item.path.resolve() in seen for item in collection.items)
+        if shared:
+            raise RetrievalError(
+                f"--calibrate: {shared} of the {len(collection.items)} images of {collection.source} are in "
+                f"{trained_on}, which {run.root} trained on, where its hits are over-confident; give labeled images it "
+                "did not train on"
+            )
+
+
+def _match(run: RunDir, evaluation: Evaluation, name: str, rerank: Rerank, target: float | None) -> None:
+    """With a target, fits the match threshold and stores it in the model card; either way, adds to the metrics the
+    precision and coverage of the run's threshold (when it has one fitted for this re-ranking) on these queries."""
+    from retrieval.calibration import CARD_KEY, calibrate, match_figures, match_similarity, store_threshold
+
+    if target is not None:
+        fitted = calibrate(evaluation.scores, evaluation.labels, target, name, rerank.describe())
+        store_threshold(run.model_card, fitted)
+        console.print(f"{fitted.describe()}; stored in {run.model_card}", highlight=False, soft_wrap=True)
+    card = read_json(run.model_card)
+    similarity = match_similarity(card, rerank.describe())
+    if similarity is not None:
+        evaluation.metrics.update(match_figures(evaluation.scores, similarity))
+        evaluation.metrics["match fitted on"] = card[CARD_KEY]["images"]
 
 
 def _label_free(run: RunDir, collection: Collection, images: Path, model: str) -> None:

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from retrieval.commands.output import IndexOption, ModelOption, RunArg, console
+from retrieval.commands.output import IndexOption, ModelOption, RunArg, console, require_threshold
 from retrieval.errors import RetrievalError
 from retrieval.rerank import SPEC_HELP as RERANK_HELP
 from retrieval.rerank import parse_rerank
@@ -20,7 +20,12 @@ IMAGE_HELP = "Query image file (or give --id)."
 ID_HELP = "Query with an item already in the index, by its id (itself left out)."
 DEPTH_HELP = "nprobe (IVF) or efSearch (HNSW) for this search (default: the value tuned at build time)."
 MMAP_HELP = "Leave the index's vectors on disk, memory-mapped (galleries larger than memory)."
-JSON_HELP = "Print the hits as JSON (rank, id, score, label, full path) for scripts."
+JSON_HELP = "Print the hits as JSON (rank, id, score, label, full path, match) for scripts."
+THRESHOLD_HELP = (
+    "The similarity a hit must reach to be a match (default: the one `retrieval evaluate --calibrate` stored in the "
+    "model card; without either, hits are not marked)."
+)
+NO_MATCH = "no confident match"
 NO_DEFAULT = {"show_default": False}
 
 
@@ -38,22 +43,28 @@ def search(
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
     rerank: Annotated[str, typer.Option(help=RERANK_HELP)] = "none",
     model: ModelOption = "float32",
+    threshold: Annotated[float | None, typer.Option(help=THRESHOLD_HELP, **NO_DEFAULT)] = None,
 ) -> None:
     """Print the k nearest gallery images to a query image, or to an indexed item (--id).
 
     On a terminal, a table with paths under the folder all hits share; piped or redirected, a
     "# nearest to" line, then one tab-separated line per hit with full paths; with --json, JSON.
+    Where the run has a match threshold (or --threshold), each hit says whether it is a match, and
+    "no confident match" is said when the best hit is not.
     """
     from index.backends import open_index
     from index.search import Query, search_images, search_item
+    from retrieval.calibration import match_similarity
     from retrieval.embedders import OnnxEmbedder
 
     if (image is None) == (item_id is None):
         raise RetrievalError("give a query IMAGE or --id of an indexed item (one of the two)")
+    require_threshold(threshold)
     run_dir = RunDir(run)
     embedder = OnnxEmbedder.from_run(run_dir, spinning=False, model=model)
     gallery = open_index(index_dir or run_dir.index, embedder.fingerprint, embedder.dim, mmap=mmap)
-    query = Query(k, depth, label, parse_rerank(rerank))
+    reranker = parse_rerank(rerank)
+    query = Query(k, depth, label, reranker, match_similarity(embedder.card, reranker.describe(), threshold))
     if image is not None:
         result = search_images(gallery, embedder, [image], [query])[0]
     else:
@@ -61,27 +72,42 @@ def search(
     if result.error is not None:
         raise result.error.error()  # its kind and message: one line, exit status 2
     rows = [
-        {"rank": rank, "id": hit.id, "score": hit.score, "label": hit.label, "path": hit.path}
+        {"rank": rank, "id": hit.id, "score": hit.score, "label": hit.label, "path": hit.path, "match": hit.match}
         for rank, hit in enumerate(result.hits, 1)
     ]
+    _print(rows, str(image) if image is not None else item_id, query.threshold, as_json)
+
+
+def _print(rows: list[dict], query: str | int | None, threshold: float | None, as_json: bool) -> None:
+    """The hits as JSON, a table on a terminal, or tab-separated lines; the match column only with a threshold."""
+    title = f"nearest to {query if isinstance(query, str) else f'item {query}'}"
+    unsure = threshold is not None and not (rows and rows[0]["match"])
     if as_json:
-        print(json.dumps({"query": str(image) if image is not None else item_id, "hits": rows}, indent=2))
+        print(json.dumps({"query": query, "threshold": threshold, "hits": rows}, indent=2))
     elif console.is_terminal:
-        console.print(_table(rows, f"nearest to {image if image is not None else f'item {item_id}'}"))
+        console.print(_table(rows, title + (f" ({NO_MATCH}: below {threshold:.4f})" if unsure else ""), threshold))
     else:
-        print(f"# nearest to {image if image is not None else f'item {item_id}'}")
-        print("\t".join(("rank", "id", "similarity", "label", "path")))
+        print(f"# {title}" + (f"\n# {NO_MATCH}: the best hit is below {threshold:.4f}" if unsure else ""))
+        columns = ("rank", "id", "similarity", "label", "path") + (("match",) if threshold is not None else ())
+        print("\t".join(columns))
         for row in rows:
-            print(f"{row['rank']}\t{row['id']}\t{row['score']:.4f}\t{row['label']}\t{row['path']}")
+            shown = (row["rank"], row["id"], f"{row['score']:.4f}", row["label"], row["path"], _yes(row["match"]))
+            print("\t".join(map(str, shown[: len(columns)])))
 
 
-def _table(rows: list[dict], title: str) -> Table:
+def _yes(match: bool | None) -> str:
+    return "" if match is None else "yes" if match else "no"
+
+
+def _table(rows: list[dict], title: str, threshold: float | None) -> Table:
     """The hits as a table, paths shown under the folder they all share (named in the caption)."""
     root = os.path.commonpath([str(Path(row["path"]).parent) for row in rows]) if rows else ""
     table = Table(title=title, caption=f"paths under {root}" if root else None)
-    for column in ("rank", "id", "similarity", "label", "path"):
+    columns = ("rank", "id", "similarity", "label", "path") + (("match",) if threshold is not None else ())
+    for column in columns:
         table.add_column(column, overflow="fold")
     for row in rows:
         shown = os.path.relpath(row["path"], root) if root else row["path"]
-        table.add_row(str(row["rank"]), str(row["id"]), f"{row['score']:.4f}", row["label"], shown)
+        values = (str(row["rank"]), str(row["id"]), f"{row['score']:.4f}", row["label"], shown, _yes(row["match"]))
+        table.add_row(*values[: len(columns)])
     return table

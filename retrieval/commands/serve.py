@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from retrieval.commands.output import IndexOption, ModelOption, RunArg
+from retrieval.commands.output import IndexOption, ModelOption, RunArg, require_threshold
 from retrieval.errors import RetrievalError
 from retrieval.rerank import SPEC_HELP as RERANK_HELP
 from retrieval.rerank import parse_rerank
@@ -17,6 +17,10 @@ from retrieval.runs import RunDir
 
 HOST_HELP = "Address to bind; 127.0.0.1 keeps the app on this machine (any other address needs --auth)."
 WRITE_HELP = "Let users add images (kept in the index's sibling uploads/ folder) and remove items."
+THRESHOLD_HELP = (
+    "The similarity a hit must reach to be a match, for every search (default: the model card's, from "
+    "`retrieval evaluate --calibrate`)."
+)
 AUTH_HELP = "user:password required to use the app (or set RETRIEVAL_AUTH); needed off loopback."
 
 
@@ -32,18 +36,20 @@ def serve(
     max_batch: Annotated[int, typer.Option(min=1, help="Queued searches embedded together in one call.")] = 16,
     rerank: Annotated[str, typer.Option(help=RERANK_HELP + " Applies to every search and to evaluate now.")] = "none",
     model: ModelOption = "float32",
+    threshold: Annotated[float | None, typer.Option(help=THRESHOLD_HELP, show_default=False)] = None,
 ) -> None:
     """Serve the search app for the run's index in the browser: search, browse, metrics, embedding map and an API."""
     # FAISS's OpenMP threads spin between searches, on the cores the encoder needs next: idle, they sleep instead
     # (bench/app_load.py: 8.3 instead of 15.3 ms of server CPU per query at one client). Read when OpenMP loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     reranker = parse_rerank(rerank)
+    require_threshold(threshold)
     require_free_port(host, port)
     RunDir(run).require_model()  # said before Gradio is loaded (seconds)
     from app.server import serve as run_server
 
     options = {"allow_write": allow_write, "auth": auth, "max_upload": max_upload, "mmap": mmap, "max_batch": max_batch}
-    options.update(rerank=reranker, model=model)
+    options.update(rerank=reranker, model=model, threshold=threshold)
     run_server(RunDir(run), host, port, index_dir, **options)
 
 
