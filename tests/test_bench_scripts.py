@@ -60,3 +60,17 @@ def test_the_index_bench_sets_have_the_fitted_intrinsic_dimension() -> None:
         assert not np.allclose(index.generated(data, 50, 128, seed=1), index.generated(data, 50, 128, seed=2))  # type: ignore[attr-defined]
         dimensions[data] = spectrum.two_nn(gallery)  # type: ignore[attr-defined]
     assert 20 <= dimensions["whitened"] <= 40 and 8 <= dimensions["encoder"] <= 20, dimensions
+
+
+def test_the_glyph_collection_is_seeded_and_keeps_cases_apart(tmp_path: Path) -> None:
+    glyphs = bench_module("glyphs")
+    fonts = glyphs.fonts()  # type: ignore[attr-defined]
+    if not fonts:
+        pytest.skip("this machine has no fonts")
+    root = glyphs.write_glyphs(tmp_path / "glyphs", "aA1")  # type: ignore[attr-defined]
+    assert sorted(folder.name for folder in root.iterdir()) == ["1", "A_upper", "a_lower"]
+    assert {len(list(folder.iterdir())) for folder in root.iterdir()} == {len(fonts)}
+    first = np.asarray(glyphs.render("a", fonts[0]))  # type: ignore[attr-defined]
+    assert first.shape == (64, 64, 3) and first.min() < 100 and first.max() == 255  # dark ink on white
+    np.testing.assert_array_equal(first, np.asarray(glyphs.render("a", fonts[0])))  # type: ignore[attr-defined]
+    assert not np.array_equal(first, np.asarray(glyphs.render("a", fonts[-1])))  # type: ignore[attr-defined]

@@ -44,7 +44,7 @@ def test_every_documented_option_exists(command: str, options: list[str], capsys
 def test_quick_start_commands_exist(capsys: pytest.CaptureFixture[str]) -> None:
     block = README.split("## Quick start")[1].split("```")[1]
     commands = re.findall(r"^retrieval (\w+)", block, flags=re.MULTILINE)
-    assert commands == ["train", "export", "index", "evaluate", "search", "serve"]
+    assert commands == ["train", "export", "index", "evaluate", "evaluate", "search", "serve"]
 
 
 def test_ci_runs_the_readmes_test_command() -> None:
@@ -107,7 +107,7 @@ def test_the_json_api_examples_run(demo_run: RunDir, tmp_path: Path) -> None:
         names: dict = {}
         code = example("json-example", "python").replace("7860", str(port)).replace('"query.jpg"', repr(str(query)))
         exec(code, names)  # noqa: S102
-        assert len(names["hits"]) == 5 and set(names["hits"][0]) == {"id", "score", "path", "label"}
+        assert len(names["hits"]) == 5 and set(names["hits"][0]) == {"id", "score", "path", "label", "match"}
     finally:
         server.close()
         service.close()
