@@ -16,6 +16,7 @@ from retrieval.data import Collection, Item, Skipped, split_by_class
 from retrieval.embedders import Embedder, embed_items
 from retrieval.errors import RetrievalError
 from retrieval.metrics import QueryScores, Ranking, clustering_metrics, embedding_diagnostics, score_queries
+from retrieval.mistakes import mistakes
 from retrieval.rerank import NO_RERANK, Rerank
 
 WORST_CLASSES = 10  # classes listed in metrics.json, lowest recall@1 first
@@ -191,15 +192,17 @@ def _evaluation(
     metrics["worst_classes"] = [
         {"label": label, "recall@1": value, "queries": count} for label, (value, count) in worst
     ]
+    metrics.update(mistakes(scores, queries, gallery))
     return Evaluation({**metrics, **described}, skipped, vectors, queries, gallery, scores)
 
 
 def write_plots(evaluation: Evaluation, folder: Path, worst: int = 8, shown: int = 5) -> list[Path]:
     """Writes the recall@k curve, the similarity histograms, the per-class recall@1 distribution, the
-    grid of the worst queries with their top results and (with two labels or more) the embedding
-    diagnostics into folder; returns the files."""
+    grid of the worst queries with their top results, the most confused class pairs with examples and
+    (with two labels or more) the embedding diagnostics into folder; returns the files."""
     from retrieval.plots import (
         plot_class_recall,
+        plot_confusions,
         plot_diagnostics,
         plot_recall_curves,
         plot_similarity_histograms,
@@ -222,6 +225,7 @@ def write_plots(evaluation: Evaluation, folder: Path, worst: int = 8, shown: int
         plot_similarity_histograms(evaluation.vectors, evaluation.labels, folder / "similarities.png"),
         plot_class_recall(evaluation.class_recall(), folder / "class_recall.png"),
         plot_worst_queries(rows, folder / "worst_queries.png"),
+        plot_confusions(evaluation.metrics["confusions"], folder / "confusions.png"),
         *(
             [plot_diagnostics(evaluation.metrics, folder / "diagnostics.png")]
             if "tolerance" in evaluation.metrics

@@ -156,6 +156,28 @@ def plot_worst_queries(
     return _save(figure, target)
 
 
+def plot_confusions(pairs: Sequence[dict], target: Path, rows: int = 8, thumbnail: int = 96) -> Path:
+    """Draws the most confused class pairs (retrieval.mistakes: label -> confused_with, count, examples), one row each:
+    up to three examples, each a query framed black beside its top-1 hit framed red."""
+    shown = list(pairs[:rows])
+    columns = 2 * max((len(pair["examples"]) for pair in shown), default=1)
+    figure, axes = plt.subplots(
+        max(len(shown), 1), columns, figsize=(1.8 * columns, 2.0 * max(len(shown), 1)), dpi=100, squeeze=False
+    )
+    for axis in axes.flat:
+        axis.axis("off")
+    for row, pair in zip(axes, shown):
+        title = f"{_shorten(pair['label'])}\n→ {_shorten(pair['confused_with'])}: {pair['count']} of {pair['queries']}"
+        for number, example in enumerate(pair["examples"]):
+            query, hit = Item(Path(example["query"]), pair["label"]), Item(Path(example["hit"]), pair["confused_with"])
+            _show(row[2 * number], query, thumbnail, title if number == 0 else _shorten(pair["label"]), "black")
+            _show(row[2 * number + 1], hit, thumbnail, f"top-1: {_shorten(pair['confused_with'])}", "tab:red")
+    if not shown:
+        axes[0, 0].text(0.5, 0.5, "no query's top-1 hit has another label", ha="center", va="center")
+    figure.suptitle("the class pairs most often confused: queries (black) and their top-1 hit of the other class (red)")
+    return _save(figure, target)
+
+
 def _show(axis: plt.Axes, item: Item, size: int, caption: str, colour: str) -> None:
     """Draws a thumbnail of item framed in colour; an image that can no longer be read is drawn grey."""
     try:

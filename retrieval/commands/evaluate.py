@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -13,6 +15,8 @@ from retrieval.commands.output import (
     IndexOption,
     ModelOption,
     RunArg,
+    class_changes_table,
+    confusion_table,
     console,
     metrics_table,
     parse_ks,
@@ -40,6 +44,10 @@ LINEAR_HELP = (
 CALIBRATE_HELP = (
     "Fit the match threshold on IMAGES (labeled images the run did not train on) and store it in the model card: "
     "search then marks each hit a match or not (docs/trust.md)."
+)
+JSON_HELP = (
+    "Print the saved metric set as one JSON object (with the per-class table, the confused pairs, each query's first "
+    "hit and, with --compare, the comparison) instead of tables."
 )
 TARGET_HELP = "The top-1 precision the match threshold is fitted for (--calibrate)."
 DEPLOYED_HELP = (
@@ -69,6 +77,7 @@ def evaluate(
     linear: Annotated[bool, typer.Option("--linear", help=LINEAR_HELP)] = False,
     calibrate: Annotated[bool, typer.Option("--calibrate", help=CALIBRATE_HELP)] = False,
     target_precision: Annotated[float, typer.Option(help=TARGET_HELP)] = 0.9,
+    as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Score retrieval on images; writes RUN/metrics/<set>.json, RUN/metrics.json (the latest), RUN/plots/.
 
@@ -78,7 +87,47 @@ def evaluate(
     name, Q-vs-G, the benchmark's); the app shows them side by side. With --compare, also
     RUN/comparison.json. With --calibrate, the match threshold goes into RUN/model.json; a calibrated
     run's evaluation shows the precision and coverage of its threshold on the images evaluated.
+    Below the metrics, the class pairs most often confused; --compare adds the classes that got
+    better and worse; --json prints it all (the saved metric set) as one JSON object instead.
     """
+    arguments = {name: value for name, value in locals().items() if name != "as_json"}
+    with _quiet(as_json):
+        _evaluate(**arguments)
+    if as_json:  # what was saved: the latest metric set, and the comparison
+        saved = read_json(RunDir(run).metrics)
+        comparison = read_json(RunDir(run).root / "comparison.json") if compare is not None else None
+        print(json.dumps({**saved, **({"comparison": comparison} if comparison else {})}, indent=2))
+
+
+@contextmanager
+def _quiet(quiet: bool) -> Iterator[None]:
+    """Keeps the tables and notes off stdout while --json prints the result there."""
+    console.quiet = quiet
+    try:
+        yield
+    finally:
+        console.quiet = False
+
+
+def _evaluate(
+    run: Path,
+    images: Path | None,
+    k: str,
+    query: Path | None,
+    gallery: Path | None,
+    split_classes: float,
+    seed: int,
+    benchmark: str | None,
+    compare: Path | None,
+    rerank: str,
+    model: str,
+    deployed: bool,
+    index_dir: Path | None,
+    linear: bool,
+    calibrate: bool,
+    target_precision: float,
+) -> None:
+    """What `retrieval evaluate` does with its parsed options."""
     ks = parse_ks(k)
     reranker = parse_rerank(rerank)
     if calibrate:
@@ -125,10 +174,13 @@ def _report(
     saved = run_dir.save_metrics(name, metrics)
     write_plots(evaluation, run_dir.plots)
     report_skipped(evaluation.skipped, None)
-    columns = {run_dir.root.name: metrics}
+    columns, changes = {run_dir.root.name: metrics}, None
     if compare is not None and compared is not None:
-        columns = _compared(run_dir, compare, metrics, compared())
+        columns, changes = _compared(run_dir, compare, metrics, compared())
     console.print(metrics_table(columns))
+    console.print(confusion_table(metrics["confusions"]))
+    if changes is not None:
+        console.print(class_changes_table(changes, list(columns)[1]))
     if SEEN in metrics:
         console.print(f"the model has seen the images of {metrics[SEEN]} in training, without their labels (--adapt)")
     also = " and comparison.json" if compare else ""
@@ -266,8 +318,10 @@ def _score(
     return evaluate_query_gallery(embedder, queries, pool, ks, rerank=rerank)
 
 
-def _compared(run_dir: RunDir, compare: Path, ours: dict, theirs: dict) -> dict[str, dict]:
-    """Both runs' metrics and their differences as table columns; writes comparison.json and the recall curves."""
+def _compared(run_dir: RunDir, compare: Path, ours: dict, theirs: dict) -> tuple[dict[str, dict], dict]:
+    """Both runs' metrics and their differences as table columns, and the classes that changed; writes
+    comparison.json and the recall curves."""
+    from retrieval.mistakes import compare_classes
     from retrieval.plots import plot_recall_curves
 
     names = (
@@ -275,9 +329,10 @@ def _compared(run_dir: RunDir, compare: Path, ours: dict, theirs: dict) -> dict[
     )
     columns = {names[0]: ours, names[1]: theirs}
     runs = {str(run_dir.root): ours, str(compare): theirs}
-    write_json(run_dir.root / "comparison.json", {"protocol": ours["protocol"], "runs": runs})
+    changes = compare_classes(ours["classes"], theirs["classes"])
+    write_json(run_dir.root / "comparison.json", {"protocol": ours["protocol"], "runs": runs, "classes": changes})
     curves = {label: metrics["cmc"] for label, metrics in columns.items()}
     plot_recall_curves(curves, run_dir.plots / "compare_recall_at_k.png", f"recall@k ({ours['protocol']})")
     numbers = [key for key, value in ours.items() if isinstance(value, float) and isinstance(theirs.get(key), float)]
     columns[f"{names[1]} - {names[0]}"] = {key: theirs[key] - ours[key] for key in numbers}
-    return columns
+    return columns, changes

@@ -63,6 +63,32 @@ def metrics_table(columns: dict[str, dict]) -> Table:
     return table
 
 
+def confusion_table(confusions: list[dict], shown: int = 10) -> Table:
+    """The class pairs most often confused (retrieval.mistakes): queries of a class whose top-1 hit has another."""
+    table = Table(title="most confused classes (a query's top-1 hit has the other label)")
+    for column, justify in (("label", "left"), ("top-1 label", "left"), ("queries", "right"), ("share", "right")):
+        table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for pair in confusions[:shown]:
+        share = f"{pair['count'] / pair['queries']:.2f}"
+        table.add_row(pair["label"], pair["confused_with"], f"{pair['count']} of {pair['queries']}", share)
+    return table
+
+
+def class_changes_table(changes: dict, other: str, shown: int = 10) -> Table:
+    """The classes whose recall@1 changed most from this run to the other (retrieval.mistakes.compare_classes)."""
+    table = Table(
+        title=f"recall@1 per class, this run -> {other}",
+        caption=f"{changes['unchanged']} of {changes['classes']} classes unchanged",
+    )
+    for column in ("", "label", "queries", "this run", other, "change"):
+        table.add_column(column, overflow="fold")
+    for kind in ("better", "worse"):
+        for row in changes[kind][:shown]:
+            before, after, change = f"{row['before']:.3f}", f"{row['after']:.3f}", f"{row['change']:+.3f}"
+            table.add_row(kind, row["label"], str(row["queries"]), before, after, change)
+    return table
+
+
 def format_value(value: object) -> str:
     """A metric's value as a table shows it: three decimals for floats."""
     return f"{value:.3f}" if isinstance(value, float) else "" if value is None else str(value)
