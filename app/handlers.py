@@ -9,6 +9,7 @@ names each tile's file from the same data (`marks`); captions are only a renderi
 
 from __future__ import annotations
 
+import hashlib
 import html
 import json
 import re
@@ -28,6 +29,7 @@ from retrieval.errors import Failure, ImageError, RetrievalError
 
 NO_QUERY = "Upload or paste an image, or click one in a gallery."
 MISSED_POINT = "No gallery item there: click on a point of the map."
+CLASS_VIEW = 30  # queries shown for a class opened in the Metrics tab, each beside its first hit
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,27 @@ def run_plots(service: SearchService) -> list[tuple[str, str]]:
             shutil.copyfile(source, target)
             shown.append((str(target), source.stem.replace("_", " ")))
     return shown
+
+
+def confusion_rows(metrics: dict | None) -> list[list]:
+    """A metric set's class pairs most often confused (retrieval.mistakes) as table rows."""
+    return [
+        [pair["label"], pair["confused_with"], pair["count"], pair["queries"]]
+        for pair in (metrics or {}).get("confusions", [])
+    ]
+
+
+def class_rows(metrics: dict | None) -> list[list]:
+    """A metric set's per-class table (retrieval.mistakes) as rows: label, queries, recall@1, MAP@R, confused with."""
+    return [
+        [row["label"], row["queries"], round(row["recall@1"], 3), round(row["map@r"], 3), row["confused_with"] or ""]
+        for row in (metrics or {}).get("classes", [])
+    ]
+
+
+def _key(path: str) -> str:
+    """A thumbnail's cache name for a file named in a metric set (whose content digest is not kept there)."""
+    return hashlib.sha256(f"path:{path}".encode()).hexdigest()
 
 
 def parse_ids(text: str) -> list[int]:
@@ -248,6 +271,31 @@ class Handlers:
     def metric_set(self, name: str) -> tuple[list[list[str]], str]:
         """One evaluated set's metrics as table rows, and where they come from."""
         return metrics_rows(self.service.metric_sets.get(name)), self.metric_source(name)
+
+    def mistakes(self, name: str) -> tuple[list[list], list[list]]:
+        """One evaluated set's confused class pairs and per-class table as rows (empty for sets evaluated before
+        they were kept)."""
+        return confusion_rows(self.service.metric_sets.get(name)), class_rows(self.service.metric_sets.get(name))
+
+    def class_view(self, name: str, event: gr.SelectData) -> tuple[Tiles, str]:
+        """The queries of the class whose row was clicked, each beside its first hit."""
+        metrics = self.service.metric_sets.get(name) or {}
+        label = str(event.row_value[0]) if event.row_value else ""
+        found = [hit for hit in metrics.get("first_hits", []) if hit["label"] == label]
+        tiles: Tiles = []
+        for hit in found[:CLASS_VIEW]:
+            tiles.append(
+                (str(self.service.thumbnail(hit["query"], _key(hit["query"]))), f"query · {Path(hit['query']).name}")
+            )
+            if hit["hit"] is not None:
+                mark = "HIT" if hit["hit_label"] == label else "miss"
+                caption = f"{mark} · {hit['score']:.3f} · {hit['hit_label']}"
+                tiles.append((str(self.service.thumbnail(hit["hit"], _key(hit["hit"]))), caption))
+        right = sum(hit["hit_label"] == label for hit in found)
+        return (
+            tiles,
+            f"**{label}**: {len(found)} queries, {right} with a first hit of their class (query, then its first hit)",
+        )
 
     def metric_source(self, name: str) -> str:
         """A line saying what a set of metrics was measured on: protocol, images, query count."""

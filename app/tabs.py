@@ -211,6 +211,7 @@ def metrics_tab(on: Handlers) -> None:
             wrap=True,
             column_widths=["40%", "60%"],
         )
+    mistakes_view(on, chosen, names[0])
     gr.Gallery(
         value=run_plots(service),
         label="Plots of the run (its latest evaluation)",
@@ -227,6 +228,42 @@ def metrics_tab(on: Handlers) -> None:
         )
         evaluated_plots = gr.Gallery(label="Its plots", columns=2, height="auto", object_fit="contain")
     evaluate_button.click(on.evaluate, None, [evaluated, evaluated_plots], api_name="evaluate", concurrency_limit=1)
+
+
+def mistakes_view(on: Handlers, chosen: gr.Dropdown, first: str) -> None:
+    """What the chosen set's model gets wrong: the class pairs most often confused, and a table of every class (sort it
+    by a column's header; click a row to see that class's queries beside their first hits)."""
+    pairs, classes = on.mistakes(first)
+    with gr.Row():
+        confused = gr.Dataframe(
+            pairs,
+            headers=["label", "top-1 label", "confused", "of"],
+            column_widths=["38%", "38%", "12%", "12%"],
+            interactive=False,
+            wrap=True,
+            label="Class pairs most often confused (a query's top-1 hit has the other label)",
+            elem_id="confusions",
+        )
+        table = gr.Dataframe(
+            classes,
+            headers=["label", "queries", "recall@1", "MAP@R", "confused with"],
+            column_widths=["34%", "12%", "12%", "12%", "30%"],
+            interactive=False,
+            wrap=True,
+            max_height=420,
+            label="Classes, lowest recall@1 first (sort by a header; click a row to open it)",
+            elem_id="classes",
+        )
+    opened = gr.Markdown()
+    view = gr.Gallery(
+        label="The class's queries, each followed by its first hit",
+        columns=8,
+        height="auto",
+        allow_preview=False,
+        elem_id="class-view",
+    )
+    chosen.change(on.mistakes, chosen, [confused, table], api_name=False)
+    table.select(on.class_view, chosen, [view, opened], api_name=False)
 
 
 def map_tab(on: Handlers, labels: list[str]) -> tuple[gr.Image, list]:

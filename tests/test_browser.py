@@ -230,3 +230,23 @@ def test_tiles_at_two_widths_a_missed_map_click_and_the_docs_offline(page_url: t
             assert outside == [], outside
         finally:
             browser.close()
+
+
+def test_the_metrics_tab_opens_a_class_with_its_queries_and_first_hits(page_url: tuple[str, SearchService]) -> None:
+    from playwright.sync_api import expect
+
+    url, service = page_url
+    name, metrics = next(iter(service.metric_sets.items()))  # the set the tab opens on
+    row = metrics["classes"][0]
+    hits = [hit for hit in metrics["first_hits"] if hit["label"] == row["label"]]
+    ARTIFACTS.mkdir(exist_ok=True)
+    with opened(url) as page:
+        page.get_by_role("tab", name="Metrics").click()
+        pair = metrics["confusions"][0] if metrics["confusions"] else None
+        if pair is not None:
+            expect(page.locator("#confusions")).to_contain_text(pair["confused_with"], timeout=60_000)
+        page.locator("#classes").get_by_text(row["label"], exact=True).last.click()
+        tiles = page.locator("#class-view .thumbnail-item")
+        expect(tiles).to_have_count(len(hits) + sum(hit["hit"] is not None for hit in hits), timeout=60_000)
+        expect(tiles.first).to_contain_text("query")
+        page.screenshot(path=str(ARTIFACTS / "app-metrics-class.png"), full_page=True)
