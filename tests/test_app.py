@@ -132,7 +132,7 @@ def test_evaluate_now_scores_the_index_items(service: SearchService, demo_run: R
     evaluation, plots = service.evaluate_now(lambda fraction, text: steps.append(text))
     assert evaluation.metrics["num_queries"] + evaluation.metrics["num_skipped_queries"] == len(service.items)
     assert 0.0 <= evaluation.metrics["recall@1"] <= evaluation.metrics["recall@10"] <= 1.0
-    assert [path.name for path in plots] == ["recall_at_k.png", "similarities.png", "class_recall.png", "worst_queries.png", "diagnostics.png"]
+    assert [path.name for path in plots] == ["recall_at_k.png", "similarities.png", "class_recall.png", "worst_queries.png", "confusions.png", "diagnostics.png"]
     assert len(steps) == 2 and all(path.is_relative_to(service.cache) for path in plots)
     assert evaluation.metrics["recall@1 (exact search)"] == evaluation.metrics["recall@1"]  # a Flat index is exact
     assert evaluation.metrics["search"] == "Flat"
@@ -220,7 +220,7 @@ def test_every_endpoint_answers(client: object, service: SearchService) -> None:
     assert sum(count for _, count in table["data"]) == len(service.items)
     assert len(client.predict(item.label, api_name="/browse")) == dict(service.label_counts())[item.label]  # type: ignore[attr-defined]
     metrics, plots = client.predict(api_name="/evaluate")  # type: ignore[attr-defined]
-    assert "recall@1" in {row[0] for row in metrics["data"]} and len(plots) == 5
+    assert "recall@1" in {row[0] for row in metrics["data"]} and len(plots) == 6
     assert Path(client.predict("pca", api_name="/embedding_map")).stat().st_size > 0  # type: ignore[attr-defined]
     assert metrics_rows(None)[0][0] == "(no metrics yet)"
 

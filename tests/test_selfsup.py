@@ -295,7 +295,7 @@ def test_images_without_labels_get_quality_figures_everywhere(demo_run: RunDir, 
     figures = json.loads(run.metrics.read_text())
     assert 0.5 <= figures["copy recall@1"] <= 1 and figures["alignment"] >= 0 and figures["uniformity"] < 0
     assert figures["num_queries"] == len(list(flat.iterdir())) and "augmented copies" in figures["protocol"]
-    expect_error(["evaluate", str(run.root), str(flat), "--linear"], capsys, "has no labels; --linear and --compare need labeled images")
+    expect_error(["evaluate", str(run.root), str(flat), "--linear"], capsys, "has no labels; --linear, --compare and --calibrate need labeled images")
     labeled = copy_classes(icons_root, tmp_path / "labeled", 6, "test")
     assert main(["evaluate", str(run.root), str(labeled), "--linear"]) == 0
     metrics = json.loads(run.metrics.read_text())
