@@ -65,6 +65,19 @@ def whole_images(page: object, gallery: str) -> bool:
     )
 
 
+def drawn(page: object, picture: object) -> dict:
+    """The map picture's box once its image has loaded and the layout has stopped moving (a click aimed before lands elsewhere)."""
+    from playwright.sync_api import expect
+
+    expect(picture).to_be_visible(timeout=60_000)  # type: ignore[arg-type]
+    picture.evaluate("image => image.decode ? image.decode() : null")  # type: ignore[attr-defined]
+    box, previous = picture.bounding_box(), None  # type: ignore[attr-defined]
+    while box != previous:
+        page.wait_for_timeout(300)  # type: ignore[attr-defined]
+        box, previous = picture.bounding_box(), box  # type: ignore[attr-defined]
+    return box
+
+
 @contextmanager
 def opened(url: str) -> Iterator[object]:
     """A page of headless Chromium (Debian's, driven by Playwright) showing url; the browser closed after."""
@@ -105,10 +118,9 @@ def test_a_query_uploaded_in_the_browser_shows_its_nearest_neighbour(page_url: t
         page.get_by_role("tab", name="Embedding map").click()
         page.get_by_role("button", name="Draw the map").click()
         picture = page.locator("#map img")
-        expect(picture).to_be_visible(timeout=60_000)
+        box = drawn(page, picture)
         embedding_map = service.embedding_map("pca")
         natural = picture.evaluate("image => [image.naturalWidth, image.naturalHeight]")
-        box = picture.bounding_box()
         gaps = np.linalg.norm(embedding_map.pixels[:, None] - embedding_map.pixels[None], axis=-1) + np.eye(len(embedding_map.ids)) * 1e9
         loneliest = int(gaps.min(axis=1).argmax())  # a point no other lies close to: the click cannot pick a neighbour
         x, y = embedding_map.pixels[loneliest]
@@ -213,8 +225,7 @@ def test_tiles_at_two_widths_a_missed_map_click_and_the_docs_offline(page_url: t
             page.get_by_role("tab", name="Embedding map").click()
             page.get_by_role("button", name="Draw the map").click()
             picture = page.locator("#map img")
-            expect(picture).to_be_visible(timeout=60_000)
-            box = picture.bounding_box()
+            box = drawn(page, picture)
             page.mouse.click(box["x"] + 2, box["y"] + 2)  # the figure's corner: no point there
             expect(page.get_by_text("No gallery item there")).to_be_visible(timeout=10_000)
             page.get_by_role("tab", name="Search").click()
