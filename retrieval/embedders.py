@@ -148,6 +148,7 @@ class EmbeddedBatch:
     hashes: list[str]
     skipped: list[Skipped]
     unchanged: int = 0
+    thumbnails: list[np.ndarray] | None = None  # with thumbnail=S: each item's picture as S x S x 3 uint8
 
 
 def iter_embedded(
@@ -157,19 +158,21 @@ def iter_embedded(
     unchanged: Callable[[Item, str], bool] | None = None,
     workers: int = 2,
     progress: bool = True,
+    thumbnail: int = 0,
 ) -> Iterator[EmbeddedBatch]:
     """Embeds items batch by batch, decoding the next batches in threads while the model runs.
 
     Files that cannot be read or decoded are skipped with their reason; items for which
     unchanged(item, sha256) is true are counted but not decoded. At most workers + 1 batches are in
-    memory at once, whatever the number of items.
+    memory at once, whatever the number of items. thumbnail=S also keeps each picture squashed to
+    S x S pixels (the audit compares pictures from them without decoding the files again).
     """
     size = batch_size or embedder.batch_size
     chunks = [items[start : start + size] for start in range(0, len(items), size)]
 
     def load(chunk: Sequence[Item]) -> tuple[np.ndarray, EmbeddedBatch]:
         images: list[Image.Image] = []
-        batch = EmbeddedBatch(np.zeros((0, embedder.dim), np.float32), [], [], [])
+        batch = EmbeddedBatch(np.zeros((0, embedder.dim), np.float32), [], [], [], thumbnails=[] if thumbnail else None)
         for item in chunk:
             try:
                 data, digest = read_image_bytes(item.path)
@@ -182,6 +185,8 @@ def iter_embedded(
                 continue
             batch.items.append(item)
             batch.hashes.append(digest)
+            if batch.thumbnails is not None:
+                batch.thumbnails.append(np.asarray(images[-1].resize((thumbnail, thumbnail), Image.BILINEAR)))
         return (embedder.prepare(images) if images else np.zeros((0,), np.float32)), batch
 
     with (
@@ -209,18 +214,22 @@ class Embedded:
     items: list[Item]
     hashes: list[str]
     skipped: list[Skipped]
+    thumbnails: np.ndarray | None = None  # with thumbnail=S: [N, S, S, 3] uint8, row i the picture of items[i]
 
 
 def embed_items(
-    embedder: Embedder, items: Sequence[Item], batch_size: int | None = None, progress: bool = True
+    embedder: Embedder, items: Sequence[Item], batch_size: int | None = None, progress: bool = True, thumbnail: int = 0
 ) -> Embedded:
-    """Embeds all items into one matrix; files that cannot be decoded are skipped and reported."""
-    batches = list(iter_embedded(embedder, items, batch_size, progress=progress))
+    """Embeds all items into one matrix; files that cannot be decoded are skipped and reported (thumbnail: see
+    iter_embedded)."""
+    batches = list(iter_embedded(embedder, items, batch_size, progress=progress, thumbnail=thumbnail))
     vectors = [batch.vectors for batch in batches if len(batch.vectors)]
     matrix = np.concatenate(vectors) if vectors else np.zeros((0, embedder.dim), np.float32)
+    pictures = [picture for batch in batches for picture in batch.thumbnails or []]
     return Embedded(
         matrix,
         [item for batch in batches for item in batch.items],
         [digest for batch in batches for digest in batch.hashes],
         [entry for batch in batches for entry in batch.skipped],
+        (np.stack(pictures) if pictures else np.zeros((0, thumbnail, thumbnail, 3), np.uint8)) if thumbnail else None,
     )

@@ -15,7 +15,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from retrieval import __version__
-from retrieval.commands import demo, evaluate, export, indexing, search, serve, train
+from retrieval.commands import audit, demo, evaluate, export, indexing, search, serve, train
 from retrieval.commands.output import errors
 from retrieval.errors import RetrievalError
 
@@ -78,6 +78,7 @@ COMMANDS = {
     "search": search.search,
     "index-stats": indexing.index_stats,
     "evaluate": evaluate.evaluate,
+    "audit": audit.audit,
     "serve": serve.serve,
     "demo": demo.demo,
 }

@@ -1,0 +1,174 @@
+"""`retrieval audit`: suspected wrong labels, copies, leaks into another collection and outliers of a collection,
+read through the run's exported encoder."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.table import Table
+
+from retrieval.commands.output import ModelOption, RunArg, console
+from retrieval.data import COLLECTION_HINT, Collection, load_collection, require_source
+from retrieval.errors import RetrievalError
+from retrieval.runs import RunDir
+
+if TYPE_CHECKING:
+    from retrieval.audit import Audit, Embedded
+    from retrieval.embedders import Embedder
+
+DATA_HELP = "The collection to audit: an image folder ROOT/<label>/<image>, a CSV path,label, or a .txt list of paths."
+AGAINST_HELP = "A second collection (e.g. the training folder against a test folder): DATA's copies of its images."
+FOLDS_HELP = (
+    "Judge each label with a model that did not train on the image: K short runs with the run's recipe, each on "
+    "the other folds (for auditing the run's own training images; needs torch)."
+)
+FOLD_EPOCHS_HELP = "Epochs of each --folds run."
+JSON_HELP = "Print one JSON object (labels, duplicates, leaks, outliers; absolute paths) instead of tables."
+CSV_HELP = "Also write labels.csv, duplicates.csv, leaks.csv and outliers.csv into this folder."
+SHOWN_HELP = "Rows shown per table (--json and --csv hold them all)."
+MISSING = "listed in the CSV but not found"
+
+
+def audit(
+    run: RunArg,
+    data: Annotated[Path, typer.Argument(help=DATA_HELP, show_default=False)],
+    against: Annotated[Path | None, typer.Option("--against", help=AGAINST_HELP, show_default=False)] = None,
+    folds: Annotated[int, typer.Option("--folds", help=FOLDS_HELP)] = 0,
+    fold_epochs: Annotated[int, typer.Option(help=FOLD_EPOCHS_HELP)] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
+    csv_dir: Annotated[Path | None, typer.Option("--csv", help=CSV_HELP, show_default=False)] = None,
+    shown: Annotated[int, typer.Option(help=SHOWN_HELP)] = 15,
+    model: ModelOption = "float32",
+) -> None:
+    """Audit a collection: images whose closest images agree on another label (with the label they suggest),
+    copies (identical bytes, or re-encoded, resized, cropped a little, grey), with --against the copies of
+    another collection's images (leaks between splits), and images far from every other or unreadable.
+
+    On the images the run trained on, a model has learnt their labels, wrong ones too: give --folds K
+    there. The method and its measured figures: docs/trust.md.
+    """
+    collection = _collection(data)
+    other = _collection(against, "--against") if against is not None else None
+    if other is not None and _same(collection, other):
+        raise RetrievalError(f"--against {against}: the same images as DATA; give the other split (e.g. test/)")
+    run_dir = RunDir(run)
+    run_dir.require_model()
+    if folds:
+        _check_folds(collection, folds, fold_epochs)
+    from retrieval.audit import audit as run_audit
+    from retrieval.audit import write_csvs
+    from retrieval.embedders import OnnxEmbedder
+
+    embedder = OnnxEmbedder.from_run(run_dir, model=model)
+    embedded = _embedded(embedder, collection, not as_json)
+    spaces = _fold_spaces(run_dir, embedded, folds, fold_epochs, model, not as_json) if folds else []
+    found = run_audit(embedded, _embedded(embedder, other, not as_json) if other is not None else None, spaces)
+    if csv_dir is not None:
+        written = write_csvs(found, csv_dir)
+        if not as_json:
+            console.print(f"wrote {', '.join(path.name for path in written)} in {csv_dir}")
+    if as_json:
+        print(json.dumps(found.to_dict(), indent=2))
+    else:
+        _print(found, shown)
+
+
+def _collection(source: Path, option: str = "") -> Collection:
+    """The collection at source, or one line: not there, no image in it, or a CSV naming files that are gone."""
+    collection = load_collection(require_source(source, option))
+    missing = [entry for entry in collection.skipped if entry.reason == MISSING]
+    if missing:
+        raise RetrievalError(
+            f"{option + ' ' if option else ''}{source}: names {len(missing)} file(s) that are not there (first: "
+            f"{missing[0].path}); restore them or remove their rows"
+        )
+    if not collection.items:
+        raise RetrievalError(f"{option + ' ' if option else ''}{source}: no image in it; give {COLLECTION_HINT}")
+    return collection
+
+
+def _same(first: Collection, second: Collection) -> bool:
+    return {item.path for item in first.items} == {item.path for item in second.items}
+
+
+def _check_folds(collection: Collection, folds: int, epochs: int) -> None:
+    """--folds: labels on every image, a fold count the smallest label allows, epochs >= 1, torch there."""
+    from retrieval.extras import require
+
+    if any(not item.label for item in collection.items):
+        raise RetrievalError(f"--folds {folds}: {collection.source} has images without a label; --folds needs labels")
+    if epochs < 1:
+        raise RetrievalError(f"--fold-epochs {epochs}: give 1 or more")
+    from retrieval.audit import check_folds
+
+    check_folds([item.label for item in collection.items], folds)
+    require("torch", "train")
+
+
+def _embedded(embedder: Embedder, collection: Collection, progress: bool) -> Embedded:
+    """The collection embedded with its thumbnails kept (the copies are checked on them)."""
+    from retrieval.audit import Embedded
+    from retrieval.duplicates import THUMBNAIL
+    from retrieval.embedders import embed_items
+
+    done = embed_items(embedder, collection.items, progress=progress, thumbnail=THUMBNAIL)
+    if not done.items:
+        raise RetrievalError(f"{collection.source}: none of its {len(collection.items)} image(s) could be read")
+    return Embedded(done.items, done.vectors, done.hashes, done.thumbnails, collection.skipped + done.skipped)  # type: ignore[arg-type]
+
+
+def _fold_spaces(
+    run: RunDir, embedded: Embedded, folds: int, epochs: int, model: str, progress: bool
+) -> list[tuple[object, object]]:
+    """Per fold: every image embedded by the model trained without that fold, and the fold's rows."""
+    import numpy as np
+
+    from retrieval.embedders import OnnxEmbedder, embed_items
+    from training.folds import fold_models, fold_of
+
+    fold = fold_of(embedded.items, folds)
+    said = console.print if progress else (lambda line: None)
+    with tempfile.TemporaryDirectory(prefix="retrieval-folds-") as work:
+        spaces = []
+        for number, fold_run in enumerate(fold_models(run, embedded.items, fold, epochs, Path(work), said)):
+            vectors = embed_items(
+                OnnxEmbedder.from_run(fold_run, model="float32"), embedded.items, progress=False
+            ).vectors
+            spaces.append((vectors, np.flatnonzero(fold == number)))
+    return spaces
+
+
+def _print(found: Audit, shown: int) -> None:
+    """The four tables (the first `shown` rows of each), paths relative to the folder they share."""
+    every = [s.path for s in found.labels] + [p for d in found.duplicates for p in d.paths]
+    every += [leak.path for leak in found.leaks] + [o.path for o in found.outliers]
+    root = Path(os.path.commonpath([str(path.parent) for path in every])) if every else Path()
+
+    def short(path: Path) -> str:
+        return os.path.relpath(path, root) if every else str(path)
+
+    tables = [
+        ("suspected wrong labels", ["path", "label", "suggested", "score"], found.labels,
+         lambda s: [short(s.path), s.label, s.suggested, f"{s.score:.3f}"]),
+        ("copies", ["images", "kind", "score"], found.duplicates,
+         lambda d: ["\n".join(short(p) for p in d.paths), d.kind.value, f"{d.score:.3f}"]),
+        ("leaks (copies in --against)", ["path", "copy of", "kind", "score"], found.leaks,
+         lambda leak: [short(leak.path), str(leak.other), leak.kind.value, f"{leak.score:.3f}"]),
+        ("outliers", ["path", "why", "closeness"], found.outliers,
+         lambda o: [short(o.path), o.reason or o.kind.value, "" if o.score is None else f"{o.score:.3f}"]),
+    ]  # fmt: skip
+    for title, columns, rows, cells in tables:
+        table = Table(title=f"{title}: {len(rows)}", caption=f"paths under {root}" if every else None)
+        for column in columns:
+            table.add_column(column, overflow="fold")
+        for row in rows[:shown]:
+            table.add_row(*cells(row))
+        if len(rows) > shown:
+            table.add_row(f"… and {len(rows) - shown} more (--json or --csv: all)", *[""] * (len(columns) - 1))
+        console.print(table)
+    console.print(f"audited {found.images} image(s)")

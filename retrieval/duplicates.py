@@ -1,0 +1,291 @@
+"""Copies of the same picture in a collection, and across two: identical bytes, or the same picture re-encoded,
+resized, cropped a little or in grey.
+
+Candidate pairs come from two cheap searches, so that no pair of images is compared one by one: each
+image's nearest neighbours by embedding, and by a perceptual hash (the signs of the 8 x 8 lowest
+frequencies of a 32 x 32 grey DCT, searched by Hamming distance with FAISS) — the hash finds the
+grey copies a colour-trained embedding puts apart. Each candidate pair is then checked on the
+pictures themselves (the thumbnails kept while embedding): first all at once at 12 px in grey (most
+pairs stop there), then one picture is aligned on the other over crops of 90-100 % of each side,
+roughly at 24 px (a pixel's shift forgiven) and finely at 32 px around the best crop, and
+`difference` is the share of the drawn pixels that still differ by more than PIXEL_CUT (in grey when
+either picture is grey). A pair is a copy at difference <= COPY_DIFFERENCE, measured in
+bench/audit.py (docs/trust.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from functools import lru_cache
+
+import numpy as np
+from PIL import Image
+
+from retrieval.extras import require
+from retrieval.knn import nearest_neighbours
+
+THUMBNAIL = 64  # pixels a side of the pictures kept while embedding
+PIXEL_CUT = 0.1  # a pixel differs when a channel moves by more than this (of 1.0)
+COPY_DIFFERENCE = 0.005  # the share of drawn pixels up to which two pictures are copies (bench/audit.py)
+CANDIDATES = 10  # neighbours by embedding and by hash checked per image
+HASH_BITS = 20  # hash neighbours farther than this many of 64 bits are not checked
+COARSE = 12  # pixels a side of the first check of every candidate pair: grey, all pairs at once
+COARSE_CUT = 0.15  # a coarse pixel differs when it is this far outside its neighbours' range in the other picture
+COARSE_BOUND = 0.02  # pairs whose coarse pictures differ in more of their drawn pixels are not copies (bench/audit.py)
+SCALES = (1.0, 0.95, 0.9)  # the crops tried when aligning one picture on the other
+ROUGH = (24, 5)  # pixels a side and crop places along each side of the rough alignment (grey, a pixel's shift forgiven)
+ROUGH_BOUND = 0.06  # pairs whose best rough crop differs in more of their drawn pixels are not copies
+FINE_ROUNDS = 4  # rounds of the fine search, each around the last one's best crop at half its step
+FINE_SIDE = 32  # pixels a side of the fine check (sibling icons differ by a few pixels' detail)
+LUMA = np.array([0.299, 0.587, 0.114], np.float32)  # Pillow's grey
+
+
+class CopyKind(Enum):
+    """How two images are the same picture."""
+
+    IDENTICAL = "identical bytes"
+    NEAR = "near copy"
+
+
+@dataclass(frozen=True)
+class CopyPair:
+    """Rows a and b (of one collection, or a of the first and b of the second) hold the same picture."""
+
+    a: int
+    b: int
+    kind: CopyKind
+    difference: float  # the share of pixels that differ after alignment (0 for identical bytes)
+
+
+def perceptual_hashes(thumbnails: np.ndarray) -> np.ndarray:
+    """[N, 8] uint8: each picture's 64-bit DCT hash, packed (grey 32 x 32, low 8 x 8 frequencies above their median)."""
+    grey = np.stack([_grey_square(picture) for picture in thumbnails]) if len(thumbnails) else np.zeros((0, 32, 32))
+    basis = np.cos(np.pi * (2 * np.arange(32)[None] + 1) * np.arange(8)[:, None] / 64)  # DCT-II rows
+    low = np.einsum("us,nst,vt->nuv", basis, grey, basis).reshape(len(grey), 64)
+    return np.packbits(low > np.median(low, axis=1, keepdims=True), axis=1)
+
+
+def _grey_square(picture: np.ndarray) -> np.ndarray:
+    return np.asarray(Image.fromarray(picture).convert("L").resize((32, 32), Image.BILINEAR), np.float32)
+
+
+Box = tuple[float, float, float]  # a square crop: left, top and side, in shares of the picture's side
+
+
+@lru_cache(maxsize=8)
+def _boxes(places: int) -> list[Box]:
+    """The whole picture, then crops at SCALES, at places positions along each side."""
+    boxes = []
+    for scale in SCALES:
+        for fx in np.linspace(0, 1, places if scale < 1 else 1):
+            boxes += [
+                ((1 - scale) * fx, (1 - scale) * fy, scale) for fy in np.linspace(0, 1, places if scale < 1 else 1)
+            ]
+    return boxes
+
+
+def _around(box: Box, step: float) -> list[Box]:
+    """Crops near box (side and place +- step), inside the picture: a round of the fine search."""
+    near = []
+    for scale in (box[2] - step, box[2], box[2] + step):
+        if 0 < scale <= 1:
+            for left in (box[0] - step, box[0], box[0] + step):
+                near += [(left, top, scale) for top in (box[1] - step, box[1], box[1] + step)]
+    return [(min(max(x, 0), 1 - w), min(max(y, 0), 1 - w), w) for x, y, w in near if w <= 1]
+
+
+@lru_cache(maxsize=8192)
+def _weights(side: int, size: int, start: float, width: float) -> np.ndarray:
+    """[side, size]: each output pixel the mean of the input pixels its span [start, start + width) covers (area
+    resampling, as a matrix: every crop of a picture is then two matrix products)."""
+    edges = start + width * np.arange(side + 1) / side
+    pixels = np.arange(size)[None]
+    overlap = np.clip(np.minimum(edges[1:, None], pixels + 1) - np.maximum(edges[:-1, None], pixels), 0, None)
+    return (overlap / overlap.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def _planes(picture: np.ndarray) -> np.ndarray:
+    """[4, S, S] float: a thumbnail's R, G, B and grey planes in [0, 1]."""
+    rgb = picture.astype(np.float32) / 255
+    return np.concatenate([rgb.transpose(2, 0, 1), (rgb @ LUMA)[None]])
+
+
+def _views(picture: np.ndarray, side: int, boxes: Sequence[Box], planes: slice = slice(0, 4)) -> np.ndarray:
+    """[V, planes, side * side] float: the picture's crops (boxes) resampled to side, as R, G, B and grey planes."""
+    stack, size = _planes(picture)[planes], picture.shape[0]
+    rows = np.stack([_weights(side, size, round(y * size, 3), round(w * size, 3)) for _, y, w in boxes])
+    columns = np.stack([_weights(side, size, round(x * size, 3), round(w * size, 3)) for x, _, w in boxes])
+    views = (rows[:, None] @ stack[None]) @ columns[:, None].transpose(0, 1, 3, 2)
+    return views.reshape(len(boxes), len(stack), side * side)
+
+
+def _spread(view: np.ndarray, side: int, reach: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Each pixel's lowest and highest value once moved by up to reach of a pixel towards its 3 x 3 neighbours (a
+    shift by that much stays inside)."""
+    planes = view.reshape(len(view), side, side)
+    padded = np.pad(planes, ((0, 0), (1, 1), (1, 1)), mode="edge")
+    shifted = np.stack([padded[:, i : i + side, j : j + side] for i in range(3) for j in range(3)])
+    shifted = planes[None] + reach * (shifted - planes[None])
+    return shifted.min(0).reshape(view.shape), shifted.max(0).reshape(view.shape)
+
+
+def _is_grey(picture: np.ndarray) -> bool:
+    """Whether a thumbnail has no colour (its channels within 8 of 255 of each other everywhere)."""
+    channels = picture.astype(np.int16)
+    return bool(np.abs(channels - channels.mean(axis=-1, keepdims=True)).max() < 8)
+
+
+def _differing(views: np.ndarray, whole: np.ndarray, side: int, reach: float) -> np.ndarray:
+    """Per view, the share of its drawn pixels that differ from whole by more than PIXEL_CUT, a shift by reach of a
+    pixel forgiven; ties broken by the mean difference, so that the crop that fits best wins."""
+    low, high = _spread(whole, side, reach)
+    differing = ((views < low - PIXEL_CUT) | (views > high + PIXEL_CUT)).any(axis=1).sum(axis=1)
+    background = np.median(whole, axis=1, keepdims=True)  # the whole picture's: its views share its background
+    drawn = ((np.abs(views - background) > PIXEL_CUT) | (np.abs(whole - background) > PIXEL_CUT)[None]).any(axis=1)
+    return differing / np.maximum(drawn.sum(axis=1), 1) + np.abs(views - whole[None]).mean(axis=(1, 2)) * 1e-3
+
+
+def _coarse(thumbnails: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each picture in grey at COARSE pixels a side: values, their lowest and highest over each 3 x 3 neighbourhood
+    (a 10 % crop moves nothing farther), and which pixels are drawn; [N, COARSE**2] each."""
+    grey = [Image.fromarray(picture).convert("L").resize((COARSE, COARSE), Image.BOX) for picture in thumbnails]
+    values = (
+        np.stack([np.asarray(image, np.float32) / 255 for image in grey]) if grey else np.zeros((0, COARSE, COARSE))
+    )
+    low, high = _spread(values, COARSE)
+    flat = values.reshape(len(values), -1)
+    drawn = np.abs(flat - np.median(flat, axis=1, keepdims=True)) > PIXEL_CUT
+    return flat, low.reshape(flat.shape), high.reshape(flat.shape), drawn
+
+
+def _coarse_filter(mine: tuple, theirs: tuple, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The pairs whose coarse pictures, either within the other's neighbourhood range, differ in at most
+    COARSE_BOUND of their drawn pixels: one vectorised pass that drops most candidates before any crop is tried."""
+    if not pairs:
+        return []
+    a, b = np.array(pairs).T
+
+    def share(x: tuple, rows: np.ndarray, y: tuple, others: np.ndarray) -> np.ndarray:
+        outside = (x[0][rows] < y[1][others] - COARSE_CUT) | (x[0][rows] > y[2][others] + COARSE_CUT)
+        return outside.sum(axis=1) / np.maximum((x[3][rows] | y[3][others]).sum(axis=1), 1)
+
+    kept = np.minimum(share(mine, a, theirs, b), share(theirs, b, mine, a)) <= COARSE_BOUND
+    return [pair for pair, keep in zip(pairs, kept.tolist(), strict=True) if keep]
+
+
+def difference(first: np.ndarray, second: np.ndarray) -> float:
+    """The share of the drawn pixels of two pictures (thumbnails) that differ by more than PIXEL_CUT once the crop
+    of either that fits the other best is found (in grey when either is grey): roughly over a grid of crops in grey,
+    then finely around the best one."""
+    return _difference(first, second, _rough_views(first), _rough_views(second))
+
+
+def _rough_views(picture: np.ndarray) -> np.ndarray:
+    """The grey plane of the rough grid's views, as bytes (find_copies keeps one per row: a row is in many pairs)."""
+    return np.round(_views(picture, ROUGH[0], _boxes(ROUGH[1]), slice(3, 4)) * 255).astype(np.uint8)
+
+
+def _difference(first: np.ndarray, second: np.ndarray, first_rough: np.ndarray, second_rough: np.ndarray) -> float:
+    """difference, given the two pictures' rough views."""
+    side, places = ROUGH
+    boxes = _boxes(places)
+    rough = (first_rough.astype(np.float32) / 255, second_rough.astype(np.float32) / 255)
+    shares = [_differing(rough[0], rough[1][0], side, 1.0), _differing(rough[1], rough[0][0], side, 1.0)]
+    direction = int(shares[1].min() < shares[0].min())
+    if shares[direction].min() > ROUGH_BOUND:
+        return 1.0
+    planes = slice(3, 4) if _is_grey(first) or _is_grey(second) else slice(0, 3)
+    cropped, whole = (first, second) if direction == 0 else (second, first)
+    target = _views(whole, FINE_SIDE, [(0.0, 0.0, 1.0)])[0, planes]
+    box, step, best = boxes[int(shares[direction].argmin())], (1 - min(SCALES)) / (places - 1), 1.0
+    for _ in range(FINE_ROUNDS):  # each round halves the step around the best crop so far
+        near = _around(box, step)
+        fine = _differing(_views(cropped, FINE_SIDE, near)[:, planes], target, FINE_SIDE, 0.5)
+        box, best, step = near[int(fine.argmin())], min(best, float(fine.min())), step / 2
+    return round(best, 3)  # the share of drawn pixels, without the tie-break
+
+
+def _hash_neighbours(queries: np.ndarray, gallery: np.ndarray, k: int, same: bool) -> list[tuple[int, int]]:
+    faiss = require("faiss", "cpu")
+    index = faiss.IndexBinaryFlat(64)
+    index.add(gallery)
+    distances, ids = index.search(queries, min(k + int(same), len(gallery)))
+    rows = np.repeat(np.arange(len(queries)), ids.shape[1])
+    keep = (distances.ravel() <= HASH_BITS) & (ids.ravel() >= 0) & ((rows != ids.ravel()) if same else True)
+    return list(zip(rows[keep].tolist(), ids.ravel()[keep].tolist(), strict=True))
+
+
+def candidate_pairs(
+    vectors: np.ndarray, hashes: np.ndarray, other: tuple[np.ndarray, np.ndarray] | None = None, k: int = CANDIDATES
+) -> list[tuple[int, int]]:
+    """(row, row of other or of the same collection) pairs worth checking: neighbours by embedding and by hash."""
+    same = other is None
+    gallery, gallery_hashes = (vectors, hashes) if other is None else other
+    if not len(vectors) or len(gallery) <= int(same):
+        return []
+    ids, _ = nearest_neighbours(vectors, gallery, k, exclude_self=same)
+    pairs = set(zip(np.repeat(np.arange(len(vectors)), ids.shape[1]).tolist(), ids.ravel().tolist(), strict=True))
+    pairs |= set(_hash_neighbours(hashes, gallery_hashes, k, same))
+    if same:
+        pairs = {(min(a, b), max(a, b)) for a, b in pairs}
+    return sorted(pairs)
+
+
+def find_copies(
+    vectors: np.ndarray,
+    digests: Sequence[str],
+    thumbnails: np.ndarray,
+    other: tuple[np.ndarray, Sequence[str], np.ndarray] | None = None,
+    threshold: float = COPY_DIFFERENCE,
+) -> list[CopyPair]:
+    """Copy pairs within a collection (other None, a < b) or from it to other (a its row, b other's), identical
+    bytes first, then near copies at difference <= threshold, the most alike first."""
+    gallery = (vectors, digests, thumbnails) if other is None else other
+    rows_of: dict[str, list[int]] = {}
+    for row, digest in enumerate(gallery[1]):
+        rows_of.setdefault(digest, []).append(row)
+    identical = [
+        (a, b) for a, digest in enumerate(digests) for b in rows_of.get(digest, []) if other is not None or a < b
+    ]
+    hashes = perceptual_hashes(thumbnails)
+    against = None if other is None else (gallery[0], perceptual_hashes(gallery[2]))
+    checked = [pair for pair in candidate_pairs(vectors, hashes, against) if pair not in set(identical)]
+    coarse = _coarse(thumbnails)
+    checked = _coarse_filter(coarse, coarse if other is None else _coarse(gallery[2]), checked)
+    mine: dict[int, np.ndarray] = {}
+    theirs: dict[int, np.ndarray] = mine if other is None else {}
+
+    def rough(kept: dict[int, np.ndarray], pictures: np.ndarray, row: int) -> np.ndarray:
+        if row not in kept:
+            kept[row] = _rough_views(pictures[row])
+        return kept[row]
+
+    near = [
+        (a, b, _difference(thumbnails[a], gallery[2][b], rough(mine, thumbnails, a), rough(theirs, gallery[2], b)))
+        for a, b in checked
+    ]
+    pairs = [CopyPair(a, b, CopyKind.IDENTICAL, 0.0) for a, b in identical]
+    pairs += sorted(
+        (CopyPair(a, b, CopyKind.NEAR, d) for a, b, d in near if d <= threshold), key=lambda p: p.difference
+    )
+    return pairs
+
+
+def copy_groups(pairs: Sequence[CopyPair], count: int) -> list[list[int]]:
+    """The rows joined by pairs (within one collection) as groups of two or more, each sorted, largest first."""
+    parent = list(range(count))
+
+    def root(row: int) -> int:
+        while parent[row] != row:
+            parent[row] = parent[parent[row]]
+            row = parent[row]
+        return row
+
+    for pair in pairs:
+        parent[root(pair.a)] = root(pair.b)
+    groups: dict[int, list[int]] = {}
+    for row in sorted({row for pair in pairs for row in (pair.a, pair.b)}):
+        groups.setdefault(root(row), []).append(row)
+    return sorted(groups.values(), key=lambda rows: (-len(rows), rows[0]))

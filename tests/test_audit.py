@@ -1,0 +1,325 @@
+"""`retrieval audit`: suspected wrong labels (small classes too), copies and leaks, outliers, --folds checks, the
+command's tables, --json and --csv, its one-line refusals, and the labels CSV the app's decisions go to."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw
+
+from app.service import SearchService
+from retrieval.audit import Embedded, check_folds, duplicates, label_scores, leaks, outliers, suspects
+from retrieval.commands import main
+from retrieval.data import Item, Skipped, write_collection_csv
+from retrieval.decisions import Decision, LabelDecision, decide, decided_labels, read_decisions
+from retrieval.duplicates import THUMBNAIL, CopyKind, difference, find_copies
+from retrieval.embedders import l2_normalise
+from retrieval.errors import RetrievalError
+from retrieval.runs import RunDir
+from tests.conftest import copy_classes
+
+
+def clusters(sizes: list[int], dim: int = 16, spread: float = 0.15, seed: int = 0) -> tuple[np.ndarray, list[str]]:
+    """Unit vectors in one tight cluster per class (class c has sizes[c] of them), and their labels."""
+    rng = np.random.default_rng(seed)
+    centres = l2_normalise(rng.normal(size=(len(sizes), dim)))
+    vectors = np.concatenate([centres[c] + spread * rng.normal(size=(n, dim)) / np.sqrt(dim) for c, n in enumerate(sizes)])
+    return l2_normalise(vectors).astype(np.float32), [f"class-{c}" for c, n in enumerate(sizes) for _ in range(n)]
+
+
+def test_a_moved_label_is_the_top_suspect_with_its_own_class_suggested() -> None:
+    vectors, labels = clusters([6, 6, 6, 6])
+    labels[3] = "class-2"  # an image of class-0 labeled class-2
+    scores = label_scores(vectors, labels)
+    assert int(np.nanargmax(scores.score)) == 3
+    assert scores.classes[scores.suggested[3]] == "class-0"
+    assert (np.nan_to_num(scores.score, nan=-1) > 0).sum() == 1  # the others' closest images agree with them
+
+
+def test_classes_of_two_images_are_audited_and_a_lone_image_is_not_scored() -> None:
+    vectors, labels = clusters([2, 2, 2, 2, 2, 1])
+    labels[0] = "class-1"  # one of class-0's two images labeled class-1: class-0 is left with one
+    scores = label_scores(vectors, labels)
+    assert int(np.nanargmax(scores.score)) == 0 and scores.classes[scores.suggested[0]] == "class-0"
+    assert np.isnan(scores.score[1]) and np.isnan(scores.score[-1])  # alone in their label: nothing to compare with
+    items = [Item(Path(f"/images/{row}.png"), label) for row, label in enumerate(labels)]
+    found = suspects(items, vectors)
+    assert [(s.path.name, s.label, s.suggested) for s in found] == [("0.png", "class-1", "class-0")]
+    assert [path.name for path in found[0].neighbours] == ["1.png"]  # the suggested label's closest image
+
+
+def test_the_search_limit_never_flatters_a_label_with_one_image_nearby() -> None:
+    """Other labels' closest images come from a k-NN search; where fewer than CLOSEST of a label are found, the rest
+    count at the search's last similarity, not left out: searched deep enough, the scores are the exhaustive ones,
+    and a shallow search loses no suspect."""
+    vectors, labels = clusters([12, 12, 12, 12, 12], spread=0.9, seed=3)
+    rng = np.random.default_rng(1)
+    labels = [labels[i] if rng.random() > 0.1 else f"class-{rng.integers(5)}" for i in range(len(labels))]
+    shallow, deep = label_scores(vectors, labels, depth=8), label_scores(vectors, labels, depth=len(labels) - 1)
+    exact = exhaustive(vectors, labels)
+    assert np.allclose(deep.score, exact, equal_nan=True, atol=1e-5)
+    flagged = set(np.flatnonzero(np.nan_to_num(exact) > 0))
+    assert flagged and flagged <= set(np.flatnonzero(np.nan_to_num(shallow.score) > 0))  # no suspect lost to the limit
+    assert np.isfinite(shallow.score[~np.isnan(exact)]).all()
+
+
+def exhaustive(vectors: np.ndarray, labels: list[str], closest: int = 3) -> np.ndarray:
+    """The suspicion of each image by brute force: per label, the mean similarity of its closest images."""
+    similar = vectors @ vectors.T
+    np.fill_diagonal(similar, -np.inf)
+    names = np.array(labels)
+    score = np.full(len(labels), np.nan)
+    for row in range(len(labels)):
+        means = {name: np.sort(similar[row, names == name])[::-1][:closest] for name in set(labels)}
+        means = {name: values[np.isfinite(values)].mean() for name, values in means.items() if np.isfinite(values).any()}
+        if names[row] in means:
+            score[row] = max(value for name, value in means.items() if name != names[row]) - means[names[row]]
+    return score
+
+
+def test_fold_counts_the_labels_do_not_allow_are_one_line() -> None:
+    check_folds(["a", "a", "a", "b", "b", "b"], 3)
+    with pytest.raises(RetrievalError, match="between 2 and 3"):
+        check_folds(["a", "a", "a", "b", "b", "b"], 4)
+    with pytest.raises(RetrievalError, match="single image"):
+        check_folds(["a", "a", "b"], 2)
+
+
+def shapes(count: int, seed: int = 0) -> list[np.ndarray]:
+    """Distinct pictures (coloured shapes at seeded places), 64 px."""
+    rng = np.random.default_rng(seed)
+    pictures = []
+    for _ in range(count):
+        image = Image.new("RGB", (64, 64), tuple(int(v) for v in rng.integers(180, 256, 3)))
+        draw = ImageDraw.Draw(image)
+        for _ in range(3):
+            x, y = rng.integers(0, 44, 2)
+            draw.rectangle([int(x), int(y), int(x) + 20, int(y) + 14], fill=tuple(int(v) for v in rng.integers(0, 160, 3)))
+        pictures.append(np.asarray(image))
+    return pictures
+
+
+def changed(picture: np.ndarray, kind: str) -> np.ndarray:
+    """A copy of a picture re-encoded, resized, cropped 10 % or grey, as a thumbnail again."""
+    image = Image.fromarray(picture)
+    if kind == "jpeg":
+        buffer = io.BytesIO()
+        image.save(buffer, "JPEG", quality=60)
+        image = Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
+    elif kind == "resize":
+        image = image.resize((37, 37), Image.BICUBIC)
+    elif kind == "crop":
+        image = image.crop((3, 2, 61, 60))
+    else:
+        image = image.convert("L").convert("RGB")
+    return np.asarray(image.resize((THUMBNAIL, THUMBNAIL), Image.BILINEAR))
+
+
+def test_copies_re_encoded_resized_cropped_and_grey_are_found_and_other_pictures_are_not() -> None:
+    pictures = shapes(12)
+    kinds = ["jpeg", "resize", "crop", "grey"]
+    thumbnails = np.stack(pictures + [changed(pictures[i], kind) for i, kind in enumerate(kinds)])
+    for i, kind in enumerate(kinds):
+        assert difference(pictures[i], thumbnails[12 + i]) <= 0.02, kind
+    assert difference(pictures[0], pictures[1]) > 0.1
+    vectors = l2_normalise(np.random.default_rng(0).normal(size=(len(thumbnails), 8))).astype(np.float32)
+    digests = [f"d{row}" for row in range(len(thumbnails))]
+    digests[5] = digests[4]  # identical bytes, whatever the pictures
+    pairs = find_copies(vectors, digests, thumbnails)
+    found = {(pair.a, pair.b): pair.kind for pair in pairs}
+    assert found[(4, 5)] is CopyKind.IDENTICAL
+    assert {(i, 12 + i) for i in range(4)} <= set(found)  # by hash: the vectors here are random
+    assert set(found) - {(4, 5)} == {(i, 12 + i) for i in range(4)}
+
+
+def embedded(thumbnails: np.ndarray, name: str, labels: list[str] | None = None) -> Embedded:
+    vectors = l2_normalise(np.random.default_rng(len(name)).normal(size=(len(thumbnails), 8))).astype(np.float32)
+    items = [Item(Path(f"/{name}/{row}.png"), (labels or [""] * len(thumbnails))[row]) for row in range(len(thumbnails))]
+    return Embedded(items, vectors, [f"{name}{row}" for row in range(len(thumbnails))], thumbnails)
+
+
+def test_duplicates_are_grouped_and_leaks_name_the_other_collections_copy() -> None:
+    pictures = shapes(8)
+    one = embedded(np.stack(pictures[:5] + [changed(pictures[0], "jpeg"), changed(pictures[0], "grey")]), "train")
+    groups = duplicates(one)
+    assert [sorted(path.name for path in group.paths) for group in groups] == [["0.png", "5.png", "6.png"]]
+    assert groups[0].kind is CopyKind.NEAR and 0.9 < groups[0].score <= 1.0
+    other = embedded(np.stack([changed(pictures[2], "crop"), pictures[6], pictures[7]]), "test")
+    found = leaks(other, one)
+    assert [(leak.path.name, leak.other.name) for leak in found] == [("0.png", "2.png")]
+
+
+def test_an_image_far_from_every_other_and_an_unreadable_file_are_outliers() -> None:
+    vectors, labels = clusters([10, 10, 10], spread=0.2)
+    stranger = l2_normalise(np.random.default_rng(9).normal(size=(1, vectors.shape[1]))).astype(np.float32)
+    everything = np.concatenate([vectors, stranger])
+    items = [Item(Path(f"/images/{row}.png"), "") for row in range(len(everything))]
+    found = outliers(items, everything, [Skipped(Path("/images/broken.png"), "cannot be decoded")])
+    assert [o.path.name for o in found] == ["30.png", "broken.png"]
+    assert found[1].reason == "cannot be decoded"
+
+
+def test_decisions_go_to_a_labels_csv_that_train_reads_and_none_is_lost(tmp_path: Path) -> None:
+    items = [Item(tmp_path / f"{row}.png", "cat" if row < 3 else "dog") for row in range(6)]
+    target = tmp_path / "run" / "labels.csv"
+    decide(target, items, LabelDecision(items[2].path, "dog", "cat", Decision.ACCEPTED))
+    threads = [
+        threading.Thread(target=decide, args=(target, items, LabelDecision(items[row].path, items[row].label, items[row].label, Decision.KEPT)))
+        for row in (0, 4, 5)
+    ]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    decisions = read_decisions(target)
+    assert {path.name: d.decision for path, d in decisions.items()} == {
+        "2.png": Decision.ACCEPTED, "0.png": Decision.KEPT, "4.png": Decision.KEPT, "5.png": Decision.KEPT
+    }  # fmt: skip
+    rows = list(csv.DictReader(target.read_text().splitlines()))
+    assert [(Path(r["path"]).name, r["label"]) for r in rows][:3] == [("0.png", "cat"), ("1.png", "cat"), ("2.png", "dog")]
+    assert [item.label for item in decided_labels(items, decisions)] == ["cat", "cat", "dog", "dog", "dog", "dog"]
+    assert not list(target.parent.glob(".labels.csv.*"))  # written atomically: no temporary left
+    with pytest.raises(RetrievalError, match="not among the audited images"):
+        decide(target, items, LabelDecision(tmp_path / "other.png", "dog", "cat", Decision.ACCEPTED))
+
+
+@pytest.fixture(scope="module")
+def audited_folder(icons_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Four classes of the icons' test split, one image's label moved, one copied grey, one broken file."""
+    root = copy_classes(icons_root, tmp_path_factory.mktemp("audit") / "images", 4, "test")
+    classes = sorted(path for path in root.iterdir())
+    moved = sorted(classes[0].iterdir())[0]
+    shutil.move(moved, classes[1] / f"moved-{moved.name}")
+    original = sorted(classes[2].iterdir())[0]
+    Image.open(original).convert("L").save(classes[2] / f"grey-{original.stem}.png")
+    (classes[3] / "broken.png").write_bytes(b"not an image")
+    return root
+
+
+def test_audit_prints_tables_and_json_and_writes_csvs(
+    demo_run: RunDir, audited_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["audit", str(demo_run.root), str(audited_folder), "--csv", str(tmp_path / "found")]) == 0
+    printed = capsys.readouterr().out
+    for title in ("suspected wrong labels", "copies", "leaks", "outliers", "audited"):
+        assert title in printed
+    assert main(["audit", str(demo_run.root), str(audited_folder), "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert set(found) >= {"labels", "duplicates", "leaks", "outliers"}
+    assert all(Path(row["path"]).is_absolute() and set(row) >= {"path", "label", "suggested", "score"} for row in found["labels"])
+    scores = [row["score"] for row in found["labels"]]
+    assert scores == sorted(scores, reverse=True)
+    grey = [group for group in found["duplicates"] if any(Path(p).name.startswith("grey-") for p in group["paths"])]
+    assert grey and len(grey[0]["paths"]) >= 2
+    assert any(Path(row["path"]).name == "broken.png" and row["kind"] == "unreadable" for row in found["outliers"])
+    written = {path.name: list(csv.DictReader(path.open())) for path in (tmp_path / "found").glob("*.csv")}
+    assert set(written) == {"labels.csv", "duplicates.csv", "leaks.csv", "outliers.csv"}
+    assert len(written["labels.csv"]) == len(found["labels"])
+
+
+def test_audit_against_another_split_lists_its_copies(
+    demo_run: RunDir, audited_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = tmp_path / "train" / "x"
+    other.mkdir(parents=True)
+    leaked = sorted(sorted(audited_folder.iterdir())[1].glob("*.png"))[1]
+    shutil.copy(leaked, other / "same.png")
+    Image.new("RGB", (64, 64), (10, 200, 10)).save(other / "green.png")
+    assert main(["audit", str(demo_run.root), str(audited_folder), "--against", str(tmp_path / "train"), "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert [(Path(leak["path"]).name, Path(leak["other"]).name, leak["kind"]) for leak in found["leaks"]] == [
+        (leaked.name, "same.png", "identical bytes")
+    ]
+
+
+def test_careless_audits_are_one_line_each(
+    demo_run: RunDir, audited_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "no-model").mkdir()
+    present = sorted(audited_folder.rglob("*.png"))[0]
+    listed = write_collection_csv(tmp_path / "listed.csv", [Item(present, "a"), Item(tmp_path / "gone.png", "a")])
+    cases = {
+        "no model": ([str(tmp_path / "no-model"), str(audited_folder)], "model.onnx"),
+        "empty folder": ([str(demo_run.root), str(tmp_path / "empty")], "no image"),
+        "the same folder": ([str(demo_run.root), str(audited_folder), "--against", str(audited_folder)], "the same images"),
+        "too many folds": ([str(demo_run.root), str(audited_folder), "--folds", "50"], "--folds 50"),
+        "missing files": ([str(demo_run.root), str(listed)], "not there"),
+        "wrong path": ([str(demo_run.root), str(tmp_path / "nowhere")], "no such file or folder"),
+    }
+    for name, (arguments, said) in cases.items():
+        assert main(["audit", *arguments]) == 2, name
+        captured = capsys.readouterr()
+        assert said in captured.err and len(captured.err.strip().splitlines()) == 1, (name, captured.err)
+        assert "Traceback" not in captured.err
+
+
+@pytest.fixture(scope="module")
+def audit_run(demo_run: RunDir, tmp_path_factory: pytest.TempPathFactory) -> tuple[RunDir, Item]:
+    """A copy of the demo run whose gallery has one image's label moved to another label; and that image, as it was."""
+    from index.build import build_index
+    from retrieval.data import Collection
+    from retrieval.embedders import OnnxEmbedder
+
+    root = tmp_path_factory.mktemp("audit-app") / "run"
+    shutil.copytree(demo_run.root, root)
+    run = RunDir(root)
+    embedder = OnnxEmbedder.from_run(run)
+    items = sorted(SearchService(run).items.values(), key=lambda item: str(item.path))
+    labels = sorted({item.label for item in items})
+    moved = items[0]
+    other = next(label for label in labels if label != moved.label)
+    shifted = [Item(item.path, other) if item.path == moved.path else item for item in items]
+    build_index(embedder, Collection(root / "gallery.csv", shifted, []), run.index, rebuild=True, progress=False)
+    return run, moved
+
+
+def test_the_audit_tab_lists_suspects_and_keeps_decisions_in_a_labels_csv(audit_run: tuple[RunDir, Item]) -> None:
+    from app.audit import AuditHandlers, labels_csv
+    from retrieval.data import load_collection
+
+    run, moved = audit_run
+    service = SearchService(run, allow_write=True)
+    try:
+        on = AuditHandlers(service)
+        rows, data, said = on.audit()
+        assert rows and "suspected wrong label" in said
+        paths = [row["path"] for row in data]
+        assert str(moved.path) in paths  # the moved image is among the suspects
+        first, second = data[0], data[1] if len(data) > 1 else None
+        message, rows_after, data_after, _ = on.accept(first)
+        assert "1 decision(s)" in message and labels_csv(service).is_file()
+        assert first["path"] not in [row["path"] for row in data_after]  # decided: off the list
+        if second is not None:
+            on.keep(second)
+        trained_on = {item.path: item.label for item in load_collection(labels_csv(service)).items}
+        assert len(trained_on) == len(service.items)  # every gallery image, as `retrieval train` reads it
+        assert trained_on[Path(first["path"])] == first["suggested"]
+        if second is not None:
+            assert trained_on[Path(second["path"])] == second["label"]
+    finally:
+        service.close()
+    read_only = SearchService(run)
+    try:
+        with pytest.raises(Exception, match="read-only"):
+            AuditHandlers(read_only).keep(data[0])
+    finally:
+        read_only.close()
+
+
+def test_audit_with_folds_trains_a_short_run_per_fold_and_scores_each_image_out_of_fold(
+    demo_run: RunDir, audited_folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    arguments = ["audit", str(demo_run.root), str(audited_folder), "--folds", "2", "--fold-epochs", "1", "--json"]
+    assert main(arguments) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert all(set(row) >= {"path", "label", "suggested", "score"} for row in found["labels"])
+    assert {Path(row["path"]).parent for row in found["labels"]} <= set(audited_folder.iterdir())
+    assert not list(Path(demo_run.root).glob("fold-*"))  # the fold runs lived in a temporary folder
