@@ -8,6 +8,8 @@ API (gradio_client, endpoint names and parameter names are stable):
   /browse         (label)              -> gallery of that label's items
   /evaluate       ()                   -> (metrics table, plots)
   /embedding_map  (projection)         -> map image
+  /audit          ()                   -> (suspects table, its rows' data, summary): the gallery's suspected wrong
+                  labels (app.audit); accepting or keeping one is the page's only (--allow-write), not the API's
   /add            (files, label)       -> message   (only with --allow-write)
   /remove         (ids)                -> message   (only with --allow-write)
 Results are a gallery of (image, caption); a caption reads "HIT · #1 · 0.912 · label" (file and id on hover).
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
+from app.audit import audit_tab
 from app.components import BoundedNumber, BoundedSlider, PageData, PageHTML, QueryImage
 from app.handlers import Handlers, as_data, item_tiles, metrics_rows, run_plots
 from app.service import BROWSE_LIMIT, SearchService
@@ -84,6 +87,8 @@ def build_app(service: SearchService, style: dict | None = None) -> gr.Blocks:
                 metrics_tab(on)
             with gr.Tab("Embedding map", id="map"):
                 map_image, shown_map = map_tab(on, labels)
+            with gr.Tab("Audit", id="audit"):
+                audit_tab(service)
         picked = [tab.query, tab.query_label, tabs, *tab.outputs]
         settings = [tab.k, tab.depth, tab.only_label]
         for gallery, shown in ((tab.results, tab.shown), (tab.picker, tab.picker_shown), (browsed, browsed_shown)):

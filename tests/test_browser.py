@@ -17,6 +17,7 @@ from app.server import launch
 from app.service import SearchService
 from retrieval.runs import RunDir
 from tests.test_app import free_port
+from tests.test_audit import audit_run  # noqa: F401  (a fixture)
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).parents[1] / "test-artifacts"
@@ -261,3 +262,45 @@ def test_the_metrics_tab_opens_a_class_with_its_queries_and_first_hits(page_url:
         expect(tiles).to_have_count(len(hits) + sum(hit["hit"] is not None for hit in hits), timeout=60_000)
         expect(tiles.first).to_contain_text("query")
         page.screenshot(path=str(ARTIFACTS / "app-metrics-class.png"), full_page=True)
+
+
+def test_the_audit_tab_shows_a_suspect_beside_its_suggested_label_and_accepts_it(
+    audit_run: tuple[RunDir, object],
+) -> None:
+    """Issue-28 trial: audit the gallery's labels, open the first suspect (its image, then the closest images of the
+    label suggested), accept the suggestion; the decision lands in RUN/labels.csv and the suspect leaves the list."""
+    from playwright.sync_api import expect
+
+    from app.audit import AuditHandlers, labels_csv
+
+    missing = browser_missing()
+    if missing and os.environ.get("CI"):
+        pytest.fail(f"the browser test must run in CI: {missing}")
+    if missing:
+        pytest.skip(missing)
+    run, _ = audit_run
+    service = SearchService(run, allow_write=True)
+    port = free_port()
+    demo = launch(service, port=port, block=False)
+    ARTIFACTS.mkdir(exist_ok=True)
+    try:
+        with opened(f"http://127.0.0.1:{port}/") as page:
+            page.get_by_role("tab", name="Audit").click()
+            page.get_by_role("button", name="Audit the gallery's labels").click()
+            table = page.locator("#suspects")
+            expect(table).to_contain_text("suggested", timeout=60_000)
+            expect(page.get_by_text("suspected wrong label(s)")).to_be_visible(timeout=60_000)
+            name = Path(AuditHandlers(service).audit()[1][0]["path"]).name  # the most suspect image: the first row
+            table.get_by_text(name, exact=True).last.click()
+            tiles = page.locator("#suspect-view .thumbnail-item")
+            expect(tiles.first).to_contain_text("labeled", timeout=30_000)
+            assert tiles.count() >= 2  # the image, then the suggested label's closest images
+            expect(page.locator("#suspect-line")).to_contain_text("suggest")
+            page.screenshot(path=str(ARTIFACTS / "app-audit.png"), full_page=True)
+            page.locator("#accept").click()
+            expect(page.locator("#decision")).to_contain_text("decision(s) in", timeout=30_000)
+            assert name in labels_csv(service).read_text()
+            page.screenshot(path=str(ARTIFACTS / "app-audit-accepted.png"), full_page=True)
+    finally:
+        demo.close()
+        service.close()

@@ -1,0 +1,182 @@
+"""The Audit tab's work: the served gallery's suspected wrong labels, from its stored vectors, and the decisions on
+them, kept in RUN/labels.csv (retrieval.decisions; writing only with --allow-write).
+
+The audit is retrieval.audit's, on the gallery as served, each accepted suggestion applied and each
+decided image left off the list. A suspect is shown as its image, then the closest images of the
+label it is suggested, in one gallery.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import gradio as gr
+import numpy as np
+
+from app.components import PageData, refused
+from app.service import SearchService
+from retrieval.audit import Suspect, suspects
+from retrieval.decisions import LABELS_CSV, Decision, LabelDecision, decide, decided_labels, read_decisions
+from retrieval.errors import RetrievalError
+
+SUSPECTS_SHOWN = 200  # rows of the suspects table at most
+
+
+@dataclass(frozen=True)
+class ShownSuspect:
+    """A row of the suspects table: the image (its gallery id), its label, the suggested one and the score."""
+
+    id: int
+    path: str
+    label: str
+    suggested: str
+    score: float
+    neighbours: tuple[int, ...]  # gallery ids of the suggested label's closest images
+
+
+def labels_csv(service: SearchService) -> Path:
+    """Where the app keeps the decisions: beside the run's other files."""
+    return service.run.root / LABELS_CSV
+
+
+def gallery_suspects(service: SearchService) -> list[ShownSuspect]:
+    """The gallery's suspects, decisions applied and decided images left out, the most suspect first."""
+    items = service.items
+    ids = sorted(items)
+    if not ids:
+        return []
+    decisions = read_decisions(labels_csv(service))
+    gallery = decided_labels([items[i] for i in ids], decisions)
+    vectors = np.asarray(service.index.vectors_of(ids), np.float32)
+    id_of = {item.path: item_id for item_id, item in zip(ids, gallery, strict=True)}
+    found: list[Suspect] = [s for s in suspects(gallery, vectors) if s.path not in decisions]
+    return [
+        ShownSuspect(
+            id_of[s.path],
+            str(s.path),
+            s.label,
+            s.suggested,
+            s.score,
+            tuple(id_of[p] for p in s.neighbours if p in id_of),
+        )
+        for s in found[:SUSPECTS_SHOWN]
+    ]
+
+
+def as_rows(found: list[ShownSuspect]) -> list[list]:
+    """The suspects as table rows: file, label, suggested label, score."""
+    return [[Path(s.path).name, s.label, s.suggested, round(s.score, 3)] for s in found]
+
+
+def as_data(found: list[ShownSuspect]) -> list[dict]:
+    return [asdict(s) for s in found]
+
+
+def record(service: SearchService, shown: ShownSuspect, accept: bool) -> str:
+    """Writes one decision (accept the suggestion, or keep the label) to RUN/labels.csv; says what was written."""
+    if not service.allow_write:
+        raise RetrievalError(
+            "this app is read-only; start it with `retrieval serve RUN --allow-write` to decide on labels"
+        )
+    items = service.items
+    ids = sorted(items)
+    target = labels_csv(service)
+    current = decided_labels([items[i] for i in ids], read_decisions(target))
+    path = Path(shown.path)
+    label = shown.suggested if accept else shown.label
+    decision = LabelDecision(path, label, shown.label, Decision.ACCEPTED if accept else Decision.KEPT)
+    decisions = decide(target, current, decision)
+    done = f"**{path.name}**: " + (f"{shown.label} → {label}" if accept else f"kept as {label}")
+    return f"{done}; {len(decisions)} decision(s) in `{target}` (train on it: `retrieval train {target}`)"
+
+
+class AuditHandlers:
+    """The Audit tab's event handlers."""
+
+    def __init__(self, service: SearchService) -> None:
+        self.service = service
+
+    def audit(self) -> tuple[list[list], list[dict], str]:
+        """The suspects table, its rows' data, and a line saying how many (and what to do)."""
+        found = gallery_suspects(self.service)
+        if not found:
+            return [], [], "No suspected wrong label: every image's closest images agree with its label."
+        more = f" (the first {SUSPECTS_SHOWN} shown)" if len(found) == SUSPECTS_SHOWN else ""
+        return as_rows(found), as_data(found), f"**{len(found)}** suspected wrong label(s){more}: click one to see it."
+
+    def open(self, data: list[dict], event: gr.SelectData) -> tuple[list[tuple[str, str]], str, dict | None]:
+        """A clicked suspect: its image, then the closest images of the suggested label, and what is proposed."""
+        row = event.index[0] if isinstance(event.index, (list, tuple)) else event.index
+        if not data or row is None or int(row) >= len(data):
+            return [], "", None
+        shown = ShownSuspect(**{**data[int(row)], "neighbours": tuple(data[int(row)]["neighbours"])})
+        ids = [shown.id, *shown.neighbours]
+        pictures = self.service.thumbnails(ids)
+        tiles = [(str(pictures[0]), f"labeled {shown.label}")]
+        tiles += [
+            (str(p), f"{self.service.items[i].label} · {Path(self.service.items[i].path).name}")
+            for i, p in zip(ids[1:], pictures[1:])
+        ]
+        line = (
+            f"**{Path(shown.path).name}** is labeled **{shown.label}**; its closest images suggest "
+            f"**{shown.suggested}** (score {shown.score:.3f})"
+        )
+        return tiles, line, asdict(shown)
+
+    def decide(self, opened: dict | None, accept: bool) -> str:
+        if not opened:
+            raise refused("click a suspect in the table first")
+        try:
+            return record(self.service, ShownSuspect(**{**opened, "neighbours": tuple(opened["neighbours"])}), accept)
+        except RetrievalError as error:
+            raise refused(str(error)) from None
+
+    def accept(self, opened: dict | None) -> tuple[str, list[list], list[dict], str]:
+        """Accepts the opened suspect's suggestion; the table is audited again."""
+        message = self.decide(opened, True)
+        return (message, *self.audit())
+
+    def keep(self, opened: dict | None) -> tuple[str, list[list], list[dict], str]:
+        """Keeps the opened suspect's label; the table is audited again."""
+        message = self.decide(opened, False)
+        return (message, *self.audit())
+
+
+def audit_tab(service: SearchService) -> None:
+    """The Audit tab: the gallery's suspected wrong labels in a table; a click shows the image beside the closest images
+    of the label suggested; with --allow-write, accept the suggestion or keep the label (RUN/labels.csv)."""
+    on = AuditHandlers(service)
+    run_button = gr.Button("Audit the gallery's labels")
+    said = gr.Markdown("Finds images whose closest images agree on another label (docs/trust.md).")
+    with gr.Row():
+        table = gr.Dataframe(
+            headers=["image", "label", "suggested", "score"],
+            column_widths=["34%", "27%", "27%", "12%"],
+            interactive=False,
+            wrap=True,
+            max_height=480,
+            label="Suspected wrong labels, most suspect first (click one)",
+            elem_id="suspects",
+        )
+        with gr.Column():
+            proposed = gr.Markdown(elem_id="suspect-line")
+            view = gr.Gallery(
+                label="The image, then the closest images of the suggested label",
+                columns=4,
+                height="auto",
+                allow_preview=False,
+                elem_id="suspect-view",
+            )
+            with gr.Row(visible=service.allow_write):
+                accept_button = gr.Button("Accept the suggestion", variant="primary", elem_id="accept")
+                keep_button = gr.Button("Keep the label", elem_id="keep")
+            written = gr.Markdown(elem_id="decision")
+    data = PageData([], visible=False)
+    opened = gr.State(None)
+    run_button.click(on.audit, None, [table, data, said], api_name="audit", concurrency_limit=1)
+    table.select(on.open, data, [view, proposed, opened], api_name=False)
+    if service.allow_write:
+        outputs = [written, table, data, said]
+        accept_button.click(on.accept, opened, outputs, api_name=False, concurrency_limit=1)
+        keep_button.click(on.keep, opened, outputs, api_name=False, concurrency_limit=1)
