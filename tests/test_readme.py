@@ -44,7 +44,7 @@ def test_every_documented_option_exists(command: str, options: list[str], capsys
 def test_quick_start_commands_exist(capsys: pytest.CaptureFixture[str]) -> None:
     block = README.split("## Quick start")[1].split("```")[1]
     commands = re.findall(r"^retrieval (\w+)", block, flags=re.MULTILINE)
-    assert commands == ["train", "export", "index", "evaluate", "evaluate", "search", "serve"]
+    assert commands == ["train", "export", "index", "evaluate", "evaluate", "audit", "search", "serve"]
 
 
 def test_ci_runs_the_readmes_test_command() -> None:
