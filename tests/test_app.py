@@ -327,7 +327,7 @@ def test_a_read_only_app_has_no_write_endpoints(app_run: RunDir) -> None:
     demo = launch(service, port=port, block=False)
     try:
         endpoints = Client(f"http://127.0.0.1:{port}/", verbose=False).view_api(return_format="dict", print_info=False)["named_endpoints"]
-        assert set(endpoints) == {"/search", "/search_id", "/labels", "/browse", "/evaluate", "/embedding_map"}
+        assert set(endpoints) == {"/search", "/search_id", "/labels", "/browse", "/evaluate", "/embedding_map", "/audit"}  # /audit only reads
     finally:
         demo.close()
         service.close()
