@@ -73,6 +73,11 @@ def as_data(found: list[ShownSuspect]) -> list[dict]:
     return [asdict(s) for s in found]
 
 
+def from_data(row: dict) -> ShownSuspect:
+    """A suspect back from the page's data (JSON: its neighbours a list)."""
+    return ShownSuspect(**{**row, "neighbours": tuple(row["neighbours"])})
+
+
 def record(service: SearchService, shown: ShownSuspect, accept: bool) -> str:
     """Writes one decision (accept the suggestion, or keep the label) to RUN/labels.csv; says what was written."""
     if not service.allow_write:
@@ -80,13 +85,11 @@ def record(service: SearchService, shown: ShownSuspect, accept: bool) -> str:
             "this app is read-only; start it with `retrieval serve RUN --allow-write` to decide on labels"
         )
     items = service.items
-    ids = sorted(items)
     target = labels_csv(service)
-    current = decided_labels([items[i] for i in ids], read_decisions(target))
     path = Path(shown.path)
     label = shown.suggested if accept else shown.label
     decision = LabelDecision(path, label, shown.label, Decision.ACCEPTED if accept else Decision.KEPT)
-    decisions = decide(target, current, decision)
+    decisions = decide(target, [items[i] for i in sorted(items)], decision)  # decide applies the earlier ones
     done = f"**{path.name}**: " + (f"{shown.label} → {label}" if accept else f"kept as {label}")
     return f"{done}; {len(decisions)} decision(s) in `{target}` (train on it: `retrieval train {target}`)"
 
@@ -110,7 +113,7 @@ class AuditHandlers:
         row = event.index[0] if isinstance(event.index, (list, tuple)) else event.index
         if not data or row is None or int(row) >= len(data):
             return [], "", None
-        shown = ShownSuspect(**{**data[int(row)], "neighbours": tuple(data[int(row)]["neighbours"])})
+        shown = from_data(data[int(row)])
         ids = [shown.id, *shown.neighbours]
         pictures = self.service.thumbnails(ids)
         tiles = [(str(pictures[0]), f"labeled {shown.label}")]
@@ -128,7 +131,7 @@ class AuditHandlers:
         if not opened:
             raise refused("click a suspect in the table first")
         try:
-            return record(self.service, ShownSuspect(**{**opened, "neighbours": tuple(opened["neighbours"])}), accept)
+            return record(self.service, from_data(opened), accept)
         except RetrievalError as error:
             raise refused(str(error)) from None
 
