@@ -8,12 +8,13 @@ from index.build import IndexReport, build_index
 from index.edit import add_images, remove_items
 from index.search import Query, QueryResult, search_images, search_item, search_items, search_vectors
 from index.store import GalleryIndex
-from index.types import GalleryBackend, Hit
+from index.types import GalleryBackend, Hit, HitArrays
 
 __all__ = [
     "GalleryBackend",
     "GalleryIndex",
     "Hit",
+    "HitArrays",
     "IndexReport",
     "Query",
     "QueryResult",

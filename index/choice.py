@@ -12,6 +12,13 @@ The rules (after autofaiss's, simplified to the types this project saves and rem
   search) and 0.980 at 128 (2.8×), where the graph found 0.959 at efSearch 16 (21–34× through
   GalleryIndex.search; docs/benchmarks.md).
   The graph costs about GRAPH_BYTES a vector, a longer build, and removals rebuild it;
+- the same, when the gallery's intrinsic dimension (TwoNN, measured on the build's sample) is at least
+  HIGH_DIMENSION and twice the links fit: `HNSW64`. On the `whitened` set (intrinsic dimension about
+  30, the default export's shape) HNSW64 reached recall@10 0.958 at efSearch 48 where HNSW32 needed
+  efSearch 96 (bench/ann_alternatives.py); through the search call the automatic HNSW64 gave 0.960 at
+  8.1x exact search, where HNSW32 built as FAISS builds by default gave 0.962 at 3.3x
+  (docs/benchmarks.md). On the `encoder` set (about 13) HNSW32 is enough at efSearch 16. Every graph is
+  built with efConstruction EF_CONSTRUCTION (index.faiss_ops: 80, FAISS's default is 40);
 - more, when only the full vectors fit: `IVF<nlist>,Flat` (inverted lists over the uncompressed
   vectors: native removal, memory-mapping and exact scores of the candidates it visits);
 - more, when one byte per dimension fits: `IVF<nlist>,SQ8` (8-bit scalar quantisation, 4× smaller);
@@ -21,8 +28,8 @@ The rules (after autofaiss's, simplified to the types this project saves and rem
 nlist is about 4·√n rounded to a power of two (1,000,000 vectors: 4096), within [256, 65536], as
 FAISS's guidelines advise; IVF is trained on a seeded random sample of up to 40 vectors per list.
 Every type's search depth (nprobe, or efSearch for HNSW) is then tuned at build time to the smallest
-that reaches TARGET_RECALL recall@10 (plus a measured margin) against exact search for up to 1,000
-of the gallery's vectors, held out of the index until then, so that the recall is that of new
+that reaches TARGET_RECALL recall@10 (plus two standard errors of the estimate) against exact search
+for up to 2,000 of the gallery's vectors, held out of the index until then, so that the recall is that of new
 queries (index.tuning).
 Memory counts the codes, the graph, the ids and 20% for FAISS's own structures.
 """
@@ -42,6 +49,8 @@ OVERHEAD = 1.2  # FAISS's lists, centroids and allocator slack over the raw code
 ID_BYTES = 8
 GRAPH_BYTES = 272  # HNSW32's links per vector: 64 at the bottom layer, 32 on the few upper ones (measured at 1M)
 HNSW = "HNSW32"
+DENSE_HNSW = "HNSW64"  # twice the links, for galleries of a high intrinsic dimension (2 x GRAPH_BYTES a vector)
+HIGH_DIMENSION = 20.0  # TwoNN intrinsic dimension of the gallery's sample from which the denser graph pays
 _UNITS = {
     "": 1,
     "B": 1,
@@ -77,29 +86,45 @@ def default_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
+def _graph(count: int, budget: int, intrinsic: float | None, sparse: float, dense: float) -> IndexChoice | None:
+    """HNSW64 where the gallery's intrinsic dimension is high and its graph fits, else HNSW32 where it fits."""
+    fits = f"the full vectors and a graph over them ({{:.2f}} GB) fit in {budget / 1e9:.2f} GB"
+    if intrinsic is not None and intrinsic >= HIGH_DIMENSION and dense <= budget:
+        return IndexChoice(
+            DENSE_HNSW,
+            f"{count:,} vectors of intrinsic dimension {intrinsic:.0f} (≥ {HIGH_DIMENSION:.0f}: a graph of 64 links "
+            f"finds their neighbours with fewer visits); {fits.format(dense / 1e9)}",
+        )
+    if sparse <= budget:
+        measured = "" if intrinsic is None else f" of intrinsic dimension {intrinsic:.0f}"
+        return IndexChoice(HNSW, f"{count:,} vectors{measured}; {fits.format(sparse / 1e9)}")
+    return None
+
+
+def approximate(count: int) -> bool:
+    """Whether count vectors get an approximate index (above EXACT_LIMIT), whose choice needs their measured shape."""
+    return count > EXACT_LIMIT
+
+
 def nlist_for(count: int) -> int:
     """Inverted lists for count vectors: about 4·√count, a power of two within [256, 65536]."""
     return int(min(65536, max(256, 2 ** round(math.log2(4 * math.sqrt(max(count, 1)))))))
 
 
-def choose_index(count: int, dim: int, memory: int | None = None) -> IndexChoice:
-    """The index type for count vectors of dim floats within memory bytes (default: half of RAM)."""
+def choose_index(count: int, dim: int, memory: int | None = None, intrinsic: float | None = None) -> IndexChoice:
+    """The index type for count vectors of dim floats within memory bytes (default: half of RAM), given the
+    intrinsic dimension measured on a sample of them (index.tuning.intrinsic_dimension; None: not measured)."""
     budget = default_memory() if memory is None else memory
-    if count <= EXACT_LIMIT:
+    if not approximate(count):
         return IndexChoice("Flat", f"{count:,} vectors: exact search is fast enough up to {EXACT_LIMIT:,}")
     nlist = nlist_for(count)
 
     def size(code_bytes: int) -> float:
         return count * (code_bytes + ID_BYTES) * OVERHEAD
 
-    if size(4 * dim + GRAPH_BYTES) <= budget:
-        return IndexChoice(
-            HNSW,
-            (
-                f"{count:,} vectors; the full vectors and a graph over them "
-                f"({size(4 * dim + GRAPH_BYTES) / 1e9:.2f} GB) fit in {budget / 1e9:.2f} GB"
-            ),
-        )
+    graph = _graph(count, budget, intrinsic, size(4 * dim + GRAPH_BYTES), size(4 * dim + 2 * GRAPH_BYTES))
+    if graph is not None:
+        return graph
     if size(4 * dim) <= budget:
         return IndexChoice(
             f"IVF{nlist},Flat",

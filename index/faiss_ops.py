@@ -19,6 +19,7 @@ faiss = require("faiss", "cpu")  # or the gpu extra: faiss-gpu provides the same
 
 TRAIN_PER_LIST = 40  # IVF training vectors per inverted list (FAISS warns below 39)
 PQ_TRAIN = 16_384  # at least 64 vectors for each of PQ's 256 centroids
+EF_CONSTRUCTION = 80  # HNSW's candidates while linking a new vector (FAISS: 40); a better graph for 2x the build
 
 
 def compressed(factory: str) -> bool:
@@ -44,6 +45,8 @@ def new_index(factory: str, dim: int, sample: np.ndarray) -> faiss.Index:
         ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
         needed, wanted = ivf.nlist, max(TRAIN_PER_LIST * ivf.nlist, PQ_TRAIN if "PQ" in factory else 0)
     else:
+        if isinstance(index, faiss.IndexHNSW):
+            index.hnsw.efConstruction = EF_CONSTRUCTION  # saved with the graph: later additions use it too
         index = faiss.IndexIDMap2(index)
         needed, wanted = 256, PQ_TRAIN
     if not index.is_trained:

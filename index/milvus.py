@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from index.choice import IndexChoice, choose_index
-from index.types import MANIFEST, Additions, Hit, Manifest, ManifestFacts, Row
+from index.types import MANIFEST, Additions, Hit, HitArrays, Manifest, ManifestFacts, Row
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
@@ -236,6 +236,17 @@ class MilvusIndex(ManifestFacts):
             output_fields=["path", "label", "sha256"],
         )
         return [sorted((_hit(hit) for hit in hits), key=lambda hit: (-hit.score, hit.id)) for hits in found]
+
+    def search_arrays(
+        self,
+        queries: np.ndarray,
+        k: int = 10,
+        depth: int | None = None,
+        rerank: int | None = None,
+        label: str | None = None,
+    ) -> HitArrays:
+        """search's hits as arrays (pymilvus returns them as Python objects already)."""
+        return HitArrays.of(self.search(queries, k, depth, rerank, label), k)
 
     def vectors_of(self, ids: Sequence[int]) -> np.ndarray:
         """The stored vectors of indexed items, in the order of ids."""

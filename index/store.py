@@ -15,15 +15,16 @@ from __future__ import annotations
 import os
 import shutil
 import sqlite3
+import sys
 from collections.abc import Iterable, Sequence
 from contextlib import closing
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
-from index.choice import IndexChoice, choose_index
+from index.choice import IndexChoice, approximate, choose_index
 from index.disk import create_items, open_raw, read_only, staging_directory, swap_into_place
 from index.faiss_ops import (
     compressed,
@@ -37,14 +38,37 @@ from index.faiss_ops import (
     search_parameters,
     stored_vectors,
 )
-from index.tuning import RECALL_SAMPLE, RecallProbe, sample_rows, tune_depth
-from index.types import ITEMS, MANIFEST, RAW, VECTORS, Additions, Hit, Manifest, ManifestFacts, Row
+from index.tuning import RECALL_SAMPLE, RecallProbe, intrinsic_dimension, sample_rows, tune_depth
+from index.types import ITEMS, MANIFEST, RAW, VECTORS, Additions, Hit, HitArrays, Manifest, ManifestFacts, Row
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
 from retrieval.runs import file_sha256, write_json
 
 RERANK = 8  # compressed types re-score this many candidates per result exactly
 ID_CHUNK = 500  # ids per SQLite query (below its limit on bound parameters)
+COLUMN_LIMIT = 4_000_000  # up to this many items, searches look items up in memory (about 300 bytes an item)
+
+
+@dataclass(frozen=True)
+class ItemColumns:
+    """The items of an index version as arrays indexed by id ("" at 0 and at removed ids), for batch look-ups."""
+
+    paths: np.ndarray  # object (str)
+    labels: np.ndarray  # object (str, one object per distinct label)
+    sha256: np.ndarray  # object (str): decoding bytes per batch would cost a third of a graph search's time
+
+    @classmethod
+    def read(cls, items: Path, size: int) -> ItemColumns:
+        """Reads every item of the SQLite file items, whose ids are below size."""
+        paths, labels, digests = (np.full(size, "", object) for _ in range(3))
+        with read_only(items) as connection:
+            rows = connection.execute("SELECT id, path, label, sha256 FROM items").fetchall()
+        if rows:
+            ids, path, label, digest = zip(*rows)
+            at = np.asarray(ids, np.int64)
+            paths[at], labels[at] = path, [sys.intern(name) for name in label]
+            digests[at] = digest
+        return cls(paths, labels, digests)
 
 
 class GalleryIndex(ManifestFacts):
@@ -56,6 +80,7 @@ class GalleryIndex(ManifestFacts):
         self.vectors = vectors  # the CPU index, as saved
         self._searcher: faiss.Index | None = None
         self._raw: np.ndarray | None = None
+        self._columns: ItemColumns | None = None
 
     @property
     def raw(self) -> np.ndarray | None:
@@ -154,23 +179,52 @@ class GalleryIndex(ManifestFacts):
         them with the exact vectors (default RERANK; 0 or 1: the compressed scores as they are).
         label: only items with this label (a FAISS ID selector, searched on the CPU index).
         """
+        return self.search_arrays(queries, k, depth, rerank, label).hits()
+
+    def search_arrays(
+        self,
+        queries: np.ndarray,
+        k: int = 10,
+        depth: int | None = None,
+        rerank: int | None = None,
+        label: str | None = None,
+    ) -> HitArrays:
+        """search's hits as arrays ([queries, k] ids, scores, paths, labels, sha256), for batches: the items are
+        looked up once for the whole batch, in memory (ItemColumns) up to COLUMN_LIMIT items, and no Hit is made."""
         queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
         self._check_search(queries, depth)
         k = max(1, min(k, len(self)))
         factor = self.manifest.rerank if rerank is None else rerank
         allowed = None if label is None else self._ids_with_label(label)
         if allowed is not None and not len(allowed):
-            return [[] for _ in queries]
+            return self._arrays(np.full((len(queries), 0), -1, np.int64), np.zeros((len(queries), 0), np.float32))
         searcher = self.searcher if allowed is None else self.vectors  # FAISS's GPU indexes take no selector
         selector = None if allowed is None else faiss.IDSelectorBatch(len(allowed), faiss.swig_ptr(allowed))
         params = search_parameters(self.kind, depth or self.manifest.depth, selector)
         reachable = len(self) if allowed is None else len(allowed)
         scores, ids = search_ids(searcher, queries, min(k, reachable), params, self.raw, factor, reachable)
+        return self._arrays(ids, scores)
+
+    def _arrays(self, ids: np.ndarray, scores: np.ndarray) -> HitArrays:
+        """The hits of ids (-1: none) with their items' paths, labels and sha256."""
+        columns = self.columns
+        if columns is not None:
+            at = np.maximum(ids, 0)  # slot 0 (no id) holds ""
+            return HitArrays(ids, scores, columns.paths[at], columns.labels[at], columns.sha256[at])
         found = self.rows(ids[ids >= 0].tolist())
-        return [  # from Python lists: numpy scalars cost microseconds each at thousands of queries a second
-            [Hit(i, found[i].path, found[i].label, s, found[i].sha256) for i, s in zip(row_ids, row_scores) if i >= 0]
-            for row_ids, row_scores in zip(ids.tolist(), scores.tolist())
-        ]
+        empty = Row("", "", "")
+        rows = [[found.get(i, empty) for i in row] for row in ids.tolist()]
+        paths, labels, digests = (
+            np.array([[r[n] for r in row] for row in rows], object).reshape(ids.shape) for n in range(3)
+        )
+        return HitArrays(ids, scores, paths, labels, digests)
+
+    @property
+    def columns(self) -> ItemColumns | None:
+        """The items' paths, labels and sha256 by id, read once from SQLite (None above COLUMN_LIMIT items)."""
+        if self._columns is None and len(self) <= COLUMN_LIMIT:
+            self._columns = ItemColumns.read(self.directory / ITEMS, self.manifest.next_id)
+        return self._columns
 
     def _check_search(self, queries: np.ndarray, depth: int | None) -> None:
         if queries.shape[1] != self.dim:
@@ -182,6 +236,13 @@ class GalleryIndex(ManifestFacts):
             )
         if depth is not None and depth < 1:
             raise RetrievalError(f"the search depth must be at least 1, got {depth}")
+        deepest = len(self) if depth is None or self.kind != "ivf" else faiss.extract_index_ivf(self.vectors).nlist
+        if depth is not None and depth > deepest:
+            what = f"{deepest:,} inverted lists" if self.kind == "ivf" else f"{deepest:,} items"
+            raise RetrievalError(
+                f"--depth {depth}: this {self.manifest.index_type} index has {what}; give at most {deepest:,} "
+                f"(tuned: {self.manifest.describe_search()})"
+            )
 
     def _ids_with_label(self, label: str) -> np.ndarray:
         with read_only(self.directory / ITEMS) as connection:
@@ -345,7 +406,8 @@ class _Draft:
         count, sample = sample_rows(additions, dim)
         if count == 0:
             raise RetrievalError(f"{directory}: nothing to index (no readable images)")
-        choice = IndexChoice(factory, "given with --faiss") if factory else choose_index(count, dim, memory)
+        intrinsic = intrinsic_dimension(sample) if approximate(count) and not factory else None
+        choice = IndexChoice(factory, "given with --faiss") if factory else choose_index(count, dim, memory, intrinsic)
         queries = min(RECALL_SAMPLE, count // 10)
         probe = None if choice.factory == "Flat" or not queries else RecallProbe(sample[:queries])
         create_items(staging / ITEMS)

@@ -45,6 +45,45 @@ class Hit:
 
 
 @dataclass(frozen=True)
+class HitArrays:
+    """The hits of a batch of queries as arrays, [queries, k] each, best first: ids (-1 where a query has fewer
+    hits), scores (-inf there) and the items' paths, labels and sha256 ("" there), looked up once for the batch.
+
+    Batch callers read the arrays; hits() builds the Hit objects (one per result, in Python) only when asked.
+    """
+
+    ids: np.ndarray
+    scores: np.ndarray
+    paths: np.ndarray
+    labels: np.ndarray
+    sha256: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def hits(self) -> list[list[Hit]]:
+        """Each query's hits as Hit objects, best first."""
+        columns = (self.ids.tolist(), self.paths.tolist(), self.labels.tolist(), self.scores.tolist())
+        digests = self.sha256.tolist()
+        return [  # from Python lists: numpy scalars cost microseconds each at thousands of queries a second
+            [Hit(i, p, label, s, d) for i, p, label, s, d in zip(*row, digest) if i >= 0]
+            for *row, digest in zip(*columns, digests)
+        ]
+
+    @classmethod
+    def of(cls, lists: Sequence[Sequence[Hit]], k: int) -> HitArrays:
+        """Hit lists as arrays k wide (for backends that return Hit objects, such as Milvus)."""
+        shape = (len(lists), k)
+        ids, scores = np.full(shape, -1, np.int64), np.full(shape, -np.inf, np.float32)
+        paths, labels, digests = (np.full(shape, "", object) for _ in range(3))
+        for row, hits in enumerate(lists):
+            for column, hit in enumerate(hits[:k]):
+                ids[row, column], scores[row, column] = hit.id, hit.score
+                paths[row, column], labels[row, column], digests[row, column] = hit.path, hit.label, hit.sha256
+        return cls(ids, scores, paths, labels, digests)
+
+
+@dataclass(frozen=True)
 class Additions:
     """A chunk of new items with their vectors and file hashes."""
 
@@ -170,6 +209,17 @@ class GalleryBackend(Protocol):
         label: str | None = None,
     ) -> list[list[Hit]]:
         """The k best hits of each query row, best first (ties: the lower id first)."""
+        ...
+
+    def search_arrays(
+        self,
+        queries: np.ndarray,
+        k: int = 10,
+        depth: int | None = None,
+        rerank: int | None = None,
+        label: str | None = None,
+    ) -> HitArrays:
+        """search's hits as arrays, for batches (no Python object per result)."""
         ...
 
     def vectors_of(self, ids: Sequence[int]) -> np.ndarray:

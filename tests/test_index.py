@@ -67,3 +67,25 @@ def test_damaged_indexes_are_refused(tmp_path: Path, damage: str) -> None:
 def test_empty_gallery_is_refused(tmp_path: Path) -> None:
     with pytest.raises(RetrievalError, match="nothing to index"):
         GalleryIndex.build(tmp_path / "index", np.zeros((0, 4), np.float32), [], [], "enc")
+
+
+@pytest.mark.parametrize("in_memory", [True, False])
+def test_batch_arrays_agree_with_the_hits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_memory: bool) -> None:
+    if not in_memory:
+        monkeypatch.setattr("index.store.COLUMN_LIMIT", 0)  # items looked up in SQLite once per batch
+    built, vectors = build(tmp_path / "index", n=30)
+    index = built.update([], [5, 6])  # removed ids leave "" in the columns, never a hit
+    found = index.search_arrays(vectors[:4], k=6)
+    assert found.ids.shape == found.paths.shape == found.labels.shape == found.sha256.shape == (4, 6)
+    assert (index.columns is not None) == in_memory
+    hits = index.search(vectors[:4], k=6)
+    assert [[hit.id for hit in row] for row in hits] == found.ids.tolist()
+    assert [[(hit.path, hit.label, hit.sha256) for hit in row] for row in hits] == [
+        list(zip(*columns)) for columns in zip(found.paths.tolist(), found.labels.tolist(), found.sha256.tolist())
+    ]
+    assert found.hits() == hits and not {5, 6} & set(found.ids.ravel().tolist())
+    assert found.paths[0, 0] == "/gallery/0/img0.png" and found.sha256[1, 0] == "sha1"
+    only = index.search_arrays(vectors[:2], k=20, label="label1")
+    assert set(only.labels[only.ids >= 0].tolist()) == {"label1"} and (only.paths[only.ids < 0] == "").all()
+    none = index.search_arrays(vectors[:2], k=3, label="no such label")
+    assert none.ids.shape == (2, 0) and none.hits() == [[], []]

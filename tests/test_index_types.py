@@ -19,7 +19,7 @@ from index.stats import index_stats
 from index.faiss_ops import faiss, new_index, search_ids, search_parameters, stored_vectors
 from index.search import Query, search_items
 from index.store import Additions, GalleryIndex
-from index.tuning import RecallProbe, leave_out, recall_at_10
+from index.tuning import CONFIDENCE, RecallProbe, intrinsic_dimension, leave_out, recall_at_10, tune_depth
 from index.types import index_kind
 from retrieval.knn import nearest_neighbours
 from retrieval.commands import main
@@ -51,6 +51,10 @@ def sqlite_ids(index: GalleryIndex) -> set[int]:
 def test_the_choice_follows_size_and_memory() -> None:
     assert choice.choose_index(50_000, 128, 10**12).factory == "Flat"
     assert choice.choose_index(1_000_000, 128, 10**12).factory == "HNSW32"
+    assert choice.choose_index(1_000_000, 128, 10**12, intrinsic=12.0).factory == "HNSW32"
+    dense = choice.choose_index(1_000_000, 128, 10**12, intrinsic=30.0)
+    assert dense.factory == "HNSW64" and "intrinsic dimension 30" in dense.reason
+    assert choice.choose_index(1_000_000, 128, 10**9, intrinsic=30.0).factory == "HNSW32"  # 64 links need 1.28 GB
     assert choice.choose_index(1_000_000, 128, 800 * 10**6).factory == "IVF4096,Flat"  # with the graph: 950 MB
     assert choice.choose_index(1_000_000, 128, 400 * 10**6).factory == "IVF4096,SQ8"  # full vectors need 624 MB
     assert choice.choose_index(1_000_000, 128, 100 * 10**6).factory == "OPQ64,IVF4096,PQ64"
@@ -112,7 +116,7 @@ def test_the_automatic_choice_above_the_exact_limit(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(choice, "EXACT_LIMIT", 1000)
     index = GalleryIndex.create(tmp_path / "index", chunks(clustered()), "enc", 32, memory=10**9)
     assert index.manifest.index_type == "HNSW32" and index.kind == "hnsw"
-    assert "a graph over them" in index.manifest.choice and "fit in 1.00 GB" in index.manifest.choice
+    assert "a graph over them" in index.manifest.choice and "intrinsic dimension" in index.manifest.choice and "fit in 1.00 GB" in index.manifest.choice
     assert index.manifest.recall_at_10 >= choice.TARGET_RECALL and index.manifest.search["efSearch"] <= 1024
     stats = index_stats(tmp_path / "index", sample=300)
     measured = next(value for key, value in stats.items() if key.startswith("recall@10 (now"))
@@ -138,6 +142,8 @@ def test_search_depth_vectors_by_id_and_mistakes(tmp_path: Path) -> None:
     assert [[hit.id for hit in row] for row in by_id] == [[hit.id for hit in row if hit.id != own][:4] for row, own in zip(exact.search(vectors[[4, 8]], 5), (5, 9))]
     with pytest.raises(RetrievalError, match="does not apply to this Flat index"):
         exact.search(vectors[:1], 5, depth=4)
+    with pytest.raises(RetrievalError, match=r"--depth 65: this IVF64,Flat index has 64 inverted lists; give at most 64"):
+        ivf.search(vectors[:1], 5, depth=65)
     with pytest.raises(RetrievalError, match="no item with id"):
         ivf.vectors_of([999_999])
     with pytest.raises(RetrievalError, match="FAISS cannot build it"):
@@ -165,6 +171,8 @@ def test_cli_index_choice_stats_and_depth(demo_run: RunDir, icons_root: Path, tm
     assert rows and all(f"/{label}/" in line or label in line for line in rows)
     assert main(["search", str(demo_run.root), "--index", str(directory)]) == 2
     assert "give a query IMAGE or --id" in capsys.readouterr().err
+    assert main(["search", str(demo_run.root), str(query), "--index", str(directory), "--depth", "99999"]) == 2
+    assert "--depth 99999: this HNSW16 index has" in capsys.readouterr().err
     assert main(["search", str(demo_run.root), "--id", "99999", "--index", str(directory)]) == 2
     assert "no item with id 99999" in capsys.readouterr().err
     assert main(["index", str(demo_run.root), str(images), "--index", str(directory), "--faiss", "IVF8,Flat"]) == 2
@@ -291,6 +299,35 @@ def test_tuning_recall_is_that_of_held_out_queries_not_of_self_matches(tmp_path:
     truth = nearest_neighbours(fresh, gallery, 10)[0] + 1
     measured = recall_at_10([[hit.id for hit in row] for row in index.search(fresh, 10, depth=depth)], truth)
     assert abs(measured - index.manifest.recall_at_10) < 0.03, (measured, index.manifest)
+
+
+def test_the_intrinsic_dimension_of_a_sample() -> None:
+    """TwoNN reads the dimension of the subspace the vectors fill, whatever the dimension they are written in
+    (from 2,000 points it reads a high dimension low: 19 for 23)."""
+    rng = np.random.default_rng(0)
+    for inner in (4, 24):
+        vectors = rng.standard_normal((6000, inner)) @ np.linalg.qr(rng.standard_normal((64, 64)))[0][:inner]
+        vectors = np.vstack([vectors, vectors[:50]]).astype(np.float32)  # copies are left out, not infinite
+        estimate = intrinsic_dimension(vectors / np.linalg.norm(vectors, axis=1, keepdims=True))
+        assert 0.7 * (inner - 1) < estimate < 1.1 * (inner - 1), (inner, estimate)  # on the sphere: one less
+
+
+@pytest.mark.parametrize("kind", ["hnsw", "ivf"])
+def test_tuning_finds_the_smallest_depth_that_reaches_the_target(kind: str) -> None:
+    """Between the grid's steps too: one depth less than the tuned one is not enough (bisection to the unit)."""
+    rng = np.random.default_rng(1)
+    vectors = rng.standard_normal((12_000, 32)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    probe, gallery = RecallProbe(vectors[:500]), vectors[500:]
+    index = new_index("HNSW8" if kind == "hnsw" else "IVF128,Flat", 32, gallery)
+    index.add_with_ids(gallery, np.arange(1, len(gallery) + 1))
+    probe.see(gallery, np.arange(1, len(gallery) + 1))
+    tuned = tune_depth(index, kind, probe)
+    depth = next(iter(tuned.search.values()))
+    at = probe.measure(index, search_parameters(kind, depth))
+    less = probe.measure(index, search_parameters(kind, depth - 1))
+    assert at.enough and not less.enough and tuned.recall_at_10 == at.mean, (depth, at, less)
+    assert 0 < at.error < 0.02 and at.mean >= 0.95 + CONFIDENCE * at.error
 
 
 def test_an_ivf_with_a_graph_quantizer_is_searched_by_nprobe() -> None:
