@@ -57,8 +57,7 @@ def _measured_recall(index: GalleryBackend, ids: np.ndarray, vectors: np.ndarray
     if k < 1:
         return {}
     exact = leave_out(ids[nearest_neighbours(vectors[chosen], vectors, k + 1)[0]], own, k)
-    hits = index.search(vectors[chosen], k + 1)
-    found = leave_out(np.array([[hit.id for hit in row] + [-1] * (k + 1 - len(row)) for row in hits]), own, k)
+    found = leave_out(index.search_arrays(vectors[chosen], k + 1).ids, own, k)
     return {f"recall@10 (now, {len(chosen):,} own vectors left out)": recall_at_10(found, exact)}
 
 
