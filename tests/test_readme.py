@@ -14,12 +14,13 @@ from retrieval.runs import RunDir
 
 ROOT = Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+GUIDE = (ROOT / "docs" / "guide.md").read_text(encoding="utf-8")  # holds the command reference table
 
 
 def reference_rows() -> list[tuple[str, list[str]]]:
-    """(command, options) for each row of the README's command reference table."""
+    """(command, options) for each row of the command reference table (docs/guide.md, linked from the README)."""
     rows = []
-    for line in README.splitlines():
+    for line in GUIDE.splitlines():
         match = re.match(r"\| `retrieval ([\w-]+)[^`]*` \|", line)
         if match:
             cells = re.split(r"(?<!\\)\|", line)  # table cells; "\|" inside a cell is an escaped pipe
