@@ -8,6 +8,7 @@ read-modify-write, across processes; readers need no lock.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import shutil
 import sqlite3
@@ -60,8 +61,22 @@ def staging_directory(directory: Path) -> Path:
     return staging
 
 
+def _exchange(first: Path, second: Path) -> bool:
+    """Swaps two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where the system cannot."""
+    function = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if function is None:
+        return False
+    at_cwd, exchange = -100, 2
+    return function(at_cwd, bytes(first), at_cwd, bytes(second), exchange) == 0
+
+
 def swap_into_place(staging: Path, directory: Path) -> None:
-    """Renames staging to directory, moving any previous index aside first and removing it after."""
+    """Puts staging at directory and removes the previous index: one atomic exchange where Linux offers it (a
+    writer killed at any moment leaves one whole version at directory), else two renames."""
+    if directory.exists() and _exchange(staging, directory):
+        fsync_dir(directory.parent)
+        shutil.rmtree(staging, ignore_errors=True)  # now the previous version
+        return
     previous = directory.with_name(f".{directory.name}.old-{time.time_ns()}")
     if directory.exists():
         directory.rename(previous)
