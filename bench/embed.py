@@ -4,11 +4,13 @@
    static QDQ quantisation calibrated on 300 of the images) against PyTorch eager for the same encoder
    (freshly initialised: speed does not depend on the weights) at batch sizes 1, 32, 64 and 128.
 2. End-to-end `build_index` (read, hash, decode, preprocess, embed, journal, commit) against the
-   encoder alone on the same images, with each model: the ratio shows how well decoding is hidden
-   behind inference.
+   encoder alone on the same images, with each model, in alternating rounds: the ratio shows how well
+   decoding is hidden behind inference. Two galleries: the icons (64 px PNG) and the same pictures as
+   --jpeg px JPEGs, decoded at a reduced DCT scale (the default) and at full size, with how close the two
+   decodings' embeddings are.
 3. Peak memory of `retrieval index` on galleries of two sizes, each in its own process.
 
-    python bench/embed.py [--backbone resnet18] [--image-size 64] [--small 2000] [--large 10000] [--fp16]
+    python bench/embed.py [--backbone resnet18] [--image-size 64] [--small 2000] [--large 10000] [--jpeg 256] [--fp16]
 
 On a machine with CUDA, ONNX Runtime runs on the CUDA execution provider and PyTorch on the GPU;
 --fp16 exports the float16 model and runs PyTorch in float16 too.
@@ -28,13 +30,14 @@ sys.path = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from PIL import Image
 from rich.console import Console
 from rich.table import Table
 
 from index.build import build_index
 from retrieval.data import load_collection, load_image
 from retrieval.datasets import icons
-from retrieval.embedders import OnnxEmbedder
+from retrieval.embedders import OnnxEmbedder, embed_items
 from retrieval.runs import RunDir, write_json
 from training.config import TrainConfig
 from training.exporting import export
@@ -63,19 +66,90 @@ def best_seconds(work, repeats: int) -> float:
     return min(times)
 
 
-def make_gallery(source: Path, target: Path, count: int) -> Path:
-    """Copies the icons of source under new names until target holds count images."""
+def make_gallery(source: Path, target: Path, count: int, jpeg: int = 0) -> Path:
+    """Copies the icons of source under new names until target holds count images; jpeg=S: each one enlarged
+    to S x S pixels and saved as a JPEG (quality 90), the shape of a gallery of photos."""
     files = sorted(source.rglob("*.png"))
     for n in range(count):
         original = files[n % len(files)]
-        copy = target / original.parent.name / f"{n // len(files)}-{original.name}"
+        copy = target / original.parent.name / f"{n // len(files)}-{original.stem}.{'jpg' if jpeg else 'png'}"
         copy.parent.mkdir(parents=True, exist_ok=True)
-        copy.write_bytes(original.read_bytes())
+        if jpeg:
+            load_image(original).resize((jpeg, jpeg), Image.Resampling.BICUBIC).save(copy, quality=90)
+        else:
+            copy.write_bytes(original.read_bytes())
     return target
 
 
+def indexing_table(
+    gallery: Path, photos: Path, models: dict[str, OnnxEmbedder], scratch: Path, args: argparse.Namespace
+) -> Table:
+    """build_index end to end against the encoder alone on the same images, for each model and gallery, in
+    --repeats alternating rounds (medians); on the JPEG gallery also with full-size decoding (no draft), and
+    how close the reduced-scale decoding's embeddings are to the full-size ones."""
+    rows = []
+    for name, session in models.items():
+        for label, folder, draft in (
+            ("PNG 64 px", gallery, True),
+            (f"JPEG {args.jpeg} px", photos, True),
+            (f"JPEG {args.jpeg} px, full-size decode", photos, False),
+        ):
+            collection = load_collection(folder)
+            prepared = [
+                session.prepare([load_image(item.path) for item in collection.items[i : i + session.batch_size]])
+                for i in range(0, len(collection.items), session.batch_size)
+            ]
+            rows.append((name, label, session, collection, prepared, draft))
+    encoder, end_to_end = ({row[:2]: [] for row in rows} for _ in range(2))
+    for _ in range(args.repeats):
+        for name, label, session, collection, prepared, draft in rows:
+            encoder[name, label].append(best_seconds(lambda: [session.embed_prepared(batch) for batch in prepared], 1))
+            session.input_size = session.preprocessing.image_size if draft else 0
+            end_to_end[name, label].append(
+                best_seconds(
+                    lambda: build_index(session, collection, scratch / "index-bench", rebuild=True, progress=False), 1
+                )
+            )
+            session.input_size = session.preprocessing.image_size
+    table = Table(
+        title=f"indexing {len(rows[0][3].items):,} images (batch {rows[0][2].batch_size}; medians of {args.repeats} alternating rounds)"
+    )
+    for column in (
+        "model",
+        "gallery",
+        "encoder only (prepared batches), images/s",
+        "build_index end to end, images/s",
+        "vs encoder only",
+    ):
+        table.add_column(column, justify="right")
+    for name, label, _, collection, _, _ in rows:
+        n = len(collection.items)
+        alone, whole = float(np.median(encoder[name, label])), float(np.median(end_to_end[name, label]))
+        table.add_row(name, label, f"{n / alone:,.0f}", f"{n / whole:,.0f}", f"{alone / whole:.2f}x")
+    distinct = [item for item in load_collection(photos).items if item.path.name.startswith("0-")]  # one copy each
+    table.caption = draft_agreement(models["float32"], distinct[:500])
+    return table
+
+
+def draft_agreement(embedder: OnnxEmbedder, items: list) -> str:
+    """How the reduced-scale JPEG decoding changes the embeddings of distinct pictures: cosine to the full-size
+    decode's, and whether each one's nearest full-size embedding is its own."""
+    drafted = embed_items(embedder, items, progress=False).vectors
+    embedder.input_size = 0
+    full = embed_items(embedder, items, progress=False).vectors
+    embedder.input_size = embedder.preprocessing.image_size
+    cosine = np.sum(drafted * full, axis=1)
+    same_top1 = np.mean(np.argsort(-(drafted @ full.T), axis=1)[:, 0] == np.arange(len(items)))
+    return f"JPEG draft vs full-size decode on {len(items)} images: cosine mean {cosine.mean():.4f}, min {cosine.min():.4f}; each drafted image's nearest full-size one is itself for {same_top1:.1%}"
+
+
 def peak_rss_mib(run: Path, gallery: Path, index: Path) -> float:
-    done = subprocess.run([sys.executable, "-c", PEAK_MEMORY, "index", str(run), str(gallery), "--index", str(index)], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK_MEMORY, "index", str(run), str(gallery), "--index", str(index)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return int(done.stdout.split("PEAK_RSS_KIB=")[1].split()[0]) / 1024
 
 
@@ -86,6 +160,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--small", type=int, default=2000)
     parser.add_argument("--large", type=int, default=10000)
+    parser.add_argument("--jpeg", type=int, default=256, help="side of the JPEG gallery's images")
     parser.add_argument("--fp16", action="store_true", help="float16 model for ONNX Runtime and PyTorch")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -110,10 +185,22 @@ def main() -> None:
 
         title = f"encoder throughput, {args.backbone} at {args.image_size}px, {'float16' if args.fp16 else 'float32'}, torch on {device}, ONNX Runtime on {providers}"
         table = Table(title=f"{title} ({torch.get_num_threads()} CPU threads; images/s)")
-        for column in ("batch", "PyTorch eager", "ONNX Runtime", "ONNX Runtime / PyTorch", "ORT int8", "int8 / PyTorch", "int8 / ORT float32"):
+        for column in (
+            "batch",
+            "PyTorch eager",
+            "ONNX Runtime",
+            "ONNX Runtime / PyTorch",
+            "ORT int8",
+            "int8 / PyTorch",
+            "int8 / ORT float32",
+        ):
             table.add_column(column, justify="right")
         for batch_size in (1, 32, 64, 128):
-            batch = np.random.default_rng(batch_size).standard_normal((batch_size, 3, args.image_size, args.image_size)).astype(np.float32)
+            batch = (
+                np.random.default_rng(batch_size)
+                .standard_normal((batch_size, 3, args.image_size, args.image_size))
+                .astype(np.float32)
+            )
             steps = max(1, 256 // batch_size)
 
             def run_torch() -> None:
@@ -128,22 +215,20 @@ def main() -> None:
             torch_rate = steps * batch_size / best_seconds(run_torch, args.repeats)
             onnx_rate = steps * batch_size / best_seconds(run_onnx, args.repeats)
             int8_rate = steps * batch_size / best_seconds(lambda: run_onnx(int8), args.repeats)
-            table.add_row(str(batch_size), f"{torch_rate:,.0f}", f"{onnx_rate:,.0f}", f"{onnx_rate / torch_rate:.2f}x", f"{int8_rate:,.0f}", f"{int8_rate / torch_rate:.2f}x", f"{int8_rate / onnx_rate:.2f}x")
+            table.add_row(
+                str(batch_size),
+                f"{torch_rate:,.0f}",
+                f"{onnx_rate:,.0f}",
+                f"{onnx_rate / torch_rate:.2f}x",
+                f"{int8_rate:,.0f}",
+                f"{int8_rate / torch_rate:.2f}x",
+                f"{int8_rate / onnx_rate:.2f}x",
+            )
         console.print(table)
 
         gallery = make_gallery(source, Path(scratch) / "gallery", args.small)
-        collection = load_collection(gallery)
-        prepared = [embedder.prepare([load_image(item.path) for item in collection.items[i : i + embedder.batch_size]]) for i in range(0, len(collection.items), embedder.batch_size)]
-        n = len(collection.items)
-        table = Table(title=f"indexing {n:,} images (batch {embedder.batch_size})")
-        for column in ("model", "path", "images/s", "vs encoder only"):
-            table.add_column(column, justify="right")
-        for name, session in (("float32", embedder), ("int8", int8)):
-            encoder_only = best_seconds(lambda: [session.embed_prepared(batch) for batch in prepared], args.repeats)
-            end_to_end = best_seconds(lambda: build_index(session, collection, Path(scratch) / f"index-{name}", rebuild=True, progress=False), args.repeats)
-            table.add_row(name, "encoder only (prepared batches)", f"{n / encoder_only:,.0f}", "1.00x")
-            table.add_row(name, "build_index end to end", f"{n / end_to_end:,.0f}", f"{encoder_only / end_to_end:.2f}x")
-        console.print(table)
+        photos = make_gallery(source, Path(scratch) / "photos", args.small, jpeg=args.jpeg)
+        console.print(indexing_table(gallery, photos, {"float32": embedder, "int8": int8}, Path(scratch), args))
 
         large = make_gallery(source, Path(scratch) / "large", args.large)
         table = Table(title="peak memory of `retrieval index` (own process)")

@@ -55,7 +55,7 @@ def add_images(
         for path in map(Path, paths):
             try:
                 data, digest = read_image_bytes(path)
-                image = decode_image(data, path.name)
+                image = decode_image(data, path.name, embedder.input_size)
             except ImageError as error:
                 skipped.append(Skipped(Path(path.name), error.reason))
                 continue

@@ -52,7 +52,7 @@ def _decode(batch: dict[str, np.ndarray], preprocessing: dict, known: dict[str, 
             if known.get(str(path)) == digest:
                 reason = UNCHANGED
             else:
-                images.append(decode_image(data, path))
+                images.append(decode_image(data, path, prepare.image_size))
         except ImageError as error:
             reason = error.reason
         digests.append(digest)

@@ -237,7 +237,7 @@ def search_image_bytes(
         if isinstance(image, Failure):
             continue
         try:
-            read = decode(image.data, image.name)
+            read = decode(image.data, image.name, embedder.input_size)
         except ImageError as error:
             results[position].error = Failure.of(error)
             continue

@@ -230,9 +230,11 @@ class Decoded:
     animated: bool
 
 
-def decode(data: bytes, name: str | Path = "image") -> Decoded:
+def decode(data: bytes, name: str | Path = "image", min_size: int = 0) -> Decoded:
     """Decodes bytes into an RGB image: EXIF orientation applied, transparency composited over white.
 
+    min_size > 0: a JPEG is decoded at the smallest of libjpeg's DCT scales (1/2, 1/4, 1/8) that keeps both
+    sides at least min_size (Pillow's draft): an encoder whose input is small needs no more pixels.
     Raises ImageError for empty, truncated, non-image or oversized (decompression bomb) input.
     """
     if not data:
@@ -249,8 +251,10 @@ def decode(data: bytes, name: str | Path = "image") -> Decoded:
                     name, f"{width}x{height} pixels is over the limit of {MAX_PIXELS:,}; downscale it first"
                 )
             animated = bool(getattr(image, "is_animated", False))
+            if min_size > 0 and image.format == "JPEG":
+                image.draft(None, (min_size, min_size))
             image.load()
-            image = ImageOps.exif_transpose(image)
+            ImageOps.exif_transpose(image, in_place=True)
             return Decoded(_to_rgb(image), animated)
     except ImageError:
         raise
@@ -262,9 +266,9 @@ def decode(data: bytes, name: str | Path = "image") -> Decoded:
         raise ImageError(name, f"not a readable image ({error})") from None
 
 
-def decode_image(data: bytes, name: str | Path = "image") -> Image.Image:
+def decode_image(data: bytes, name: str | Path = "image", min_size: int = 0) -> Image.Image:
     """Decodes bytes into an RGB image (see decode)."""
-    return decode(data, name).image
+    return decode(data, name, min_size).image
 
 
 def load_image(path: str | Path) -> Image.Image:
@@ -286,7 +290,7 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def write_skip_report(path: Path, skipped: Sequence[Skipped]) -> None:

@@ -26,12 +26,14 @@ class Embedder(Protocol):
     """Maps RGB images to L2-normalised embeddings; `fingerprint` names the exact encoder.
 
     `prepare` (resizing, normalising) is thread-safe and runs in the decoding threads of a batch job;
-    `embed_prepared` runs the model. `embed(images)` is the two in one call.
+    `embed_prepared` runs the model. `embed(images)` is the two in one call. `input_size`: the shorter side
+    the model sees, so that JPEGs can be decoded at a reduced scale that still covers it (0: full size).
     """
 
     dim: int
     fingerprint: str
     batch_size: int
+    input_size: int
 
     def prepare(self, images: Sequence[Image.Image]) -> np.ndarray:
         """Returns the model's input batch for RGB images."""
@@ -44,6 +46,11 @@ class Embedder(Protocol):
     def embed(self, images: Sequence[Image.Image]) -> np.ndarray:
         """Returns float32 [N, dim] with unit-norm rows."""
         return self.embed_prepared(self.prepare(images))
+
+    def one_core(self) -> Embedder:
+        """The same encoder running on the calling thread alone, safe to call from several threads at once: a batch
+        job runs one copy of decode-then-embed per core, which keeps every core busy without oversubscribing."""
+        ...
 
 
 def l2_normalise(vectors: np.ndarray) -> np.ndarray:
@@ -66,12 +73,15 @@ class OnnxEmbedder(Embedder):
 
         self.model_path = Path(model_path)
         self.card = card
+        self.threads = threads or os.cpu_count() or 1
+        self._one_core: OnnxEmbedder | None = None
         self.preprocessing = Preprocessing.from_dict(card["preprocessing"])
         self.dim = int(card["embedding_dim"])
+        self.input_size = self.preprocessing.image_size
         self.fingerprint = str(card["sha256"])
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.intra_op_num_threads = threads or os.cpu_count() or 1
+        options.intra_op_num_threads = self.threads
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         available = ort.get_available_providers()
         providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
@@ -112,6 +122,14 @@ class OnnxEmbedder(Embedder):
     def prepare(self, images: Sequence[Image.Image]) -> np.ndarray:
         return self.preprocessing(images)
 
+    def one_core(self) -> OnnxEmbedder:
+        """A second session of the same model with one intra-op thread (made once); on CUDA the session itself."""
+        if self.threads == 1 or "CUDAExecutionProvider" in self.session.get_providers():
+            return self
+        if self._one_core is None:
+            self._one_core = OnnxEmbedder(self.model_path, self.card, threads=1, spinning=False)
+        return self._one_core
+
     def embed_prepared(self, batch: np.ndarray) -> np.ndarray:
         if len(batch) == 0:
             return np.zeros((0, self.dim), np.float32)
@@ -125,6 +143,7 @@ class PixelEmbedder(Embedder):
     def __init__(self, size: int = 16) -> None:
         self.size = size
         self.dim = size * size
+        self.input_size = size
         self.fingerprint = f"raw-pixels-{size}x{size}-grayscale"
         self.batch_size = 256
 
@@ -137,6 +156,9 @@ class PixelEmbedder(Embedder):
 
     def embed_prepared(self, batch: np.ndarray) -> np.ndarray:
         return l2_normalise(batch)
+
+    def one_core(self) -> PixelEmbedder:
+        return self
 
 
 @dataclass
@@ -156,54 +178,68 @@ def iter_embedded(
     items: Sequence[Item],
     batch_size: int | None = None,
     unchanged: Callable[[Item, str], bool] | None = None,
-    workers: int = 2,
+    workers: int | None = None,
     progress: bool = True,
     thumbnail: int = 0,
 ) -> Iterator[EmbeddedBatch]:
-    """Embeds items batch by batch, decoding the next batches in threads while the model runs.
+    """Embeds items batch by batch, in order: one thread per core (workers: default the machine's cores) reads,
+    decodes and embeds a batch of its own with the encoder on that core (Embedder.one_core).
 
-    Files that cannot be read or decoded are skipped with their reason; items for which
-    unchanged(item, sha256) is true are counted but not decoded. At most workers + 1 batches are in
-    memory at once, whatever the number of items. thumbnail=S also keeps each picture squashed to
-    S x S pixels (the audit compares pictures from them without decoding the files again).
+    A model spread over every core would share them with the decoding threads and wait on the slowest;
+    one pipeline per core keeps the cores on the model and the decoding in its gaps. Files that cannot be
+    read or decoded are skipped with their reason; items for which unchanged(item, sha256) is true are
+    counted but not decoded. At most workers + 1 batches are in memory at once, whatever the number of
+    items. thumbnail=S also keeps each picture squashed to S x S pixels (the audit compares pictures
+    from them without decoding the files again).
     """
     size = batch_size or embedder.batch_size
     chunks = [items[start : start + size] for start in range(0, len(items), size)]
+    workers = max(1, workers or os.cpu_count() or 1)
+    model = embedder.one_core() if workers > 1 else embedder
 
-    def load(chunk: Sequence[Item]) -> tuple[np.ndarray, EmbeddedBatch]:
-        images: list[Image.Image] = []
-        batch = EmbeddedBatch(np.zeros((0, embedder.dim), np.float32), [], [], [], thumbnails=[] if thumbnail else None)
-        for item in chunk:
-            try:
-                data, digest = read_image_bytes(item.path)
-                if unchanged is not None and unchanged(item, digest):
-                    batch.unchanged += 1
-                    continue
-                images.append(decode_image(data, item.path))
-            except ImageError as error:
-                batch.skipped.append(Skipped(item.path, error.reason))
-                continue
-            batch.items.append(item)
-            batch.hashes.append(digest)
-            if batch.thumbnails is not None:
-                batch.thumbnails.append(np.asarray(images[-1].resize((thumbnail, thumbnail), Image.BILINEAR)))
-        return (embedder.prepare(images) if images else np.zeros((0,), np.float32)), batch
+    def work(chunk: Sequence[Item]) -> EmbeddedBatch:
+        images, batch = _decoded(chunk, embedder.input_size, unchanged, thumbnail)
+        batch.vectors = (
+            model.embed_prepared(model.prepare(images)) if images else np.zeros((0, embedder.dim), np.float32)
+        )
+        return batch
 
     with (
-        ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="decode") as pool,
+        ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embed") as pool,
         progress_bar(total=len(items), desc="embedding", unit="img", enabled=progress) as bar,
     ):
-        pending = deque(pool.submit(load, chunk) for chunk in chunks[: workers + 1])
+        pending = deque(pool.submit(work, chunk) for chunk in chunks[: workers + 1])
         following = len(pending)
         while pending:
-            prepared, batch = pending.popleft().result()
+            batch = pending.popleft().result()
             if following < len(chunks):
-                pending.append(pool.submit(load, chunks[following]))
+                pending.append(pool.submit(work, chunks[following]))
                 following += 1
-            if batch.items:
-                batch.vectors = embedder.embed_prepared(prepared)
             bar.update(len(batch.items) + len(batch.skipped) + batch.unchanged)
             yield batch
+
+
+def _decoded(
+    chunk: Sequence[Item], min_size: int, unchanged: Callable[[Item, str], bool] | None, thumbnail: int
+) -> tuple[list[Image.Image], EmbeddedBatch]:
+    """Reads and decodes one batch's files: the pictures, and the batch with its items, hashes and skips."""
+    images: list[Image.Image] = []
+    batch = EmbeddedBatch(np.zeros((0, 0), np.float32), [], [], [], thumbnails=[] if thumbnail else None)
+    for item in chunk:
+        try:
+            data, digest = read_image_bytes(item.path)
+            if unchanged is not None and unchanged(item, digest):
+                batch.unchanged += 1
+                continue
+            images.append(decode_image(data, item.path, min_size))
+        except ImageError as error:
+            batch.skipped.append(Skipped(item.path, error.reason))
+            continue
+        batch.items.append(item)
+        batch.hashes.append(digest)
+        if batch.thumbnails is not None:
+            batch.thumbnails.append(np.asarray(images[-1].resize((thumbnail, thumbnail), Image.BILINEAR)))
+    return images, batch
 
 
 @dataclass

@@ -143,3 +143,31 @@ def test_exif_orientation_is_applied(tmp_path: Path) -> None:
     path = tmp_path / "rotated.jpg"
     image.save(path, exif=exif.tobytes())
     assert load_image(path).size == (20, 40)
+
+
+def test_normalising_pixels_gives_the_values_of_the_float_formula() -> None:
+    """The in-place, channels-first-as-bytes normalisation is bit for bit the plain formula (and so the torch one)."""
+    preprocessing = Preprocessing()
+    pixels = np.random.default_rng(0).integers(0, 256, (5, 16, 16, 3), dtype=np.uint8)
+    plain = (pixels.astype(np.float32) / 255.0 - np.asarray(preprocessing.mean, np.float32)) / np.asarray(preprocessing.std, np.float32)
+    ours = preprocessing.normalise_pixels(pixels)
+    assert ours.flags["C_CONTIGUOUS"] and ours.dtype == np.float32
+    np.testing.assert_array_equal(ours, plain.transpose(0, 3, 1, 2))
+
+
+def test_a_large_jpeg_is_decoded_at_a_reduced_scale_that_covers_the_input(tmp_path: Path) -> None:
+    """min_size: libjpeg's DCT scaling down to the smallest scale with both sides >= min_size, EXIF orientation
+    applied after it; a PNG (no DCT) and min_size 0 decode at full size."""
+    picture = Image.radial_gradient("L").convert("RGB").resize((520, 300))
+    exif = picture.getexif()
+    exif[0x0112] = 6  # shown rotated: portrait
+    picture.save(tmp_path / "photo.jpg", quality=90, exif=exif.tobytes())
+    picture.save(tmp_path / "photo.png")
+    jpeg = (tmp_path / "photo.jpg").read_bytes()
+    assert data.decode_image(jpeg, "photo.jpg", 64).size == (75, 130)  # 1/4: 130 x 75 before the rotation
+    assert data.decode_image(jpeg, "photo.jpg", 100).size == (150, 260)  # 1/2 (1/4 would leave 75 < 100)
+    assert data.decode_image(jpeg, "photo.jpg").size == (300, 520)
+    assert data.decode_image((tmp_path / "photo.png").read_bytes(), "photo.png", 64).size == (520, 300)
+    full = Preprocessing(image_size=64)([data.decode_image(jpeg)])
+    drafted = Preprocessing(image_size=64)([data.decode_image(jpeg, "photo.jpg", 64)])
+    assert np.abs(full - drafted).mean() < 0.05  # the same picture the encoder sees, within a few grey levels

@@ -11,13 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
 from index.backends import open_index
 from index.build import build_index, journal_path
-from retrieval.data import load_collection
-from retrieval.embedders import OnnxEmbedder
+from retrieval.data import load_collection, load_image
+from retrieval.embedders import OnnxEmbedder, iter_embedded
 from retrieval.runs import RunDir
 from tests.conftest import copy_classes, write_bad_files
 
@@ -158,3 +159,20 @@ def test_a_journal_row_for_content_that_changed_back_is_not_used(embedder: OnnxE
     query = embed_items(embedder, [item for item in changed.items if item.path == target.resolve()], progress=False).vectors
     best = report.index.search(query, k=1)[0][0]
     assert best.path == target.resolve().as_posix() and best.score > 0.9999  # the indexed vector is the original's
+
+
+def test_one_pipeline_per_core_gives_the_same_vectors_in_order(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:
+    """iter_embedded with a thread per core (each on a one-thread copy of the model) keeps the items' order, skips
+    bad files and gives the vectors of the whole-machine session."""
+    gallery = copy_classes(icons_root, tmp_path / "gallery", 4, split="test")
+    (gallery / "bad.png").write_bytes(b"not a picture")
+    items = load_collection(gallery).items
+    batches = list(iter_embedded(embedder, items, batch_size=5, workers=3, progress=False))
+    assert [len(batch.items) + len(batch.skipped) for batch in batches] == [min(5, len(items) - s) for s in range(0, len(items), 5)]
+    good = [item for batch in batches for item in batch.items]
+    assert good == [item for item in items if item.path.name != "bad.png"]
+    assert [skip.path.name for batch in batches for skip in batch.skipped] == ["bad.png"]
+    whole = embedder.embed([load_image(item.path) for item in good])
+    np.testing.assert_allclose(np.concatenate([batch.vectors for batch in batches]), whole, atol=1e-5)
+    single = embedder.one_core()
+    assert single is embedder.one_core() and single.threads == 1 and single.one_core() is single and embedder.threads == os.cpu_count()
