@@ -21,6 +21,8 @@ from fastapi.staticfiles import StaticFiles
 from app.memory import release_memory_periodically
 from app.service import MAX_BATCH, SearchService
 from app.tabs import build_app
+from index.faiss_ops import serve_on
+from retrieval.embedders import AUTO
 from retrieval.errors import RetrievalError
 from retrieval.rerank import NO_RERANK, Rerank
 from retrieval.runs import RunDir
@@ -29,6 +31,7 @@ AUTH_VARIABLE = "RETRIEVAL_AUTH"  # user:password, instead of --auth on the comm
 ANALYTICS_EVENTS = 500  # finished events Gradio keeps for its monitoring page (its default, 10,000: ~10 MiB of dicts)
 STATIC = Path(__file__).with_name("static")  # app.css, app.js: served at STATIC_ROUTE
 STATIC_ROUTE = "/app-static"
+KERNEL_SHARE = 0.5  # of the cores, for the encoder and FAISS in a server (the rest serve HTTP)
 HEAD = f'<link rel="stylesheet" href="{STATIC_ROUTE}/app.css"><script src="{STATIC_ROUTE}/app.js"></script>'
 STYLE_AT_LAUNCH = "head" in inspect.signature(gr.Blocks.launch).parameters  # Gradio 6 takes it there, 5 in Blocks()
 
@@ -139,14 +142,20 @@ def serve(
     mmap: bool = False,
     max_batch: int = MAX_BATCH,
     rerank: Rerank = NO_RERANK,
-    model: str = "float32",
+    model: str = AUTO,
     threshold: float | None = None,
 ) -> None:
-    """Starts the app and blocks until Ctrl+C or SIGTERM (systemd, docker stop); then removes its cache."""
+    """Starts the app and blocks until Ctrl+C or SIGTERM (systemd, docker stop); then removes its cache.
+
+    The encoder and FAISS run on half the cores (KERNEL_SHARE): the batched queries of a loaded server keep
+    them busy, and the other half parse requests and write answers instead of waiting behind them.
+    """
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, stop_like_ctrl_c)
+    kernels = max(1, int((os.cpu_count() or 1) * KERNEL_SHARE))
+    serve_on(kernels)
     options = {"mmap": mmap, "allow_write": allow_write, "rerank": rerank, "model": model, "max_batch": max_batch}
-    options["threshold"] = threshold
+    options.update(threshold=threshold, threads=kernels)
     service = SearchService(run, index_dir, **options)
     try:
         launch(service, host, port, auth, max_upload)

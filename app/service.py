@@ -24,7 +24,7 @@ import numpy as np
 from PIL import Image
 
 from app.batching import Batcher
-from index.backends import open_index
+from index.backends import built_with, open_index
 from index.edit import add_images, remove_items
 from index.search import ImageQuery, Query, QueryResult, search_image_bytes, search_images, search_item, unknown_id
 from index.stats import exact_and_deployed
@@ -32,7 +32,7 @@ from index.types import MANIFEST, GalleryBackend, Hit
 from retrieval.calibration import match_similarity
 from retrieval.copies import CopyEvaluation, copy_figures
 from retrieval.data import Item, Skipped, decode_image, read_image_bytes
-from retrieval.embedders import OnnxEmbedder
+from retrieval.embedders import AUTO, OnnxEmbedder
 from retrieval.errors import Failure, ImageError, RetrievalError
 from retrieval.evaluation import Evaluation, write_plots
 from retrieval.rerank import NO_RERANK, Rerank
@@ -45,7 +45,7 @@ MAP_POINTS = 5_000  # gallery items drawn on the embedding map (a seeded sample 
 PICK_RADIUS = 12.0  # pixels around a point of the map that a click picks it from
 
 
-MAX_BATCH = 16  # concurrent image queries embedded in one call
+MAX_BATCH = 4  # concurrent image queries embedded in one call: larger batches make the queries behind them wait (p95)
 NO_MATCH = "no confident match"  # said above results whose best hit is below the match threshold
 
 
@@ -102,7 +102,7 @@ class SearchService:
         threads: int | None = None,
         cache: Path | None = None,
         rerank: Rerank = NO_RERANK,
-        model: str = "float32",
+        model: str = AUTO,
         max_batch: int = MAX_BATCH,
         threshold: float | None = None,
     ) -> None:
@@ -112,7 +112,8 @@ class SearchService:
         self.index_dir = Path(index_dir or run.index)
         self.mmap = mmap
         self.allow_write = allow_write
-        self.embedder = OnnxEmbedder.from_run(run, threads, spinning=False, model=model)
+        built = built_with(self.index_dir)  # auto: the model the index was built with
+        self.embedder = OnnxEmbedder.from_run(run, threads, spinning=False, model=model, built_with=built)
         self.threads = int(self.embedder.session.get_session_options().intra_op_num_threads)
         self._cache = cache
         self._making_cache = threading.Lock()

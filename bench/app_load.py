@@ -54,6 +54,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -86,11 +87,12 @@ def variants(sources: list[Path], count: int, target: Path, seed: int) -> None:
 
 def prepare(work: Path, images: int, model: str = "float32") -> tuple[Path, Path, list[Path]]:
     """The run, its 10,000-image index (of the model's embeddings) and the query images (made once, reused later)."""
-    run, index = work / "run", work / (f"index-{images}" if model == "float32" else f"index-{images}-{model}")
+    run, index = work / ("run" if model == "float32" else f"run-{model}"), work / (f"index-{images}" if model == "float32" else f"index-{images}-{model}")
     if not (run / "model.onnx").is_file():
         subprocess.run([RETRIEVAL, "demo", "--no-serve", "--run", str(run), "--classes", "8", "--epochs", "2"], check=True, stdout=subprocess.DEVNULL)
     if model == "int8" and not (run / "model.int8.onnx").is_file():
-        subprocess.run([RETRIEVAL, "export", str(run), "--int8"], check=True, stdout=subprocess.DEVNULL)
+        # unwhitened: the whitening of a 2-epoch run's weak directions keeps its int8 model below the gate
+        subprocess.run([RETRIEVAL, "export", str(run), "--whiten", "none", "--int8"], check=True, stdout=subprocess.DEVNULL)
     sources = sorted((icons() / "train").rglob("*.png")) + sorted((icons() / "test").rglob("*.png"))
     gallery, queries = work / f"gallery-{images}", work / "queries"
     if not gallery.is_dir():
@@ -102,6 +104,16 @@ def prepare(work: Path, images: int, model: str = "float32") -> tuple[Path, Path
     return run, index, sorted(queries.rglob("*.png"))
 
 
+CHECKOUT = "CHECKOUT"  # in serve's environment: run `retrieval serve` from that checkout of the project instead
+FROM_CHECKOUT = """
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]  # this checkout's
+sys.path.insert(0, sys.argv.pop(1))
+from retrieval.commands import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -111,8 +123,10 @@ def free_port() -> int:
 def serve(run: Path, index: Path, max_batch: int, environment: dict[str, str] | None = None, model: str = "float32") -> tuple[subprocess.Popen, str]:
     """Starts `retrieval serve` (with these extra environment variables) and waits until it answers."""
     port = free_port()
+    checkout = (environment or {}).get(CHECKOUT)
+    command = [sys.executable, "-c", FROM_CHECKOUT, checkout] if checkout else [RETRIEVAL]
     server = subprocess.Popen(
-        [RETRIEVAL, "serve", str(run), "--index", str(index), "--port", str(port), "--max-batch", str(max_batch), "--model", model],
+        [*command, "serve", str(run), "--index", str(index), "--port", str(port), "--max-batch", str(max_batch), "--model", model],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, **(environment or {})},
@@ -249,6 +263,10 @@ def main() -> None:
     parser.add_argument("--processes", action="store_true", help="gradio_client users, a process each (--users)")
     parser.add_argument("--clients", default="1,16,64", help="concurrent asynchronous clients of the JSON API, per row")
     parser.add_argument("--gradio-clients", default="16", help="concurrent asynchronous clients of the Gradio route, per row")
+    parser.add_argument("--plain-http", action="store_true", help="the same rows again on a server with uvicorn's pure-Python HTTP (h11) and asyncio's loop")
+    parser.add_argument("--against", type=Path, action="append", default=[], help="a checkout of another version of this project (git worktree): the same rows on its server, side by side (repeatable)")
+    parser.add_argument("--max-batch", type=int, default=4, help="retrieval serve --max-batch (its default: 4)")
+    parser.add_argument("--rounds", type=int, default=3, help="with --against or --plain-http: rounds over the servers in turn (medians)")
     args = parser.parse_args()
     console = Console(width=150)
     run, index, queries = prepare(args.work, args.images, args.model)
@@ -387,31 +405,58 @@ async def closed_loop(url: str, clients: int, seconds: float, images: list[bytes
 
 
 def asynchronous(args: argparse.Namespace, run: Path, index: Path, queries: list[Path], console: Console) -> None:
-    """The default table: the JSON API and the Gradio route under one asynchronous client process."""
+    """The default table: the JSON API and the Gradio route under one asynchronous client process; with --against
+    or --plain-http, the same rows on each server setting in turn, --rounds times (medians, side by side)."""
     images = [path.read_bytes() for path in queries]
     rows = [("JSON API", int(n), json_query) for n in args.clients.split(",") if n] + [("Gradio /search", int(n), gradio_query) for n in args.gradio_clients.split(",") if n]
-    table = Table(title=f"retrieval serve --model {args.model}, {args.images:,}-image Flat index, one asynchronous client process, closed loop, {args.seconds:.0f} s per row, k=10")
-    for column in ("route", "clients", "queries", "queries/s", "p50 ms", "p95 ms", "p99 ms", "errors", "server CPU ms/query", "client CPU ms/query", "cores busy"):
+    settings = [("this checkout", {})]
+    settings += [(f"{checkout}", {CHECKOUT: str(checkout.resolve())}) for checkout in args.against]
+    settings += [("h11, asyncio loop", {"PYTHONPATH": str(plain_http_shim(args.work))})] if args.plain_http else []
+    measured: dict[tuple[str, str, int], list[dict]] = {}
+    for _ in range(args.rounds if len(settings) > 1 else 1):
+        for setting, environment in settings:
+            server, url = serve(run, index, args.max_batch, environment, model=args.model)
+            try:
+                for route, clients, figures in load_rows(url, rows, server, images, args):
+                    measured.setdefault((setting, route, clients), []).append(figures)
+                    console.print(f"{setting}: {route}, {clients} clients: {figures['queries/s']:.1f} queries/s, p95 {figures['p95 ms']:.0f} ms, server CPU {figures['server CPU ms/query']:.2f} ms/query")
+            finally:
+                server.terminate()
+                server.wait()
+    rounds = len(next(iter(measured.values())))
+    table = Table(title=f"retrieval serve --model {args.model}, {args.images:,}-image Flat index, one asynchronous client process, closed loop, {args.seconds:.0f} s per row, k=10{f'; medians of {rounds} alternating rounds' if rounds > 1 else ''}")
+    for column in ("server", "route", "clients", "queries", *FIGURES, "errors"):
         table.add_column(column, justify="right")
-    server, url = serve(run, index, 16, model=args.model)
-    try:
-        for _, _, query in rows[:1] + rows[-1:]:  # warm-up: the first calls of each route, thumbnails made
-            asyncio.run(closed_loop(url, 4, 3.0, images, query))
-        for route, clients, query in rows:
-            cpu, own, started = cpu_seconds(server.pid), cpu_seconds(os.getpid()), time.monotonic()
-            latencies, errors = asyncio.run(closed_loop(url, clients, args.seconds, images, query))
-            used, client = cpu_seconds(server.pid) - cpu, cpu_seconds(os.getpid()) - own
-            busy = (used + client) / (time.monotonic() - started)  # of os.cpu_count() cores
-            milliseconds = np.asarray(latencies or [float("nan")]) * 1000
-            p50, p95, p99 = np.percentile(milliseconds, [50, 95, 99])
-            per_query = 1000 / max(1, len(latencies))
-            table.add_row(route, str(clients), f"{len(latencies):,}", f"{len(latencies) / args.seconds:.1f}", f"{p50:.0f}", f"{p95:.0f}", f"{p99:.0f}", str(errors), f"{used * per_query:.1f}", f"{client * per_query:.1f}", f"{busy:.2f} of {os.cpu_count()}")
-            console.print(f"{route}, {clients} clients: {len(latencies) / args.seconds:.1f} queries/s, p95 {p95:.0f} ms, {errors} errors")
-    finally:
-        server.terminate()
-        server.wait()
+    for (setting, route, clients), runs in measured.items():
+        medians = [float(np.median([figures[name] for figures in runs])) for name in FIGURES]
+        table.add_row(setting, route, str(clients), f"{sum(figures['queries'] for figures in runs) // len(runs):,}", *(f"{value:.1f}" for value in medians), str(sum(figures["errors"] for figures in runs)))
     console.print(table)
 
+
+FIGURES = ("queries/s", "p50 ms", "p95 ms", "p99 ms", "server CPU ms/query", "client CPU ms/query", "cores busy")
+
+
+def plain_http_shim(work: Path) -> Path:
+    """A folder that, first on PYTHONPATH, hides httptools and uvloop: uvicorn then serves with h11 and asyncio's loop."""
+    shim = work / "plain-http"
+    for module in ("httptools", "uvloop"):
+        (shim / module).mkdir(parents=True, exist_ok=True)
+        (shim / module / "__init__.py").write_text(f"raise ImportError('{module} hidden by bench/app_load.py --plain-http')\n")
+    return shim
+
+
+def load_rows(url: str, rows: list, server: subprocess.Popen, images: list[bytes], args: argparse.Namespace) -> Iterator[tuple[str, int, dict]]:
+    """Each row's closed loop against the server at url, after a warm-up: (route, clients, figures)."""
+    for _, _, query in rows[:1] + rows[-1:]:  # warm-up: the first calls of each route, thumbnails made
+        asyncio.run(closed_loop(url, 4, 3.0, images, query))
+    for route, clients, query in rows:
+        cpu, own, started = cpu_seconds(server.pid), cpu_seconds(os.getpid()), time.monotonic()
+        latencies, errors = asyncio.run(closed_loop(url, clients, args.seconds, images, query))
+        used, client = cpu_seconds(server.pid) - cpu, cpu_seconds(os.getpid()) - own
+        busy = (used + client) / (time.monotonic() - started)  # of os.cpu_count() cores
+        p50, p95, p99 = np.percentile(np.asarray(latencies or [float("nan")]) * 1000, [50, 95, 99])
+        per_query = 1000 / max(1, len(latencies))
+        yield route, clients, {"queries": len(latencies), "queries/s": len(latencies) / args.seconds, "p50 ms": p50, "p95 ms": p95, "p99 ms": p99, "server CPU ms/query": used * per_query, "client CPU ms/query": client * per_query, "cores busy": busy, "errors": errors}
 
 if __name__ == "__main__":
     main()

@@ -12,7 +12,7 @@ from pathlib import Path
 from index.disk import read_manifest
 from index.milvus import MilvusIndex, MilvusOptions
 from index.store import GalleryIndex
-from index.types import Additions, GalleryBackend
+from index.types import MANIFEST, Additions, GalleryBackend
 from retrieval.extras import require
 
 
@@ -28,6 +28,12 @@ def open_index(
     if manifest.backend == "milvus":
         return MilvusIndex.open(directory, manifest)
     return GalleryIndex.open(directory, manifest, mmap)
+
+
+def built_with(directory: Path) -> str | None:
+    """The sha256 of the encoder whose vectors the index at directory holds (None where there is no index yet)."""
+    directory = Path(directory)
+    return read_manifest(directory).encoder_sha256 if (directory / MANIFEST).is_file() else None
 
 
 def create_index(

@@ -6,7 +6,9 @@ size of tie group. Compressed types (SQ, PQ) re-score rerank × k candidates wit
 
 from __future__ import annotations
 
+import threading
 import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -151,7 +153,10 @@ def numpy_call(index: faiss.Index, method: str, *args: object, **options: object
 def faiss_search(
     index: faiss.Index, queries: np.ndarray, k: int, params: object | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """index.search with per-call search parameters (see numpy_call)."""
+    """index.search with per-call search parameters (see numpy_call), on the cores serve_on gave (if it was called)."""
+    if _SERVING.threads and getattr(_SERVING.here, "threads", 0) != _SERVING.threads:
+        faiss.omp_set_num_threads(_SERVING.threads)  # OpenMP's thread count belongs to each calling thread
+        _SERVING.here.threads = _SERVING.threads
     return numpy_call(index, "search", queries, k, params=params)  # type: ignore[return-value]
 
 
@@ -196,3 +201,18 @@ def search_parameters(kind: str, depth: int | None, selector: object | None = No
 def first_line(error: BaseException, limit: int = 200) -> str:
     """The first line of an error's message, cut to limit characters (FAISS's are C++ stack dumps)."""
     return (str(error).splitlines() or [""])[0][:limit]
+
+
+@dataclass
+class _Serving:
+    threads: int = 0  # 0: FAISS's own default (every core)
+    here: threading.local = field(default_factory=threading.local)  # the count each searching thread has set
+
+
+_SERVING = _Serving()
+
+
+def serve_on(threads: int) -> None:
+    """FAISS's OpenMP on `threads` cores in every thread that searches from now on: a search server's batches are
+    small, and OpenMP's threads spin after each call, which such a server pays for in CPU (twice its cost)."""
+    _SERVING.threads = max(1, threads)

@@ -61,6 +61,20 @@ def l2_normalise(vectors: np.ndarray) -> np.ndarray:
 
 
 MODELS = ("float32", "int8")  # the exported models of a run that serving can load
+AUTO = "auto"  # the model an index was built with; without one, int8 where the run has it (it passed its gate)
+
+
+def chosen_model(run: RunDir, model: str, built_with: str | None = None) -> str:
+    """The model that `auto` stands for: the one whose sha256 built_with names (an index's encoder), else int8
+    where the run has model.int8.onnx (`export --int8` writes it only after its quality gate), else float32.
+    Any other value is returned as given."""
+    if model != AUTO:
+        return model
+    run.require_model()
+    int8 = read_json(run.model_card).get("int8", {}).get("sha256")
+    if built_with is not None:
+        return "int8" if built_with == int8 else "float32"
+    return "int8" if int8 and run.int8_model.is_file() else "float32"
 
 
 class OnnxEmbedder(Embedder):
@@ -96,14 +110,21 @@ class OnnxEmbedder(Embedder):
 
     @classmethod
     def from_run(
-        cls, run: RunDir, threads: int | None = None, spinning: bool = True, model: str = "float32"
+        cls,
+        run: RunDir,
+        threads: int | None = None,
+        spinning: bool = True,
+        model: str = "float32",
+        built_with: str | None = None,
     ) -> OnnxEmbedder:
-        """Loads the run's exported model (model: float32, or int8 for model.int8.onnx), checked against the sha256
-        in its model card; the fingerprint is that file's, so an index built with one refuses the other."""
+        """Loads the run's exported model (model: float32, int8 for model.int8.onnx, or auto: see chosen_model, with
+        built_with an index's encoder sha256), checked against the sha256 in its model card; the fingerprint is
+        that file's, so an index built with one refuses the other."""
         model_path = run.require_model()
+        model = chosen_model(run, model, built_with)
         card = read_json(run.model_card)
         if model not in MODELS:
-            raise RetrievalError(f"--model must be one of {', '.join(MODELS)}, got {model!r}")
+            raise RetrievalError(f"--model must be one of {', '.join((*MODELS, AUTO))}, got {model!r}")
         if model == "int8":
             if "int8" not in card or not run.int8_model.is_file():
                 raise RetrievalError(

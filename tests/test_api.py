@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.api import SearchOut
 from app.server import launch
 from app.service import SearchService
 from index.search import Query, search_images, search_item
@@ -45,6 +46,7 @@ def test_search_by_upload_and_by_raw_bytes_is_the_one_search_path(served: tuple[
         body = response.json()
         assert [hit["id"] for hit in body["hits"]] == [hit.id for hit in expected]
         assert set(body["hits"][0]) == {"id", "score", "path", "label", "match"} and body["took_ms"] > 0
+        assert SearchOut.model_validate(body).model_dump() == body  # the documented schema, field for field
 
 
 def test_neighbours_of_an_item_and_the_label_filter(served: tuple[SearchService, str]) -> None:
@@ -57,6 +59,7 @@ def test_neighbours_of_an_item_and_the_label_filter(served: tuple[SearchService,
     assert [hit["id"] for hit in hits] == [hit.id for hit in expected] and {hit["label"] for hit in hits} == {item.label}
     reranked = httpx.get(f"{url}/api/v1/items/{item_id}/neighbours", params={"k": 3, "rerank": "dba:n=1"})
     assert reranked.status_code == 200 and item_id not in [hit["id"] for hit in reranked.json()["hits"]]
+    assert SearchOut.model_validate(reranked.json()).model_dump() == reranked.json()
 
 
 def test_health_stats_and_docs(served: tuple[SearchService, str]) -> None:
@@ -64,6 +67,7 @@ def test_health_stats_and_docs(served: tuple[SearchService, str]) -> None:
     assert httpx.get(f"{url}/api/v1/health").json() == {"status": "ok", "items": len(service.items), "encoder": service.embedder.fingerprint}
     stats = httpx.get(f"{url}/api/v1/stats").json()
     assert stats["items"] == len(service.items) and stats["dim"] == service.embedder.dim and stats["index_type"] == "Flat"
+    assert stats["precision"] == "float32" and stats["int8_gate"] is None  # the demo run has no int8 model
     assert "/api/v1/search" in httpx.get(f"{url}/openapi.json").json()["paths"]
     assert httpx.get(f"{url}/docs").status_code == 200 and httpx.get(f"{url}/").status_code == 200
 

@@ -7,10 +7,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 
 import training.quantise as quantise_module
+from app.api import build_api
+from app.service import SearchService
+from index.backends import built_with
 from retrieval.commands import main
-from retrieval.embedders import OnnxEmbedder
+from retrieval.embedders import OnnxEmbedder, chosen_model
 from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir
 from training.quantise import export_int8
@@ -40,10 +44,36 @@ def test_export_int8_writes_the_model_and_its_gate_figures(run: RunDir, icons_ro
     assert (run.metric_sets / "test-int8.json").is_file()
     index = tmp_path / "int8-index"
     assert main(["index", str(run.root), str(icons_root / "test"), "--index", str(index), "--model", "int8"]) == 0
-    assert main(["search", str(run.root), "--index", str(index), "--id", "2", "--model", "int8", "--json"]) == 0
     capsys.readouterr()
-    assert main(["search", str(run.root), "--index", str(index), "--id", "2"]) == 2
+    assert main(["search", str(run.root), "--index", str(index), "--id", "2", "--model", "int8", "--json"]) == 0
+    given = json.loads(capsys.readouterr().out)
+    assert main(["search", str(run.root), "--index", str(index), "--id", "2", "--json"]) == 0  # auto: the index's model
+    assert json.loads(capsys.readouterr().out) == given
+    assert main(["search", str(run.root), "--index", str(index), "--id", "2", "--model", "float32"]) == 2
     assert "use the model it was built with (--model float32 or int8)" in capsys.readouterr().err.replace("\n", " ")
+
+
+def test_auto_serves_the_int8_model_that_passed_its_gate(run: RunDir, icons_root: Path, tmp_path: Path) -> None:
+    """--model auto (the default of index, search and serve): a new index gets int8 where the run has a gated
+    int8 model; an index keeps the model it was built with; /api/v1/stats says int8 and its gate's figures."""
+    if not run.int8_model.is_file():
+        export_int8(run)
+    card = json.loads(run.model_card.read_text())
+    assert chosen_model(run, "auto") == "int8" and chosen_model(run, "float32") == "float32"
+    assert chosen_model(run, "auto", built_with=OnnxEmbedder.from_run(run).fingerprint) == "float32"
+    assert main(["index", str(run.root), str(icons_root / "test"), "--index", str(tmp_path / "auto")]) == 0
+    assert built_with(tmp_path / "auto") == card["int8"]["sha256"]
+    assert main(["index", str(run.root), str(icons_root / "test"), "--index", str(tmp_path / "plain"), "--model", "float32"]) == 0
+    assert SearchService(run, tmp_path / "plain").embedder.card["precision"] == "float32"
+    service = SearchService(run, tmp_path / "auto")
+    try:
+        stats = TestClient(build_api(service, None, "20MB")).get("/api/v1/stats").json()
+    finally:
+        service.close()
+    assert stats["precision"] == "int8" and stats["int8_gate"] == card["int8"]["gate"]
+    bare = RunDir(tmp_path / "bare")
+    shutil.copytree(run.root, bare.root, ignore=shutil.ignore_patterns("model.int8.onnx", "index"))
+    assert chosen_model(bare, "auto") == "float32"  # the card names an int8 model that is not there
 
 
 def test_a_failed_gate_writes_nothing(run: RunDir, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from retrieval.commands.output import IndexOption, ModelOption, RunArg, console, format_value, report_skipped
+from retrieval.commands.output import AutoModelOption, IndexOption, RunArg, console, format_value, report_skipped
 from retrieval.data import load_collection
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
@@ -59,21 +59,22 @@ def index(
     backend: Annotated[str, typer.Option(help=BACKEND_HELP)] = "faiss",
     uri: Annotated[str | None, typer.Option(help=URI_HELP, **NO_DEFAULT)] = None,
     milvus_index: Annotated[str | None, typer.Option("--milvus-index", help=MILVUS_INDEX_HELP, **NO_DEFAULT)] = None,
-    model: ModelOption = "float32",
+    model: AutoModelOption = "auto",
 ) -> None:
     """Embed a gallery with the run's ONNX model and add it to its FAISS index (incremental and resumable).
 
     A new index is exact (Flat) up to 100,000 images, then IVF-Flat, IVF-SQ8 or OPQ+IVF-PQ as the
     memory budget allows, with its search depth tuned to recall@10 >= 0.95 (see `retrieval index-stats`).
     """
+    from index.backends import built_with
     from index.build import build_index
     from index.choice import parse_memory
     from retrieval.embedders import OnnxEmbedder
 
     run_dir = RunDir(run)
     budget = parse_memory(memory) if memory else None
-    embedder = OnnxEmbedder.from_run(run_dir, threads, model=model)
     target = index_dir or run_dir.index
+    embedder = OnnxEmbedder.from_run(run_dir, threads, model=model, built_with=None if rebuild else built_with(target))
     ray, milvus = _engine_and_backend(engine, address, workers, backend, uri, milvus_index)
     options = {
         "sync": sync,

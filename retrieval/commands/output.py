@@ -30,6 +30,11 @@ DataArg = Annotated[Path, typer.Argument(help=DATA_HELP, show_default=False)]
 BenchmarkOption = Annotated[str | None, typer.Option(help=BENCHMARK_HELP, show_default=False)]
 IndexOption = Annotated[Path | None, typer.Option("--index", help=INDEX_HELP)]
 MODEL_HELP = "The exported model that embeds: float32 (model.onnx) or int8 (model.int8.onnx, from `export --int8`)."
+AUTO_MODEL_HELP = (
+    "The exported model that embeds: float32 (model.onnx), int8 (model.int8.onnx, from `export --int8`), or auto: "
+    "the model the index was built with; for a new index, int8 where the run has it (it passed its quality gate)."
+)
+AutoModelOption = Annotated[str, typer.Option("--model", help=AUTO_MODEL_HELP)]
 ModelOption = Annotated[str, typer.Option("--model", help=MODEL_HELP)]
 
 

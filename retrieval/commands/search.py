@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from retrieval.commands.output import IndexOption, ModelOption, RunArg, console, require_threshold
+from retrieval.commands.output import AutoModelOption, IndexOption, RunArg, console, require_threshold
 from retrieval.errors import RetrievalError
 from retrieval.rerank import SPEC_HELP as RERANK_HELP
 from retrieval.rerank import parse_rerank
@@ -42,7 +42,7 @@ def search(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
     rerank: Annotated[str, typer.Option(help=RERANK_HELP)] = "none",
-    model: ModelOption = "float32",
+    model: AutoModelOption = "auto",
     threshold: Annotated[float | None, typer.Option(help=THRESHOLD_HELP, **NO_DEFAULT)] = None,
 ) -> None:
     """Print the k nearest gallery images to a query image, or to an indexed item (--id).
@@ -52,7 +52,7 @@ def search(
     Where the run has a match threshold (or --threshold), each hit says whether it is a match, and
     "no confident match" is said when the best hit is not.
     """
-    from index.backends import open_index
+    from index.backends import built_with, open_index
     from index.search import Query, search_images, search_item
     from retrieval.calibration import match_similarity
     from retrieval.embedders import OnnxEmbedder
@@ -61,8 +61,9 @@ def search(
         raise RetrievalError("give a query IMAGE or --id of an indexed item (one of the two)")
     require_threshold(threshold)
     run_dir = RunDir(run)
-    embedder = OnnxEmbedder.from_run(run_dir, spinning=False, model=model)
-    gallery = open_index(index_dir or run_dir.index, embedder.fingerprint, embedder.dim, mmap=mmap)
+    directory = index_dir or run_dir.index
+    embedder = OnnxEmbedder.from_run(run_dir, spinning=False, model=model, built_with=built_with(directory))
+    gallery = open_index(directory, embedder.fingerprint, embedder.dim, mmap=mmap)
     reranker = parse_rerank(rerank)
     query = Query(k, depth, label, reranker, match_similarity(embedder.card, reranker.describe(), threshold))
     if image is not None:

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from retrieval.commands.output import IndexOption, ModelOption, RunArg, require_threshold
+from retrieval.commands.output import AutoModelOption, IndexOption, RunArg, require_threshold
 from retrieval.errors import RetrievalError
 from retrieval.rerank import SPEC_HELP as RERANK_HELP
 from retrieval.rerank import parse_rerank
@@ -22,6 +22,7 @@ THRESHOLD_HELP = (
     "`retrieval evaluate --calibrate`)."
 )
 AUTH_HELP = "user:password required to use the app (or set RETRIEVAL_AUTH); needed off loopback."
+BATCH_HELP = "Queued searches embedded together in one call (default 4: a larger batch keeps those behind it waiting)."
 
 
 def serve(
@@ -33,9 +34,9 @@ def serve(
     auth: Annotated[str | None, typer.Option(help=AUTH_HELP)] = None,
     max_upload: Annotated[str, typer.Option(help="Largest upload accepted, e.g. 20MB.")] = "20MB",
     mmap: Annotated[bool, typer.Option("--mmap", help="Leave the index vectors on disk (memory-mapped).")] = False,
-    max_batch: Annotated[int, typer.Option(min=1, help="Queued searches embedded together in one call.")] = 16,
+    max_batch: Annotated[int | None, typer.Option(min=1, help=BATCH_HELP, show_default=False)] = None,
     rerank: Annotated[str, typer.Option(help=RERANK_HELP + " Applies to every search and to evaluate now.")] = "none",
-    model: ModelOption = "float32",
+    model: AutoModelOption = "auto",
     threshold: Annotated[float | None, typer.Option(help=THRESHOLD_HELP, show_default=False)] = None,
 ) -> None:
     """Serve the search app for the run's index in the browser: search, browse, metrics, embedding map and an API."""
@@ -48,8 +49,9 @@ def serve(
     RunDir(run).require_model()  # said before Gradio is loaded (seconds)
     from app.server import serve as run_server
 
-    options = {"allow_write": allow_write, "auth": auth, "max_upload": max_upload, "mmap": mmap, "max_batch": max_batch}
+    options = {"allow_write": allow_write, "auth": auth, "max_upload": max_upload, "mmap": mmap}
     options.update(rerank=reranker, model=model, threshold=threshold)
+    options.update({"max_batch": max_batch} if max_batch else {})  # else the app's MAX_BATCH
     run_server(RunDir(run), host, port, index_dir, **options)
 
 
