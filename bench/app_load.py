@@ -120,13 +120,13 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def serve(run: Path, index: Path, max_batch: int, environment: dict[str, str] | None = None, model: str = "float32") -> tuple[subprocess.Popen, str]:
+def serve(run: Path, index: Path, max_batch: int | None, environment: dict[str, str] | None = None, model: str = "float32") -> tuple[subprocess.Popen, str]:
     """Starts `retrieval serve` (with these extra environment variables) and waits until it answers."""
     port = free_port()
     checkout = (environment or {}).get(CHECKOUT)
     command = [sys.executable, "-c", FROM_CHECKOUT, checkout] if checkout else [RETRIEVAL]
     server = subprocess.Popen(
-        [*command, "serve", str(run), "--index", str(index), "--port", str(port), "--max-batch", str(max_batch), "--model", model],
+        [*command, "serve", str(run), "--index", str(index), "--port", str(port), *(["--max-batch", str(max_batch)] if max_batch else []), "--model", model],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, **(environment or {})},
@@ -265,7 +265,7 @@ def main() -> None:
     parser.add_argument("--gradio-clients", default="16", help="concurrent asynchronous clients of the Gradio route, per row")
     parser.add_argument("--plain-http", action="store_true", help="the same rows again on a server with uvicorn's pure-Python HTTP (h11) and asyncio's loop")
     parser.add_argument("--against", type=Path, action="append", default=[], help="a checkout of another version of this project (git worktree): the same rows on its server, side by side (repeatable)")
-    parser.add_argument("--max-batch", type=int, default=4, help="retrieval serve --max-batch (its default: 4)")
+    parser.add_argument("--max-batch", type=int, default=None, help="retrieval serve --max-batch (default: each server's own)")
     parser.add_argument("--rounds", type=int, default=3, help="with --against or --plain-http: rounds over the servers in turn (medians)")
     args = parser.parse_args()
     console = Console(width=150)

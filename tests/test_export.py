@@ -16,7 +16,7 @@ from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir
 from training.config import TrainConfig
 from training.exporting import DEFAULT_WHITENING, export
-from training.whitening import whiten_encoder
+from training.whitening import fit_whitening, whiten_encoder
 from retrieval.data import load_collection
 from retrieval.runs import read_json
 from training.checkpoints import load_encoder
@@ -122,3 +122,15 @@ def test_the_neighbour_check_catches_a_reordered_ranking(trained: RunDir) -> Non
     parity = export_module.measure_parity(model, stand_in, batches)
     assert not parity.same_neighbours and not parity.ok
     assert "DIFFERENT" in parity.describe()
+
+
+def test_whiten_dim_beyond_the_embedding_or_the_training_images_is_one_line() -> None:
+    """--whiten-dim keeps directions that the training images vary along: no more than the embedding has, nor than
+    the images can span (n images: n - 1 directions about their mean)."""
+    vectors = np.random.default_rng(0).standard_normal((20, 32)).astype(np.float32)
+    mean, projection = fit_whitening(vectors, 0.0, 19)
+    assert projection.shape == (32, 19) and mean.shape == (32,)
+    with pytest.raises(RetrievalError, match="between 1 and the embedding's 32 dimensions, got 33"):
+        fit_whitening(vectors, 0.0, 33)
+    with pytest.raises(RetrievalError, match="fitted on 20 training images, which vary along at most 19 directions; give at most 19"):
+        fit_whitening(vectors, 0.0, 20)

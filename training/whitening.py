@@ -45,6 +45,11 @@ def fit_whitening(vectors: np.ndarray, shrinkage: float, dim: int | None = None)
     width = vectors.shape[1]
     if dim is not None and not 1 <= dim <= width:
         raise RetrievalError(f"--whiten-dim must be between 1 and the embedding's {width} dimensions, got {dim}")
+    if dim is not None and dim > len(vectors) - 1:
+        raise RetrievalError(
+            f"--whiten-dim {dim}: the whitening is fitted on {len(vectors)} training images, which vary along at most "
+            f"{len(vectors) - 1} directions; give at most {len(vectors) - 1}, or train on more images"
+        )
     mean = vectors.mean(axis=0)
     centred = vectors - mean
     covariance = centred.T @ centred / len(vectors)
