@@ -7,7 +7,8 @@ frequencies of a 32 x 32 grey DCT, searched by Hamming distance with FAISS) — 
 grey copies a colour-trained embedding puts apart. Each candidate pair is then checked on the
 pictures themselves (the thumbnails kept while embedding): first all at once at 12 px in grey (most
 pairs stop there), then one picture is aligned on the other over crops of 90-100 % of each side,
-roughly at 24 px (a pixel's shift forgiven) and finely at 32 px around the best crop, and
+roughly at 24 px (a pixel's shift forgiven; each picture's crops drawn once, PAIR_BLOCK pairs compared
+in one array operation) and finely at 32 px around the best crop (one pair at a time), and
 `difference` is the share of the drawn pixels that still differ by more than PIXEL_CUT (in grey when
 either picture is grey). A pair is a copy at difference <= COPY_DIFFERENCE, measured in
 bench/audit.py (docs/trust.md).
@@ -39,6 +40,7 @@ ROUGH = (24, 5)  # pixels a side and crop places along each side of the rough al
 ROUGH_BOUND = 0.06  # pairs whose best rough crop differs in more of their drawn pixels are not copies
 FINE_ROUNDS = 4  # rounds of the fine search, each around the last one's best crop at half its step
 FINE_SIDE = 32  # pixels a side of the fine check (sibling icons differ by a few pixels' detail)
+PAIR_BLOCK = 256  # candidate pairs given the rough check at once (about 30 MB of crops)
 LUMA = np.array([0.299, 0.587, 0.114], np.float32)  # Pillow's grey
 
 
@@ -112,13 +114,33 @@ def _planes(picture: np.ndarray) -> np.ndarray:
     return np.concatenate([rgb.transpose(2, 0, 1), (rgb @ LUMA)[None]])
 
 
-def _views(picture: np.ndarray, side: int, boxes: Sequence[Box], planes: slice = slice(0, 4)) -> np.ndarray:
-    """[V, planes, side * side] float: the picture's crops (boxes) resampled to side, as R, G, B and grey planes."""
-    stack, size = _planes(picture)[planes], picture.shape[0]
-    rows = np.stack([_weights(side, size, round(y * size, 3), round(w * size, 3)) for _, y, w in boxes])
-    columns = np.stack([_weights(side, size, round(x * size, 3), round(w * size, 3)) for x, _, w in boxes])
-    views = (rows[:, None] @ stack[None]) @ columns[:, None].transpose(0, 1, 3, 2)
-    return views.reshape(len(boxes), len(stack), side * side)
+@dataclass(frozen=True)
+class _Resampling:
+    """The matrices that resample a picture to a list of crops: one per distinct span of rows (crops share them: the
+    fine search's 27 crops have 9), and each crop's for its columns."""
+
+    rows: np.ndarray  # [T, side, size]
+    columns: np.ndarray  # [V, 1, size, side]: each crop's, transposed
+    top: np.ndarray  # [V] each crop's index into rows
+
+
+@lru_cache(maxsize=4096)
+def _resampling(side: int, size: int, boxes: tuple[Box, ...]) -> _Resampling:
+    def span(start: float, width: float) -> tuple[float, float]:
+        return round(start * size, 3), round(width * size, 3)
+
+    tops = sorted({span(y, w) for _, y, w in boxes})
+    top = np.array([tops.index(span(y, w)) for _, y, w in boxes])
+    columns = np.stack([_weights(side, size, *span(x, w)) for x, _, w in boxes])
+    return _Resampling(np.stack([_weights(side, size, *spans) for spans in tops]), columns[:, None].swapaxes(2, 3), top)
+
+
+def _views(stack: np.ndarray, side: int, boxes: Sequence[Box]) -> np.ndarray:
+    """[..., V, C, side * side] float: the crops (boxes) of pictures' planes ([..., C, S, S], _planes) resampled to
+    side."""
+    resampling = _resampling(side, stack.shape[-1], tuple(boxes))
+    views = (resampling.rows[:, None] @ stack[..., None, :, :, :])[..., resampling.top, :, :, :] @ resampling.columns
+    return views.reshape(*stack.shape[:-3], len(boxes), stack.shape[-3], side * side)
 
 
 def _spread(view: np.ndarray, side: int, reach: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -135,16 +157,6 @@ def _is_grey(picture: np.ndarray) -> bool:
     """Whether a thumbnail has no colour (its channels within 8 of 255 of each other everywhere)."""
     channels = picture.astype(np.int16)
     return bool(np.abs(channels - channels.mean(axis=-1, keepdims=True)).max() < 8)
-
-
-def _differing(views: np.ndarray, whole: np.ndarray, side: int, reach: float) -> np.ndarray:
-    """Per view, the share of its drawn pixels that differ from whole by more than PIXEL_CUT, a shift by reach of a
-    pixel forgiven; ties broken by the mean difference, so that the crop that fits best wins."""
-    low, high = _spread(whole, side, reach)
-    differing = ((views < low - PIXEL_CUT) | (views > high + PIXEL_CUT)).any(axis=1).sum(axis=1)
-    background = np.median(whole, axis=1, keepdims=True)  # the whole picture's: its views share its background
-    drawn = ((np.abs(views - background) > PIXEL_CUT) | (np.abs(whole - background) > PIXEL_CUT)[None]).any(axis=1)
-    return differing / np.maximum(drawn.sum(axis=1), 1) + np.abs(views - whole[None]).mean(axis=(1, 2)) * 1e-3
 
 
 def _coarse(thumbnails: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -179,30 +191,89 @@ def difference(first: np.ndarray, second: np.ndarray) -> float:
     """The share of the drawn pixels of two pictures (thumbnails) that differ by more than PIXEL_CUT once the crop
     of either that fits the other best is found (in grey when either is grey): roughly over a grid of crops in grey,
     then finely around the best one."""
-    return _difference(first, second, _rough_views(first), _rough_views(second))
+    return float(_differences(np.stack([first]), np.stack([second]), [(0, 0)])[0])
 
 
-def _rough_views(picture: np.ndarray) -> np.ndarray:
-    """The grey plane of the rough grid's views, as bytes (find_copies keeps one per row: a row is in many pairs)."""
-    return np.round(_views(picture, ROUGH[0], _boxes(ROUGH[1]), slice(3, 4)) * 255).astype(np.uint8)
+def _rough_views(pictures: np.ndarray) -> np.ndarray:
+    """[N, V, 1, D] bytes: the grey plane of each picture's views over the rough grid (one per row, not per pair)."""
+    side, boxes = ROUGH[0], _boxes(ROUGH[1])
+    views = np.zeros((len(pictures), len(boxes), 1, side * side), np.uint8)
+    for start in range(0, len(pictures), PAIR_BLOCK):  # a block of pictures at a time: [B, V, 24, 64] floats between
+        grey = (pictures[start : start + PAIR_BLOCK].astype(np.float32) / 255 @ LUMA)[:, None]
+        views[start : start + PAIR_BLOCK] = np.round(_views(grey, side, boxes) * 255)
+    return views
 
 
-def _difference(first: np.ndarray, second: np.ndarray, first_rough: np.ndarray, second_rough: np.ndarray) -> float:
-    """difference, given the two pictures' rough views."""
-    side, places = ROUGH
-    boxes = _boxes(places)
-    rough = (first_rough.astype(np.float32) / 255, second_rough.astype(np.float32) / 255)
-    shares = [_differing(rough[0], rough[1][0], side, 1.0), _differing(rough[1], rough[0][0], side, 1.0)]
-    direction = int(shares[1].min() < shares[0].min())
-    if shares[direction].min() > ROUGH_BOUND:
-        return 1.0
-    planes = slice(3, 4) if _is_grey(first) or _is_grey(second) else slice(0, 3)
+@dataclass(frozen=True)
+class _Wholes:
+    """What crops are compared with, per picture: its whole view, that view's range once moved by up to a given
+    share of a pixel, its background (median) and which of its pixels are drawn."""
+
+    views: np.ndarray  # [N, C, D]
+    low: np.ndarray  # [N, C, D]
+    high: np.ndarray  # [N, C, D]
+    background: np.ndarray  # [N, C, 1]
+    drawn: np.ndarray  # [N, D]
+
+    @classmethod
+    def of(cls, views: np.ndarray, side: int, reach: float) -> _Wholes:
+        low, high = _spread(views.reshape(-1, views.shape[-1]), side, reach)
+        background = np.median(views, axis=2, keepdims=True)
+        drawn = (np.abs(views - background) > PIXEL_CUT).any(axis=1)
+        return cls(views, low.reshape(views.shape), high.reshape(views.shape), background, drawn)
+
+
+def _shares(crops: np.ndarray, wholes: _Wholes, rows: np.ndarray) -> np.ndarray:
+    """[P, V]: per pair, the share of each crop's drawn pixels ([P, V, C, D]) that differ by more than PIXEL_CUT from
+    the whole picture of its row of wholes (outside its spread range), ties broken by the mean difference so that
+    the crop that fits best wins; one array operation over a block of pairs."""
+    whole, background = wholes.views[rows], wholes.background[rows][:, None]
+    low, high = wholes.low[rows][:, None] - PIXEL_CUT, wholes.high[rows][:, None] + PIXEL_CUT
+    differing = ((crops < low) | (crops > high)).any(axis=2).sum(axis=2)
+    drawn = (np.abs(crops - background) > PIXEL_CUT).any(axis=2) | wholes.drawn[rows][:, None]
+    closeness = np.abs(crops - whole[:, None]).mean(axis=(2, 3)) * 1e-3
+    return differing / np.maximum(drawn.sum(axis=2), 1) + closeness
+
+
+def _differences(mine: np.ndarray, theirs: np.ndarray, pairs: Sequence[tuple[int, int]]) -> np.ndarray:
+    """[P]: difference of each (row of mine, row of theirs) pair: the rough grid for blocks of PAIR_BLOCK pairs at
+    once (each picture's crops drawn once), then the fine search for the pairs it leaves under ROUGH_BOUND."""
+    a, b = np.array(pairs, dtype=np.int64).reshape(-1, 2).T
+    if mine is theirs:
+        rows_a = rows_b = np.unique(np.concatenate([a, b]))
+        rough_a = rough_b = _rough_views(mine[rows_a])
+    else:
+        rows_a, rows_b = np.unique(a), np.unique(b)
+        rough_a, rough_b = _rough_views(mine[rows_a]), _rough_views(theirs[rows_b])
+    whole_a = _Wholes.of(rough_a[:, 0].astype(np.float32) / 255, ROUGH[0], 1.0)
+    whole_b = whole_a if rough_b is rough_a else _Wholes.of(rough_b[:, 0].astype(np.float32) / 255, ROUGH[0], 1.0)
+    at_a, at_b = np.searchsorted(rows_a, a), np.searchsorted(rows_b, b)
+    found = np.ones(len(a))
+    for start in range(0, len(a), PAIR_BLOCK):
+        block = slice(start, start + PAIR_BLOCK)
+        shares = (  # a's crops on b's whole picture, and b's on a's
+            _shares(rough_a[at_a[block]].astype(np.float32) / 255, whole_b, at_b[block]),
+            _shares(rough_b[at_b[block]].astype(np.float32) / 255, whole_a, at_a[block]),
+        )
+        for offset in np.flatnonzero(np.minimum(shares[0].min(1), shares[1].min(1)) <= ROUGH_BOUND):
+            direction = int(shares[1][offset].min() < shares[0][offset].min())
+            pair = start + offset
+            found[pair] = _fine(mine[a[pair]], theirs[b[pair]], direction, int(shares[direction][offset].argmin()))
+    return found
+
+
+def _fine(first: np.ndarray, second: np.ndarray, direction: int, crop: int) -> float:
+    """The fine search of one pair from the rough grid's best crop (of first on second when direction is 0, else of
+    second on first): FINE_ROUNDS rounds at FINE_SIDE px, each around the last one's best crop at half its step."""
+    places = ROUGH[1]
+    channels = slice(3, 4) if _is_grey(first) or _is_grey(second) else slice(0, 3)
     cropped, whole = (first, second) if direction == 0 else (second, first)
-    target = _views(whole, FINE_SIDE, [(0.0, 0.0, 1.0)])[0, planes]
-    box, step, best = boxes[int(shares[direction].argmin())], (1 - min(SCALES)) / (places - 1), 1.0
-    for _ in range(FINE_ROUNDS):  # each round halves the step around the best crop so far
+    target = _Wholes.of(_views(_planes(whole)[channels], FINE_SIDE, [(0.0, 0.0, 1.0)]), FINE_SIDE, 0.5)
+    stack, only = _planes(cropped)[channels], np.zeros(1, np.int64)
+    box, step, best = _boxes(places)[crop], (1 - min(SCALES)) / (places - 1), 1.0
+    for _ in range(FINE_ROUNDS):
         near = _around(box, step)
-        fine = _differing(_views(cropped, FINE_SIDE, near)[:, planes], target, FINE_SIDE, 0.5)
+        fine = _shares(_views(stack, FINE_SIDE, near)[None], target, only)[0]
         box, best, step = near[int(fine.argmin())], min(best, float(fine.min())), step / 2
     return round(best, 3)  # the share of drawn pixels, without the tie-break
 
@@ -251,24 +322,14 @@ def find_copies(
     ]
     hashes = perceptual_hashes(thumbnails)
     against = None if other is None else (gallery[0], perceptual_hashes(gallery[2]))
-    checked = [pair for pair in candidate_pairs(vectors, hashes, against) if pair not in set(identical)]
+    known = set(identical)
+    checked = [pair for pair in candidate_pairs(vectors, hashes, against) if pair not in known]
     coarse = _coarse(thumbnails)
     checked = _coarse_filter(coarse, coarse if other is None else _coarse(gallery[2]), checked)
-    mine: dict[int, np.ndarray] = {}
-    theirs: dict[int, np.ndarray] = mine if other is None else {}
-
-    def rough(kept: dict[int, np.ndarray], pictures: np.ndarray, row: int) -> np.ndarray:
-        if row not in kept:
-            kept[row] = _rough_views(pictures[row])
-        return kept[row]
-
-    near = [
-        (a, b, _difference(thumbnails[a], gallery[2][b], rough(mine, thumbnails, a), rough(theirs, gallery[2], b)))
-        for a, b in checked
-    ]
+    near = zip(checked, _differences(thumbnails, gallery[2], checked).tolist(), strict=True) if checked else []
     pairs = [CopyPair(a, b, CopyKind.IDENTICAL, 0.0) for a, b in identical]
     pairs += sorted(
-        (CopyPair(a, b, CopyKind.NEAR, d) for a, b, d in near if d <= threshold), key=lambda p: p.difference
+        (CopyPair(a, b, CopyKind.NEAR, d) for (a, b), d in near if d <= threshold), key=lambda p: p.difference
     )
     return pairs
 

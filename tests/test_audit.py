@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
+import retrieval.duplicates as copy_check
 from app.service import SearchService
 from retrieval.audit import Embedded, check_folds, duplicates, label_scores, leaks, outliers, suspects
 from retrieval.commands import main
@@ -137,6 +138,26 @@ def test_copies_re_encoded_resized_cropped_and_grey_are_found_and_other_pictures
     assert found[(4, 5)] is CopyKind.IDENTICAL
     assert {(i, 12 + i) for i in range(4)} <= set(found)  # by hash: the vectors here are random
     assert set(found) - {(4, 5)} == {(i, 12 + i) for i in range(4)}
+
+
+def test_pairs_compared_in_blocks_get_the_difference_each_pair_gets_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rough check compares blocks of pairs in one array operation: a pair's difference must not depend on the
+    block it falls in, nor on the other pairs (here blocks of 3, across a collection and against another)."""
+    pictures = shapes(6)
+    thumbnails = np.stack(pictures + [changed(pictures[i], kind) for i, kind in enumerate(["jpeg", "crop", "grey"])])
+    vectors = l2_normalise(np.random.default_rng(1).normal(size=(len(thumbnails), 8))).astype(np.float32)
+    monkeypatch.setattr(copy_check, "PAIR_BLOCK", 3)
+    monkeypatch.setattr(copy_check, "COARSE_BOUND", 1.0)  # every candidate pair to the rough check
+    within = find_copies(vectors, [f"d{row}" for row in range(9)], thumbnails, threshold=1.0)
+    assert len(within) > 3  # more than one block
+    for pair in within:
+        assert pair.difference == difference(thumbnails[pair.a], thumbnails[pair.b]), (pair.a, pair.b)
+    other = (vectors[6:], ["x", "y", "z"], thumbnails[6:])
+    across = find_copies(vectors[:6], [f"d{row}" for row in range(6)], thumbnails[:6], other, threshold=1.0)
+    close = {(pair.a, pair.b) for pair in across if pair.difference <= copy_check.COPY_DIFFERENCE * 4}
+    assert close >= {(0, 0), (1, 1), (2, 2)}
+    for pair in across:
+        assert pair.difference == difference(thumbnails[pair.a], thumbnails[6 + pair.b]), (pair.a, pair.b)
 
 
 def embedded(thumbnails: np.ndarray, name: str, labels: list[str] | None = None) -> Embedded:
