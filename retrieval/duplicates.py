@@ -29,7 +29,7 @@ from retrieval.knn import nearest_neighbours
 
 THUMBNAIL = 64  # pixels a side of the pictures kept while embedding
 PIXEL_CUT = 0.1  # a pixel differs when a channel moves by more than this (of 1.0)
-COPY_DIFFERENCE = 0.005  # the share of drawn pixels up to which two pictures are copies (bench/audit.py)
+COPY_DIFFERENCE = 0.009  # the share of drawn pixels up to which two pictures are copies (bench/audit.py)
 CANDIDATES = 10  # neighbours by embedding and by hash checked per image
 HASH_BITS = 20  # hash neighbours farther than this many of 64 bits are not checked
 COARSE = 12  # pixels a side of the first check of every candidate pair: grey, all pairs at once
@@ -39,7 +39,11 @@ SCALES = (1.0, 0.95, 0.9)  # the crops tried when aligning one picture on the ot
 ROUGH = (24, 5)  # pixels a side and crop places along each side of the rough alignment (grey, a pixel's shift forgiven)
 ROUGH_BOUND = 0.06  # pairs whose best rough crop differs in more of their drawn pixels are not copies
 FINE_ROUNDS = 4  # rounds of the fine search, each around the last one's best crop at half its step
-FINE_SIDE = 32  # pixels a side of the fine check (sibling icons differ by a few pixels' detail)
+FINE_SIDE = 32  # pixels a side of the fine search (sibling icons differ by a few pixels' detail)
+CONFIRM_SIDE = 48  # pixels a side of the last round, for pairs the fine search leaves within CONFIRM_BOUND
+CONFIRM_BOUND = 0.05  # pairs farther apart after the fine search are not copies; nearer ones are confirmed finer
+GREY_CUT = 0.05  # PIXEL_CUT of a grey picture against a colour one: greying is exact, so its luma must match closely
+CHROMA = np.array([[0.299, 0.587, 0.114], [-0.169, -0.331, 0.5], [0.5, -0.419, -0.081]], np.float32)  # JPEG's YCbCr
 PAIR_BLOCK = 256  # candidate pairs given the rough check at once (about 30 MB of crops)
 LUMA = np.array([0.299, 0.587, 0.114], np.float32)  # Pillow's grey
 
@@ -223,12 +227,12 @@ class _Wholes:
         return cls(views, low.reshape(views.shape), high.reshape(views.shape), background, drawn)
 
 
-def _shares(crops: np.ndarray, wholes: _Wholes, rows: np.ndarray) -> np.ndarray:
-    """[P, V]: per pair, the share of each crop's drawn pixels ([P, V, C, D]) that differ by more than PIXEL_CUT from
+def _shares(crops: np.ndarray, wholes: _Wholes, rows: np.ndarray, cut: float = PIXEL_CUT) -> np.ndarray:
+    """[P, V]: per pair, the share of each crop's drawn pixels ([P, V, C, D]) that differ by more than cut from
     the whole picture of its row of wholes (outside its spread range), ties broken by the mean difference so that
     the crop that fits best wins; one array operation over a block of pairs."""
     whole, background = wholes.views[rows], wholes.background[rows][:, None]
-    low, high = wholes.low[rows][:, None] - PIXEL_CUT, wholes.high[rows][:, None] + PIXEL_CUT
+    low, high = wholes.low[rows][:, None] - cut, wholes.high[rows][:, None] + cut
     differing = ((crops < low) | (crops > high)).any(axis=2).sum(axis=2)
     drawn = (np.abs(crops - background) > PIXEL_CUT).any(axis=2) | wholes.drawn[rows][:, None]
     closeness = np.abs(crops - whole[:, None]).mean(axis=(2, 3)) * 1e-3
@@ -264,18 +268,41 @@ def _differences(mine: np.ndarray, theirs: np.ndarray, pairs: Sequence[tuple[int
 
 def _fine(first: np.ndarray, second: np.ndarray, direction: int, crop: int) -> float:
     """The fine search of one pair from the rough grid's best crop (of first on second when direction is 0, else of
-    second on first): FINE_ROUNDS rounds at FINE_SIDE px, each around the last one's best crop at half its step."""
-    places = ROUGH[1]
-    channels = slice(3, 4) if _is_grey(first) or _is_grey(second) else slice(0, 3)
+    second on first): FINE_ROUNDS rounds at FINE_SIDE px, each around the last one's best crop at half its step;
+    pairs left within CONFIRM_BOUND get one more round at CONFIRM_SIDE px, whose difference is theirs."""
+    grey = _is_grey(first), _is_grey(second)
     cropped, whole = (first, second) if direction == 0 else (second, first)
-    target = _Wholes.of(_views(_planes(whole)[channels], FINE_SIDE, [(0.0, 0.0, 1.0)]), FINE_SIDE, 0.5)
-    stack, only = _planes(cropped)[channels], np.zeros(1, np.int64)
-    box, step, best = _boxes(places)[crop], (1 - min(SCALES)) / (places - 1), 1.0
+    stack, target = _fine_planes(cropped, any(grey)), _fine_planes(whole, any(grey))
+    box, step, best = _boxes(ROUGH[1])[crop], (1 - min(SCALES)) / (ROUGH[1] - 1), 1.0
+    wholes, only = _Wholes.of(_fine_views(target, FINE_SIDE, [(0.0, 0.0, 1.0)]), FINE_SIDE, 0.5), np.zeros(1, int)
     for _ in range(FINE_ROUNDS):
         near = _around(box, step)
-        fine = _shares(_views(stack, FINE_SIDE, near)[None], target, only)[0]
+        fine = _shares(_fine_views(stack, FINE_SIDE, near)[None], wholes, only)[0]
         box, best, step = near[int(fine.argmin())], min(best, float(fine.min())), step / 2
-    return round(best, 3)  # the share of drawn pixels, without the tie-break
+    if best > CONFIRM_BOUND:
+        return round(best, 3)  # the share of drawn pixels, without the tie-break
+    wholes = _Wholes.of(_fine_views(target, CONFIRM_SIDE, [(0.0, 0.0, 1.0)]), CONFIRM_SIDE, 0.5)
+    near, cut = _around(box, step), GREY_CUT if grey[0] != grey[1] else PIXEL_CUT
+    return round(float(_shares(_fine_views(stack, CONFIRM_SIDE, near)[None], wholes, only, cut)[0].min()), 3)
+
+
+def _fine_planes(picture: np.ndarray, grey: bool) -> np.ndarray:
+    """[C, S, S]: the planes the fine search compares: grey alone, or luma and the two chroma planes (JPEG's YCbCr:
+    a re-encoded copy keeps the luma's detail and loses the colours', which _fine_views blurs on both pictures)."""
+    if grey:
+        return _planes(picture)[3:]
+    return np.moveaxis(picture.astype(np.float32) / 255 @ CHROMA.T, -1, 0)
+
+
+def _fine_views(stack: np.ndarray, side: int, boxes: Sequence[Box]) -> np.ndarray:
+    """_views of the fine planes, the chroma planes (if any) blurred over each pixel's 3 x 3 neighbourhood."""
+    views = _views(stack, side, boxes)
+    if len(stack) > 1:
+        chroma = views[:, 1:].reshape(len(views), -1, side, side)
+        padded = np.pad(chroma, ((0, 0), (0, 0), (1, 1), (1, 1)), mode="edge")
+        blurred = sum(padded[:, :, i : i + side, j : j + side] for i in range(3) for j in range(3)) / 9
+        views[:, 1:] = blurred.reshape(len(views), -1, side * side)
+    return views
 
 
 def _hash_neighbours(queries: np.ndarray, gallery: np.ndarray, k: int, same: bool) -> list[tuple[int, int]]:

@@ -140,6 +140,17 @@ def test_copies_re_encoded_resized_cropped_and_grey_are_found_and_other_pictures
     assert set(found) - {(4, 5)} == {(i, 12 + i) for i in range(4)}
 
 
+
+def test_a_grey_picture_is_a_copy_of_its_colour_original_only_where_the_luma_matches_closely() -> None:
+    """Greying keeps the luma exactly: a grey copy matches its original, while the grey picture of another one whose
+    drawn shapes are 7 % lighter (within the colour comparison's tolerance) is not a copy of it."""
+    original = shapes(1)[0]
+    grey = np.asarray(Image.fromarray(original).convert("L").convert("RGB"))
+    drawn = np.abs(original.astype(int) - original[0, 0].astype(int)).max(axis=-1, keepdims=True) > 30
+    lighter = np.clip(original.astype(int) + 18 * drawn, 0, 255).astype(np.uint8)
+    assert difference(original, grey) <= copy_check.COPY_DIFFERENCE
+    assert difference(original, np.asarray(Image.fromarray(lighter).convert("L").convert("RGB"))) > 0.05
+
 def test_pairs_compared_in_blocks_get_the_difference_each_pair_gets_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """The rough check compares blocks of pairs in one array operation: a pair's difference must not depend on the
     block it falls in, nor on the other pairs (here blocks of 3, across a collection and against another)."""
