@@ -40,6 +40,12 @@ def test_export_int8_writes_the_model_and_its_gate_figures(run: RunDir, icons_ro
     assert card["int8"]["calibration"]["method"] == "minmax" and card["int8"]["calibration"]["images"] >= 16
     int8, float32 = OnnxEmbedder.from_run(run, model="int8"), OnnxEmbedder.from_run(run)
     assert int8.fingerprint != float32.fingerprint and int8.dim == float32.dim
+    import onnx
+    from onnx import numpy_helper
+
+    graph = onnx.load(str(run.root / "model.int8.onnx")).graph
+    weights = [numpy_helper.to_array(w) for w in graph.initializer if w.data_type == onnx.TensorProto.INT8 and w.dims]
+    assert weights and max(int(abs(w.astype(int)).max()) for w in weights) <= 64  # 7 bits: no saturation without VNNI
     assert main(["evaluate", str(run.root), str(icons_root / "test"), "--model", "int8"]) == 0
     assert (run.metric_sets / "test-int8.json").is_file()
     index = tmp_path / "int8-index"

@@ -125,6 +125,7 @@ def quantise(float32: OnnxEmbedder, calibration: Sequence[Item], output: Path, m
                     reader,
                     quant_format=quantization.QuantFormat.QDQ,
                     per_channel=True,
+                    reduce_range=True,
                     activation_type=quantization.QuantType.QUInt8,
                     weight_type=quantization.QuantType.QInt8,
                     calibrate_method=getattr(
