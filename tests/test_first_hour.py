@@ -135,6 +135,14 @@ def test_a_run_directory_is_resumed_or_overwritten_never_silently_replaced(small
     assert len(run.train_log.read_text().splitlines()) == 1
 
 
+def as_in_a_terminal() -> None:
+    """Ctrl+C as a terminal's foreground process gets it: a test run started in the background (`make test &`, nohup)
+    starts its children with SIGINT ignored, and Python keeps ignoring what it starts with ignored."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_training_says_how_to_resume(small_folder: Path, tmp_path: Path) -> None:
     import signal
     import subprocess
@@ -143,13 +151,16 @@ def test_ctrl_c_during_training_says_how_to_resume(small_folder: Path, tmp_path:
 
     run = tmp_path / "run"
     command = [sys.executable, "-m", "retrieval", "train", str(small_folder), "--run", str(run), "--epochs", "200", "--batch-size", "8", "--image-size", "32"]
-    worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1], preexec_fn=as_in_a_terminal)
     assert worker.stdout is not None
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and not (worker.stdout.readline() or "").startswith("epoch 2/200"):
-        pass
-    worker.send_signal(signal.SIGINT)
-    out, err = worker.communicate(timeout=120)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (worker.stdout.readline() or "").startswith("epoch 2/200"):
+            pass
+        worker.send_signal(signal.SIGINT)
+        out, err = worker.communicate(timeout=120)
+    finally:
+        worker.kill()  # no trainer left behind when the test fails (a no-op once it has exited)
     assert worker.returncode == 130, err
     assert "Traceback" not in err
     line = err.strip().splitlines()[-1]
@@ -214,11 +225,14 @@ def test_serve_says_where_the_app_is_without_gradios_launch_advice(demo_run: Run
     from tests.test_app import free_port
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "retrieval", "serve", str(demo_run.root), "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).parents[1])
+    server = subprocess.Popen([sys.executable, "-m", "retrieval", "serve", str(demo_run.root), "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).parents[1], preexec_fn=as_in_a_terminal)
     assert server.stdout is not None
-    first = server.stdout.readline()
-    server.send_signal(signal.SIGINT)
-    rest = server.communicate(timeout=60)[0]
+    try:
+        first = server.stdout.readline()
+        server.send_signal(signal.SIGINT)
+        rest = server.communicate(timeout=60)[0]
+    finally:
+        server.kill()  # no server left behind when the test fails
     url = f"http://127.0.0.1:{port}"
     assert first.strip() == f"serving the search app at {url}, its JSON API at {url}/docs  (Ctrl+C to stop)"
     assert "share=True" not in first + rest and "Traceback" not in rest and server.returncode == 0
