@@ -147,13 +147,18 @@ def _views(stack: np.ndarray, side: int, boxes: Sequence[Box]) -> np.ndarray:
     return views.reshape(*stack.shape[:-3], len(boxes), stack.shape[-3], side * side)
 
 
+def _neighbourhood(planes: np.ndarray) -> np.ndarray:
+    """[9, N, S, S]: the planes ([N, S, S]) shifted by one pixel in every direction (and not), edges repeated."""
+    side = planes.shape[-1]
+    padded = np.pad(planes, ((0, 0), (1, 1), (1, 1)), mode="edge")
+    return np.stack([padded[:, i : i + side, j : j + side] for i in range(3) for j in range(3)])
+
+
 def _spread(view: np.ndarray, side: int, reach: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """Each pixel's lowest and highest value once moved by up to reach of a pixel towards its 3 x 3 neighbours (a
     shift by that much stays inside)."""
     planes = view.reshape(len(view), side, side)
-    padded = np.pad(planes, ((0, 0), (1, 1), (1, 1)), mode="edge")
-    shifted = np.stack([padded[:, i : i + side, j : j + side] for i in range(3) for j in range(3)])
-    shifted = planes[None] + reach * (shifted - planes[None])
+    shifted = planes[None] + reach * (_neighbourhood(planes) - planes[None])
     return shifted.min(0).reshape(view.shape), shifted.max(0).reshape(view.shape)
 
 
@@ -298,10 +303,8 @@ def _fine_views(stack: np.ndarray, side: int, boxes: Sequence[Box]) -> np.ndarra
     """_views of the fine planes, the chroma planes (if any) blurred over each pixel's 3 x 3 neighbourhood."""
     views = _views(stack, side, boxes)
     if len(stack) > 1:
-        chroma = views[:, 1:].reshape(len(views), -1, side, side)
-        padded = np.pad(chroma, ((0, 0), (0, 0), (1, 1), (1, 1)), mode="edge")
-        blurred = sum(padded[:, :, i : i + side, j : j + side] for i in range(3) for j in range(3)) / 9
-        views[:, 1:] = blurred.reshape(len(views), -1, side * side)
+        chroma = views[:, 1:].reshape(-1, side, side)
+        views[:, 1:] = _neighbourhood(chroma).mean(axis=0).reshape(len(views), -1, side * side)
     return views
 
 
