@@ -8,7 +8,8 @@ grey copies a colour-trained embedding puts apart. Each candidate pair is then c
 pictures themselves (the thumbnails kept while embedding): first all at once at 12 px in grey (most
 pairs stop there), then one picture is aligned on the other over crops of 90-100 % of each side,
 roughly at 24 px (a pixel's shift forgiven; each picture's crops drawn once, PAIR_BLOCK pairs compared
-in one array operation) and finely at 32 px around the best crop (one pair at a time), and
+in one array operation) and finely at 32 px around the best crop (FINE_BLOCK pairs at once; pairs still far
+apart after two rounds stop there), and
 `difference` is the share of the drawn pixels that still differ by more than PIXEL_CUT (in grey when
 either picture is grey). A pair is a copy at difference <= COPY_DIFFERENCE, measured in
 bench/audit.py (docs/trust.md).
@@ -40,11 +41,13 @@ ROUGH = (24, 5)  # pixels a side and crop places along each side of the rough al
 ROUGH_BOUND = 0.06  # pairs whose best rough crop differs in more of their drawn pixels are not copies
 FINE_ROUNDS = 4  # rounds of the fine search, each around the last one's best crop at half its step
 FINE_SIDE = 32  # pixels a side of the fine search (sibling icons differ by a few pixels' detail)
+GIVE_UP = (2, 0.15)  # after this many fine rounds, pairs still farther apart than this are not copies (bench/audit.py)
 CONFIRM_SIDE = 48  # pixels a side of the last round, for pairs the fine search leaves within CONFIRM_BOUND
 CONFIRM_BOUND = 0.05  # pairs farther apart after the fine search are not copies; nearer ones are confirmed finer
 GREY_CUT = 0.05  # PIXEL_CUT of a grey picture against a colour one: greying is exact, so its luma must match closely
 CHROMA = np.array([[0.299, 0.587, 0.114], [-0.169, -0.331, 0.5], [0.5, -0.419, -0.081]], np.float32)  # JPEG's YCbCr
 PAIR_BLOCK = 256  # candidate pairs given the rough check at once (about 30 MB of crops)
+FINE_BLOCK = 8  # pairs given the fine search at once (larger blocks fall out of the cache: slower, measured)
 LUMA = np.array([0.299, 0.587, 0.114], np.float32)  # Pillow's grey
 
 
@@ -92,14 +95,37 @@ def _boxes(places: int) -> list[Box]:
     return boxes
 
 
-def _around(box: Box, step: float) -> list[Box]:
-    """Crops near box (side and place +- step), inside the picture: a round of the fine search."""
-    near = []
-    for scale in (box[2] - step, box[2], box[2] + step):
-        if 0 < scale <= 1:
-            for left in (box[0] - step, box[0], box[0] + step):
-                near += [(left, top, scale) for top in (box[1] - step, box[1], box[1] + step)]
-    return [(min(max(x, 0), 1 - w), min(max(y, 0), 1 - w), w) for x, y, w in near if w <= 1]
+@dataclass(frozen=True)
+class _Crops:
+    """Square crops of P pictures on an I x K x J grid: I sides, each with K left and J top places (inside the
+    picture). Row spans depend on (side, top), column spans on (side, left): 9 of each make 27 crops."""
+
+    lefts: np.ndarray  # [P, I, K]
+    tops: np.ndarray  # [P, I, J]
+    sides: np.ndarray  # [P, I]
+    valid: np.ndarray  # [P, I * K * J]: the crop exists (a side above the whole picture's does not)
+
+    @classmethod
+    def whole(cls, count: int) -> _Crops:
+        zeros = np.zeros((count, 1, 1))
+        return cls(zeros, zeros, np.ones((count, 1)), np.ones((count, 1), bool))
+
+    def box(self, crop: np.ndarray) -> np.ndarray:
+        """[P, 3]: the (left, top, side) of each picture's crop number crop ([P], flat over I, K, J)."""
+        i, k, j = np.unravel_index(crop, (self.sides.shape[1], self.lefts.shape[2], self.tops.shape[2]))
+        rows = np.arange(len(crop))
+        return np.stack([self.lefts[rows, i, k], self.tops[rows, i, j], self.sides[rows, i]], axis=1)
+
+
+def _around(boxes: np.ndarray, step: float) -> _Crops:
+    """The crops near each box ([P, 3]: side and place +- step, inside the picture): a round of the fine search."""
+    offsets = np.array([-step, 0.0, step])
+    sides = boxes[:, 2:] + offsets  # [P, 3]
+    valid = (sides > 0) & (sides <= 1)
+    sides = np.where(valid, sides, boxes[:, 2:])  # the box itself stands in for a crop that does not exist
+    lefts = np.minimum(np.maximum(boxes[:, None, :1] + offsets, 0), 1 - sides[:, :, None])
+    tops = np.minimum(np.maximum(boxes[:, None, 1:2] + offsets, 0), 1 - sides[:, :, None])
+    return _Crops(lefts, tops, sides, np.repeat(valid, 9, axis=1))
 
 
 @lru_cache(maxsize=8192)
@@ -110,6 +136,16 @@ def _weights(side: int, size: int, start: float, width: float) -> np.ndarray:
     pixels = np.arange(size)[None]
     overlap = np.clip(np.minimum(edges[1:, None], pixels + 1) - np.maximum(edges[:-1, None], pixels), 0, None)
     return (overlap / overlap.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def _area_weights(side: int, size: int, start: np.ndarray, width: np.ndarray) -> np.ndarray:
+    """[..., side, size]: _weights for arrays of spans (start and width in shares of the side, broadcast together),
+    each distinct span's built once (the fine search's spans come from a small grid)."""
+    start, width = np.broadcast_arrays(np.round(start * size, 3), np.round(width * size, 3))
+    keys, inverse = np.unique(np.round(start * 1000) * 1e6 + np.round(width * 1000), return_inverse=True)
+    first = np.unique(inverse.ravel(), return_index=True)[1]  # where each distinct span occurs first
+    table = np.stack([_weights(side, size, float(start.flat[at]), float(width.flat[at])) for at in first])
+    return table[inverse.ravel()].reshape(*start.shape, side, size)
 
 
 def _planes(picture: np.ndarray) -> np.ndarray:
@@ -147,25 +183,32 @@ def _views(stack: np.ndarray, side: int, boxes: Sequence[Box]) -> np.ndarray:
     return views.reshape(*stack.shape[:-3], len(boxes), stack.shape[-3], side * side)
 
 
-def _neighbourhood(planes: np.ndarray) -> np.ndarray:
-    """[9, N, S, S]: the planes ([N, S, S]) shifted by one pixel in every direction (and not), edges repeated."""
+def _neighbourhood(planes: np.ndarray) -> list[np.ndarray]:
+    """9 views [N, S, S]: the planes ([N, S, S]) shifted by one pixel in every direction (and not), edges repeated."""
     side = planes.shape[-1]
     padded = np.pad(planes, ((0, 0), (1, 1), (1, 1)), mode="edge")
-    return np.stack([padded[:, i : i + side, j : j + side] for i in range(3) for j in range(3)])
+    return [padded[:, i : i + side, j : j + side] for i in range(3) for j in range(3)]
 
 
 def _spread(view: np.ndarray, side: int, reach: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """Each pixel's lowest and highest value once moved by up to reach of a pixel towards its 3 x 3 neighbours (a
     shift by that much stays inside)."""
     planes = view.reshape(len(view), side, side)
-    shifted = planes[None] + reach * (_neighbourhood(planes) - planes[None])
-    return shifted.min(0).reshape(view.shape), shifted.max(0).reshape(view.shape)
+    low, high = planes.copy(), planes.copy()
+    for shifted in _neighbourhood(planes):
+        moved = planes + reach * (shifted - planes)
+        np.minimum(low, moved, out=low)
+        np.maximum(high, moved, out=high)
+    return low.reshape(view.shape), high.reshape(view.shape)
 
 
-def _is_grey(picture: np.ndarray) -> bool:
-    """Whether a thumbnail has no colour (its channels within 8 of 255 of each other everywhere)."""
-    channels = picture.astype(np.int16)
-    return bool(np.abs(channels - channels.mean(axis=-1, keepdims=True)).max() < 8)
+def _blur(planes: np.ndarray) -> np.ndarray:
+    """[N, S, S]: each pixel the mean of its 3 x 3 neighbourhood (edges repeated)."""
+    shifted = _neighbourhood(planes)
+    total = shifted[0].copy()
+    for plane in shifted[1:]:
+        total += plane
+    return total / 9
 
 
 def _coarse(thumbnails: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -245,9 +288,32 @@ def _shares(crops: np.ndarray, wholes: _Wholes, rows: np.ndarray, cut: float = P
 
 
 def _differences(mine: np.ndarray, theirs: np.ndarray, pairs: Sequence[tuple[int, int]]) -> np.ndarray:
-    """[P]: difference of each (row of mine, row of theirs) pair: the rough grid for blocks of PAIR_BLOCK pairs at
-    once (each picture's crops drawn once), then the fine search for the pairs it leaves under ROUGH_BOUND."""
+    """[P]: difference of each (row of mine, row of theirs) pair: the rough grid, then the fine search for the pairs
+    it leaves under ROUGH_BOUND, both over blocks of pairs at once (pairs without colour apart)."""
     a, b = np.array(pairs, dtype=np.int64).reshape(-1, 2).T
+    best, crop = _rough(mine, theirs, a, b)
+    found = np.ones(len(a))
+    near = np.flatnonzero(best.min(0) <= ROUGH_BOUND)
+    if not len(near):
+        return found
+    flipped = best[1, near] < best[0, near]  # b's crop fits a better than a's fits b: b is the one cropped
+    rows_a, rows_b = np.unique(a[near], return_inverse=True), np.unique(b[near], return_inverse=True)
+    grey_a, grey_b = _greys(mine[rows_a[0]])[rows_a[1]], _greys(theirs[rows_b[0]])[rows_b[1]]
+    boxes = np.array(_boxes(ROUGH[1]))[crop[flipped.astype(np.int64), near]]
+    for group in (np.flatnonzero(grey_a | grey_b), np.flatnonzero(~(grey_a | grey_b))):
+        for start in range(0, len(group), FINE_BLOCK):
+            rows = group[start : start + FINE_BLOCK]
+            first, second, turn = mine[a[near[rows]]], theirs[b[near[rows]]], flipped[rows, None, None, None]
+            cropped, whole = np.where(turn, second, first), np.where(turn, first, second)
+            grey, mixed = bool(grey_a[rows[0]] | grey_b[rows[0]]), grey_a[rows] != grey_b[rows]
+            found[near[rows]] = _fine(cropped, whole, boxes[rows], grey, mixed)
+    return found
+
+
+def _rough(mine: np.ndarray, theirs: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[2, P] each: per pair (row a of mine, row b of theirs), the share of the best crop of the rough grid, and its
+    number, of a's crops on b's whole picture and of b's on a's; PAIR_BLOCK pairs at once, each picture's crops
+    drawn once."""
     if mine is theirs:
         rows_a = rows_b = np.unique(np.concatenate([a, b]))
         rough_a = rough_b = _rough_views(mine[rows_a])
@@ -257,55 +323,85 @@ def _differences(mine: np.ndarray, theirs: np.ndarray, pairs: Sequence[tuple[int
     whole_a = _Wholes.of(rough_a[:, 0].astype(np.float32) / 255, ROUGH[0], 1.0)
     whole_b = whole_a if rough_b is rough_a else _Wholes.of(rough_b[:, 0].astype(np.float32) / 255, ROUGH[0], 1.0)
     at_a, at_b = np.searchsorted(rows_a, a), np.searchsorted(rows_b, b)
-    found = np.ones(len(a))
+    best, crop = np.ones((2, len(a))), np.zeros((2, len(a)), np.int64)
     for start in range(0, len(a), PAIR_BLOCK):
         block = slice(start, start + PAIR_BLOCK)
-        shares = (  # a's crops on b's whole picture, and b's on a's
-            _shares(rough_a[at_a[block]].astype(np.float32) / 255, whole_b, at_b[block]),
-            _shares(rough_b[at_b[block]].astype(np.float32) / 255, whole_a, at_a[block]),
-        )
-        for offset in np.flatnonzero(np.minimum(shares[0].min(1), shares[1].min(1)) <= ROUGH_BOUND):
-            direction = int(shares[1][offset].min() < shares[0][offset].min())
-            pair = start + offset
-            found[pair] = _fine(mine[a[pair]], theirs[b[pair]], direction, int(shares[direction][offset].argmin()))
+        for side, shares in enumerate(
+            (
+                _shares(rough_a[at_a[block]].astype(np.float32) / 255, whole_b, at_b[block]),
+                _shares(rough_b[at_b[block]].astype(np.float32) / 255, whole_a, at_a[block]),
+            )
+        ):
+            best[side, block], crop[side, block] = shares.min(1), shares.argmin(1)
+    return best, crop
+
+
+def _greys(pictures: np.ndarray) -> np.ndarray:
+    """[N] bool: which thumbnails have no colour (their channels within 8 of 255 of each other everywhere)."""
+    grey = np.zeros(len(pictures), bool)
+    for start in range(0, len(pictures), PAIR_BLOCK):  # a block at a time: the int16 copies stay small
+        channels = pictures[start : start + PAIR_BLOCK].astype(np.int16)
+        spread = np.abs(3 * channels - channels.sum(axis=-1, keepdims=True, dtype=np.int16))  # 3 x off the mean
+        grey[start : start + PAIR_BLOCK] = spread.reshape(len(channels), -1).max(axis=1) < 24
+    return grey
+
+
+def _fine(cropped: np.ndarray, whole: np.ndarray, boxes: np.ndarray, grey: bool, mixed: np.ndarray) -> np.ndarray:
+    """[P]: the fine search of a block of pairs, each from its rough grid's best crop (boxes [P, 3]) of cropped on
+    whole: FINE_ROUNDS rounds at FINE_SIDE px, each around the last one's best crop at half its step (pairs beyond
+    GIVE_UP's share after its rounds stop: no bench pair that ended within CONFIRM_BOUND was above 0.091 there);
+    pairs left within CONFIRM_BOUND get one more round at CONFIRM_SIDE px, whose difference is theirs (in grey when
+    grey, and at GREY_CUT where one picture of a pair is grey and the other not)."""
+    stack, target = _fine_planes(cropped, grey), _fine_planes(whole, grey)
+    step, best, going = (1 - min(SCALES)) / (ROUGH[1] - 1), np.ones(len(boxes)), np.arange(len(boxes))
+    wholes = _fine_wholes(target, FINE_SIDE)
+    for round_ in range(FINE_ROUNDS):
+        if not len(going):
+            break
+        near = _around(boxes[going], step)
+        fine = np.where(near.valid, _shares(_fine_views(stack[going], FINE_SIDE, near), wholes, going), np.inf)
+        boxes[going], best[going], step = near.box(fine.argmin(1)), np.minimum(best[going], fine.min(1)), step / 2
+        if round_ + 1 == GIVE_UP[0]:
+            going = going[best[going] <= GIVE_UP[1]]
+    found = np.round(best, 3)  # the share of drawn pixels, without the tie-break
+    close = np.flatnonzero(best <= CONFIRM_BOUND)
+    if len(close):
+        wholes, near = _fine_wholes(target[close], CONFIRM_SIDE), _around(boxes[close], step)
+        cut = np.where(mixed[close], GREY_CUT, PIXEL_CUT)[:, None, None, None].astype(np.float32)
+        shares = _shares(_fine_views(stack[close], CONFIRM_SIDE, near), wholes, np.arange(len(close)), cut)
+        found[close] = np.round(np.where(near.valid, shares, np.inf).min(1), 3)
     return found
 
 
-def _fine(first: np.ndarray, second: np.ndarray, direction: int, crop: int) -> float:
-    """The fine search of one pair from the rough grid's best crop (of first on second when direction is 0, else of
-    second on first): FINE_ROUNDS rounds at FINE_SIDE px, each around the last one's best crop at half its step;
-    pairs left within CONFIRM_BOUND get one more round at CONFIRM_SIDE px, whose difference is theirs."""
-    grey = _is_grey(first), _is_grey(second)
-    cropped, whole = (first, second) if direction == 0 else (second, first)
-    stack, target = _fine_planes(cropped, any(grey)), _fine_planes(whole, any(grey))
-    box, step, best = _boxes(ROUGH[1])[crop], (1 - min(SCALES)) / (ROUGH[1] - 1), 1.0
-    wholes, only = _Wholes.of(_fine_views(target, FINE_SIDE, [(0.0, 0.0, 1.0)]), FINE_SIDE, 0.5), np.zeros(1, int)
-    for _ in range(FINE_ROUNDS):
-        near = _around(box, step)
-        fine = _shares(_fine_views(stack, FINE_SIDE, near)[None], wholes, only)[0]
-        box, best, step = near[int(fine.argmin())], min(best, float(fine.min())), step / 2
-    if best > CONFIRM_BOUND:
-        return round(best, 3)  # the share of drawn pixels, without the tie-break
-    wholes = _Wholes.of(_fine_views(target, CONFIRM_SIDE, [(0.0, 0.0, 1.0)]), CONFIRM_SIDE, 0.5)
-    near, cut = _around(box, step), GREY_CUT if grey[0] != grey[1] else PIXEL_CUT
-    return round(float(_shares(_fine_views(stack, CONFIRM_SIDE, near)[None], wholes, only, cut)[0].min()), 3)
+def _fine_wholes(target: np.ndarray, side: int) -> _Wholes:
+    """What the fine search compares crops with: the whole pictures' fine views (forgiving half a pixel's shift)."""
+    return _Wholes.of(_fine_views(target, side, _Crops.whole(len(target)))[:, 0], side, 0.5)
 
 
-def _fine_planes(picture: np.ndarray, grey: bool) -> np.ndarray:
-    """[C, S, S]: the planes the fine search compares: grey alone, or luma and the two chroma planes (JPEG's YCbCr:
-    a re-encoded copy keeps the luma's detail and loses the colours', which _fine_views blurs on both pictures)."""
+def _fine_planes(pictures: np.ndarray, grey: bool) -> np.ndarray:
+    """[P, C, S, S]: the planes the fine search compares: grey alone, or luma and the two chroma planes (JPEG's
+    YCbCr: a re-encoded copy keeps the luma's detail and loses the colours', which _fine_views blurs on both
+    pictures)."""
+    rgb = pictures.astype(np.float32) / 255
     if grey:
-        return _planes(picture)[3:]
-    return np.moveaxis(picture.astype(np.float32) / 255 @ CHROMA.T, -1, 0)
+        return (rgb @ LUMA)[:, None]
+    return np.moveaxis(rgb @ CHROMA.T, -1, 1)
 
 
-def _fine_views(stack: np.ndarray, side: int, boxes: Sequence[Box]) -> np.ndarray:
-    """_views of the fine planes, the chroma planes (if any) blurred over each pixel's 3 x 3 neighbourhood."""
-    views = _views(stack, side, boxes)
-    if len(stack) > 1:
-        chroma = views[:, 1:].reshape(-1, side, side)
-        views[:, 1:] = _neighbourhood(chroma).mean(axis=0).reshape(len(views), -1, side * side)
-    return views
+def _fine_views(stack: np.ndarray, side: int, crops: _Crops) -> np.ndarray:
+    """[P, V, C, side * side]: each picture's crops of its planes (stack [P, C, S, S]) resampled to side, the chroma
+    planes (if any) blurred over each pixel's 3 x 3 neighbourhood; rows resampled once per (side, top), columns once
+    per (side, left)."""
+    size, count = stack.shape[-1], len(stack)
+    rows = _area_weights(side, size, crops.tops, crops.sides[:, :, None])  # [P, I, J, side, size]
+    columns = _area_weights(side, size, crops.lefts, crops.sides[:, :, None]).swapaxes(-1, -2)  # [P, I, K, size, side]
+    tall = rows[:, :, :, None] @ stack[:, None, None]  # [P, I, J, C, side, size]
+    views = tall[:, :, None] @ columns[:, :, :, None, None]  # [P, I, K, J, C, side, side]
+    views = views.reshape(count, -1, stack.shape[1], side, side)
+    if stack.shape[1] > 1:
+        chroma = views[:, :, 1:].reshape(-1, side, side)
+        views[:, :, 1:] = _blur(chroma).reshape(views[:, :, 1:].shape)
+    return views.reshape(count, -1, stack.shape[1], side * side)
 
 
 def _hash_neighbours(queries: np.ndarray, gallery: np.ndarray, k: int, same: bool) -> list[tuple[int, int]]:

@@ -152,12 +152,14 @@ def test_a_grey_picture_is_a_copy_of_its_colour_original_only_where_the_luma_mat
     assert difference(original, np.asarray(Image.fromarray(lighter).convert("L").convert("RGB"))) > 0.05
 
 def test_pairs_compared_in_blocks_get_the_difference_each_pair_gets_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rough check compares blocks of pairs in one array operation: a pair's difference must not depend on the
-    block it falls in, nor on the other pairs (here blocks of 3, across a collection and against another)."""
+    """The rough and fine checks compare blocks of pairs in one array operation: a pair's difference must not depend
+    on the block it falls in, nor on the other pairs (here blocks of 3 and 2, across a collection and against
+    another)."""
     pictures = shapes(6)
     thumbnails = np.stack(pictures + [changed(pictures[i], kind) for i, kind in enumerate(["jpeg", "crop", "grey"])])
     vectors = l2_normalise(np.random.default_rng(1).normal(size=(len(thumbnails), 8))).astype(np.float32)
     monkeypatch.setattr(copy_check, "PAIR_BLOCK", 3)
+    monkeypatch.setattr(copy_check, "FINE_BLOCK", 2)
     monkeypatch.setattr(copy_check, "COARSE_BOUND", 1.0)  # every candidate pair to the rough check
     within = find_copies(vectors, [f"d{row}" for row in range(9)], thumbnails, threshold=1.0)
     assert len(within) > 3  # more than one block
