@@ -16,6 +16,7 @@ import argparse
 import importlib.util
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
@@ -24,6 +25,7 @@ import faiss  # noqa: E402
 import numpy as np  # noqa: E402
 
 from index.tuning import recall_at_10  # noqa: E402
+from retrieval.embedders import l2_normalise  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("bench_index", Path(__file__).with_name("index.py"))
 bench_index = importlib.util.module_from_spec(_spec)
@@ -66,9 +68,7 @@ def main() -> None:
         print(f"{name}: recall {recall_at_10(found, truth):.3f} qps {qps:,.0f} ({qps / exact:.1f}x)", flush=True)
 
     def rescored(candidates: np.ndarray) -> np.ndarray:
-        scores = np.einsum("qcd,qd->qc", gallery[np.maximum(candidates, 0)], queries)
-        scores[candidates < 0] = -np.inf
-        return np.take_along_axis(candidates, np.argsort(-scores, axis=1)[:, :10], axis=1)
+        return rescore(gallery, queries, candidates)
 
     for factory in filter(None, args.ivf.split(";")):
         index = faiss.index_factory(128, factory, faiss.METRIC_INNER_PRODUCT)
@@ -117,8 +117,20 @@ def main() -> None:
                     )
 
 
+def rescore(gallery: np.ndarray, queries: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+    """[Q, 10]: each query's candidates (ids, -1 for none) re-ordered by their exact inner product in gallery's space."""
+    scores = np.einsum("qcd,qd->qc", gallery[np.maximum(candidates, 0)], queries)
+    scores[candidates < 0] = -np.inf
+    return np.take_along_axis(candidates, np.argsort(-scores, axis=1)[:, :10], axis=1)
+
+
 def sharpened(
-    gallery: np.ndarray, queries: np.ndarray, forward: np.ndarray, alpha: str, report: object, rescored: object
+    gallery: np.ndarray,
+    queries: np.ndarray,
+    forward: np.ndarray,
+    alpha: str,
+    report: Callable[[str, Callable[[], np.ndarray]], None],
+    rescored: Callable[[np.ndarray], np.ndarray],
 ) -> None:
     """HNSW32 (efConstruction 80) over gallery @ forward, searched with queries @ forward, candidates re-scored in the
     full space: the graph walks a space of lower intrinsic dimension, the re-scoring restores the whitened order."""
@@ -135,7 +147,7 @@ def sharpened(
                 report(
                     f"HNSW32 sharpened {alpha} efSearch {ef} candidates {candidates}",
                     lambda: rescored(index.search(asked, candidates, params=params)[1]),
-                )  # type: ignore[operator]
+                )
 
 
 def rewhitened(size: int, count: int) -> None:
@@ -147,11 +159,7 @@ def rewhitened(size: int, count: int) -> None:
     queries = bench_index.generated("encoder", count, 128, seed=2)
     mean, projection = fit_whitening(gallery[np.random.default_rng(3).permutation(size)[:100_000]], 0.8)
 
-    def whitened(vectors: np.ndarray) -> np.ndarray:
-        moved = (vectors - mean) @ projection
-        return (moved / np.linalg.norm(moved, axis=1, keepdims=True)).astype(np.float32)
-
-    white, asked = whitened(gallery), whitened(queries)
+    white, asked = (l2_normalise((vectors - mean) @ projection) for vectors in (gallery, queries))
     for name, vectors in (
         ("encoder set whitened", white[:20_000]),
         ("whitened set", bench_index.generated("whitened", 20_000, 128, seed=5)),
@@ -162,8 +170,7 @@ def rewhitened(size: int, count: int) -> None:
     unwhitened = flat(gallery)
     for k in (10, 50, 100, 200):
         candidates = bench_index.faiss_search(unwhitened, queries, k)[1]
-        scores = np.einsum("qcd,qd->qc", white[candidates], asked)
-        found = np.take_along_axis(candidates, np.argsort(-scores, axis=1)[:, :10], axis=1)
+        found = rescore(white, asked, candidates)
         print(f"exact unwhitened top {k} re-scored whitened: recall {recall_at_10(found, truth):.3f}", flush=True)
 
 

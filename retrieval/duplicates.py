@@ -142,16 +142,11 @@ def _area_weights(side: int, size: int, start: np.ndarray, width: np.ndarray) ->
     """[..., side, size]: _weights for arrays of spans (start and width in shares of the side, broadcast together),
     each distinct span's built once (the fine search's spans come from a small grid)."""
     start, width = np.broadcast_arrays(np.round(start * size, 3), np.round(width * size, 3))
-    keys, inverse = np.unique(np.round(start * 1000) * 1e6 + np.round(width * 1000), return_inverse=True)
-    first = np.unique(inverse.ravel(), return_index=True)[1]  # where each distinct span occurs first
+    _, first, inverse = np.unique(
+        np.round(start * 1000) * 1e6 + np.round(width * 1000), return_index=True, return_inverse=True
+    )  # first: where each distinct span occurs first
     table = np.stack([_weights(side, size, float(start.flat[at]), float(width.flat[at])) for at in first])
     return table[inverse.ravel()].reshape(*start.shape, side, size)
-
-
-def _planes(picture: np.ndarray) -> np.ndarray:
-    """[4, S, S] float: a thumbnail's R, G, B and grey planes in [0, 1]."""
-    rgb = picture.astype(np.float32) / 255
-    return np.concatenate([rgb.transpose(2, 0, 1), (rgb @ LUMA)[None]])
 
 
 @dataclass(frozen=True)
@@ -297,8 +292,7 @@ def _differences(mine: np.ndarray, theirs: np.ndarray, pairs: Sequence[tuple[int
     if not len(near):
         return found
     flipped = best[1, near] < best[0, near]  # b's crop fits a better than a's fits b: b is the one cropped
-    rows_a, rows_b = np.unique(a[near], return_inverse=True), np.unique(b[near], return_inverse=True)
-    grey_a, grey_b = _greys(mine[rows_a[0]])[rows_a[1]], _greys(theirs[rows_b[0]])[rows_b[1]]
+    grey_a, grey_b = _greys(mine, a[near]), _greys(theirs, b[near])
     boxes = np.array(_boxes(ROUGH[1]))[crop[flipped.astype(np.int64), near]]
     for group in (np.flatnonzero(grey_a | grey_b), np.flatnonzero(~(grey_a | grey_b))):
         for start in range(0, len(group), FINE_BLOCK):
@@ -336,14 +330,16 @@ def _rough(mine: np.ndarray, theirs: np.ndarray, a: np.ndarray, b: np.ndarray) -
     return best, crop
 
 
-def _greys(pictures: np.ndarray) -> np.ndarray:
-    """[N] bool: which thumbnails have no colour (their channels within 8 of 255 of each other everywhere)."""
-    grey = np.zeros(len(pictures), bool)
-    for start in range(0, len(pictures), PAIR_BLOCK):  # a block at a time: the int16 copies stay small
-        channels = pictures[start : start + PAIR_BLOCK].astype(np.int16)
+def _greys(pictures: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """[len(rows)] bool: which of the thumbnails at rows have no colour (their channels within 8 of 255 of each other
+    everywhere); each distinct picture judged once, a block at a time so that the int16 copies stay small."""
+    distinct, at = np.unique(rows, return_inverse=True)
+    grey = np.zeros(len(distinct), bool)
+    for start in range(0, len(distinct), PAIR_BLOCK):
+        channels = pictures[distinct[start : start + PAIR_BLOCK]].astype(np.int16)
         spread = np.abs(3 * channels - channels.sum(axis=-1, keepdims=True, dtype=np.int16))  # 3 x off the mean
         grey[start : start + PAIR_BLOCK] = spread.reshape(len(channels), -1).max(axis=1) < 24
-    return grey
+    return grey[at]
 
 
 def _fine(cropped: np.ndarray, whole: np.ndarray, boxes: np.ndarray, grey: bool, mixed: np.ndarray) -> np.ndarray:
