@@ -12,15 +12,22 @@ in one array operation) and finely at 32 px around the best crop (FINE_BLOCK pai
 apart after two rounds stop there), and
 `difference` is the share of the drawn pixels that still differ by more than PIXEL_CUT (in grey when
 either picture is grey). A pair is a copy at difference <= COPY_DIFFERENCE, measured in
-bench/audit.py (docs/trust.md).
+bench/audit.py (docs/trust.md). From SHARED_PAIRS candidate pairs on, the checks are shared out over
+the usable cores (this process and a worker process per other core, run as `python -m
+retrieval.duplicates FOLDER`).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -49,6 +56,7 @@ CHROMA = np.array([[0.299, 0.587, 0.114], [-0.169, -0.331, 0.5], [0.5, -0.419, -
 PAIR_BLOCK = 256  # candidate pairs given the rough check at once (about 30 MB of crops)
 FINE_BLOCK = 8  # pairs given the fine search at once (larger blocks fall out of the cache: slower, measured)
 LUMA = np.array([0.299, 0.587, 0.114], np.float32)  # Pillow's grey
+SHARED_PAIRS = 2000  # candidate pairs from which the checks are shared out over the cores (a process's start: ~1 s)
 
 
 class CopyKind(Enum):
@@ -304,6 +312,84 @@ def _differences(mine: np.ndarray, theirs: np.ndarray, pairs: Sequence[tuple[int
     return found
 
 
+def _shared_out(mine: np.ndarray, theirs: np.ndarray, pairs: Sequence[tuple[int, int]]) -> np.ndarray:
+    """_differences of the pairs, every n-th pair to each of the n usable cores: this process checks one share while a
+    worker process per other core checks another (`python -m retrieval.duplicates`, given the thumbnails its pairs
+    need in a temporary file). A pair's difference does not depend on the pairs checked beside it
+    (tests/test_audit.py), so the result is the one of a single process."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if cores < 2 or len(pairs) < SHARED_PAIRS:
+        return _differences(mine, theirs, pairs)
+    shares, found = [list(pairs[n::cores]) for n in range(cores)], np.ones(len(pairs))
+    with tempfile.TemporaryDirectory(prefix="retrieval-copies-") as folder:
+        workers = [_Worker.start(Path(folder) / str(n), *_needed(mine, theirs, shares[n])) for n in range(1, cores)]
+        try:
+            found[0::cores] = _differences(mine, theirs, shares[0])
+            for n, worker in enumerate(workers, 1):
+                found[n::cores] = worker.result()
+        finally:
+            for worker in workers:
+                worker.process.kill()  # nothing when it is done; on Ctrl+C here it stops too
+    return found
+
+
+def _needed(
+    mine: np.ndarray, theirs: np.ndarray, pairs: list[tuple[int, int]]
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """What a worker needs for pairs: the thumbnails of their rows (one array when both sides are one collection:
+    None for theirs) and the pairs as rows of those."""
+    a, b = np.array(pairs, dtype=np.int64).reshape(-1, 2).T
+    if mine is theirs:
+        rows, at = np.unique(np.concatenate([a, b]), return_inverse=True)
+        return mine[rows], None, at.reshape(2, -1).T
+    rows_a, at_a = np.unique(a, return_inverse=True)
+    rows_b, at_b = np.unique(b, return_inverse=True)
+    return mine[rows_a], theirs[rows_b], np.stack([at_a, at_b], axis=1)
+
+
+@dataclass(frozen=True)
+class _Worker:
+    """A process that checks a share of the candidate pairs (_shared_out), and the files it answers in."""
+
+    process: subprocess.Popen
+    output: Path
+    errors: Path
+
+    @classmethod
+    def start(cls, folder: Path, mine: np.ndarray, theirs: np.ndarray | None, pairs: np.ndarray) -> _Worker:
+        """Writes the share's thumbnails and pairs to folder and starts the process on them (in its own session: a
+        Ctrl+C is its parent's, which ends it)."""
+        folder.mkdir()
+        np.savez(folder / "given.npz", mine=mine, pairs=pairs, **({} if theirs is None else {"theirs": theirs}))
+        package = str(Path(__file__).resolve().parents[1])  # this checkout's retrieval, whatever is installed
+        path = os.pathsep.join(filter(None, [package, os.environ.get("PYTHONPATH")]))
+        environment = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+        with open(folder / "errors.txt", "wb") as errors:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "retrieval.duplicates", str(folder)],
+                stdout=subprocess.DEVNULL,
+                stderr=errors,
+                env=environment,
+                start_new_session=True,
+            )
+        return cls(process, folder / "differences.npy", folder / "errors.txt")
+
+    def result(self) -> np.ndarray:
+        """The share's differences, once the process has ended."""
+        if self.process.wait() != 0:
+            said = self.errors.read_text(errors="replace").strip().splitlines() or [f"exit {self.process.returncode}"]
+            raise RuntimeError(f"the copy check's worker process failed: {said[-1]}")
+        return np.load(self.output)
+
+
+def _work(folder: Path) -> None:
+    """A worker's side of _shared_out: the differences of the pairs given in folder (no theirs: pairs within mine)."""
+    with np.load(folder / "given.npz") as given:
+        mine, pairs = given["mine"], given["pairs"]
+        theirs = given["theirs"] if "theirs" in given.files else mine
+    np.save(folder / "differences.npy", _differences(mine, theirs, [tuple(pair) for pair in pairs.tolist()]))
+
+
 def _rough(mine: np.ndarray, theirs: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[2, P] each: per pair (row a of mine, row b of theirs), the share of the best crop of the rough grid, and its
     number, of a's crops on b's whole picture and of b's on a's; PAIR_BLOCK pairs at once, each picture's crops
@@ -448,7 +534,7 @@ def find_copies(
     checked = [pair for pair in candidate_pairs(vectors, hashes, against) if pair not in known]
     coarse = _coarse(thumbnails)
     checked = _coarse_filter(coarse, coarse if other is None else _coarse(gallery[2]), checked)
-    near = zip(checked, _differences(thumbnails, gallery[2], checked).tolist(), strict=True) if checked else []
+    near = zip(checked, _shared_out(thumbnails, gallery[2], checked).tolist(), strict=True) if checked else []
     pairs = [CopyPair(a, b, CopyKind.IDENTICAL, 0.0) for a, b in identical]
     pairs += sorted(
         (CopyPair(a, b, CopyKind.NEAR, d) for (a, b), d in near if d <= threshold), key=lambda p: p.difference
@@ -472,3 +558,7 @@ def copy_groups(pairs: Sequence[CopyPair], count: int) -> list[list[int]]:
     for row in sorted({row for pair in pairs for row in (pair.a, pair.b)}):
         groups.setdefault(root(row), []).append(row)
     return sorted(groups.values(), key=lambda rows: (-len(rows), rows[0]))
+
+
+if __name__ == "__main__":  # a worker process of _shared_out
+    _work(Path(sys.argv[1]))

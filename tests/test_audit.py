@@ -173,6 +173,30 @@ def test_pairs_compared_in_blocks_get_the_difference_each_pair_gets_alone(monkey
         assert pair.difference == difference(thumbnails[pair.a], thumbnails[6 + pair.b]), (pair.a, pair.b)
 
 
+def test_pairs_shared_out_over_worker_processes_get_the_differences_of_one_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Many candidate pairs are checked on every core: this process and a worker process per other core each take
+    every n-th pair; the differences must be those of one process, within a collection and against another."""
+    pictures = shapes(6)
+    thumbnails = np.stack(pictures + [changed(pictures[i], kind) for i, kind in enumerate(["jpeg", "crop", "grey"])])
+    vectors = l2_normalise(np.random.default_rng(1).normal(size=(len(thumbnails), 8))).astype(np.float32)
+    monkeypatch.setattr(copy_check, "COARSE_BOUND", 1.0)
+    digests = [f"d{row}" for row in range(9)]
+    other = (vectors[6:], ["x", "y", "z"], thumbnails[6:])
+    alone = [find_copies(vectors, digests, thumbnails, threshold=1.0)]
+    alone.append(find_copies(vectors[:6], digests[:6], thumbnails[:6], other, threshold=1.0))
+    monkeypatch.setattr(copy_check, "SHARED_PAIRS", 1)
+    monkeypatch.setattr(copy_check.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    shared = [find_copies(vectors, digests, thumbnails, threshold=1.0)]
+    shared.append(find_copies(vectors[:6], digests[:6], thumbnails[:6], other, threshold=1.0))
+    assert len(alone[0]) > 3 and len(alone[1]) > 3
+    assert shared == alone
+    monkeypatch.setattr(copy_check.sys, "executable", "/bin/false")  # a worker that fails is an error, not a result
+    with pytest.raises(RuntimeError, match="worker process failed"):
+        find_copies(vectors, digests, thumbnails, threshold=1.0)
+
+
 def embedded(thumbnails: np.ndarray, name: str, labels: list[str] | None = None) -> Embedded:
     vectors = l2_normalise(np.random.default_rng(len(name)).normal(size=(len(thumbnails), 8))).astype(np.float32)
     items = [Item(Path(f"/{name}/{row}.png"), (labels or [""] * len(thumbnails))[row]) for row in range(len(thumbnails))]
