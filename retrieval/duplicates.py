@@ -326,7 +326,8 @@ def _shared_out(mine: np.ndarray, theirs: np.ndarray, pairs: Sequence[tuple[int,
         try:
             found[0::cores] = _differences(mine, theirs, shares[0])
             for n, worker in enumerate(workers, 1):
-                found[n::cores] = worker.result()
+                done = worker.result()  # None: it failed (killed, out of memory), and its share is checked here
+                found[n::cores] = done if done is not None else _differences(mine, theirs, shares[n])
         finally:
             for worker in workers:
                 worker.process.kill()  # nothing when it is done; on Ctrl+C here it stops too
@@ -349,11 +350,10 @@ def _needed(
 
 @dataclass(frozen=True)
 class _Worker:
-    """A process that checks a share of the candidate pairs (_shared_out), and the files it answers in."""
+    """A process that checks a share of the candidate pairs (_shared_out), and the file it answers in."""
 
     process: subprocess.Popen
     output: Path
-    errors: Path
 
     @classmethod
     def start(cls, folder: Path, mine: np.ndarray, theirs: np.ndarray | None, pairs: np.ndarray) -> _Worker:
@@ -364,22 +364,14 @@ class _Worker:
         package = str(Path(__file__).resolve().parents[1])  # this checkout's retrieval, whatever is installed
         path = os.pathsep.join(filter(None, [package, os.environ.get("PYTHONPATH")]))
         environment = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-        with open(folder / "errors.txt", "wb") as errors:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "retrieval.duplicates", str(folder)],
-                stdout=subprocess.DEVNULL,
-                stderr=errors,
-                env=environment,
-                start_new_session=True,
-            )
-        return cls(process, folder / "differences.npy", folder / "errors.txt")
+        command = [sys.executable, "-m", "retrieval.duplicates", str(folder)]
+        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+        process = subprocess.Popen(command, env=environment, start_new_session=True, **quiet)
+        return cls(process, folder / "differences.npy")
 
-    def result(self) -> np.ndarray:
-        """The share's differences, once the process has ended."""
-        if self.process.wait() != 0:
-            said = self.errors.read_text(errors="replace").strip().splitlines() or [f"exit {self.process.returncode}"]
-            raise RuntimeError(f"the copy check's worker process failed: {said[-1]}")
-        return np.load(self.output)
+    def result(self) -> np.ndarray | None:
+        """The share's differences once the process has ended, or None where it failed."""
+        return np.load(self.output) if self.process.wait() == 0 else None
 
 
 def _work(folder: Path) -> None:
