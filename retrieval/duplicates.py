@@ -321,15 +321,19 @@ def _shared_out(mine: np.ndarray, theirs: np.ndarray, pairs: Sequence[tuple[int,
     if cores < 2 or len(pairs) < SHARED_PAIRS:
         return _differences(mine, theirs, pairs)
     shares, found = [list(pairs[n::cores]) for n in range(cores)], np.ones(len(pairs))
-    with tempfile.TemporaryDirectory(prefix="retrieval-copies-") as folder:
+    try:
+        scratch = tempfile.TemporaryDirectory(prefix="retrieval-copies-", ignore_cleanup_errors=True)
+    except OSError:  # no temporary folder to be had: every pair is checked here
+        return _differences(mine, theirs, pairs)
+    with scratch as folder:
         workers = [_Worker.start(Path(folder) / str(n), *_needed(mine, theirs, shares[n])) for n in range(1, cores)]
         try:
             found[0::cores] = _differences(mine, theirs, shares[0])
             for n, worker in enumerate(workers, 1):
-                done = worker.result()  # None: it failed (killed, out of memory), and its share is checked here
+                done = worker.result() if worker else None  # None: it failed or never started (no room for its file)
                 found[n::cores] = done if done is not None else _differences(mine, theirs, shares[n])
         finally:
-            for worker in workers:
+            for worker in filter(None, workers):
                 worker.process.kill()  # nothing when it is done; on Ctrl+C here it stops too
     return found
 
@@ -356,17 +360,23 @@ class _Worker:
     output: Path
 
     @classmethod
-    def start(cls, folder: Path, mine: np.ndarray, theirs: np.ndarray | None, pairs: np.ndarray) -> _Worker:
+    def start(cls, folder: Path, mine: np.ndarray, theirs: np.ndarray | None, pairs: np.ndarray) -> _Worker | None:
         """Writes the share's thumbnails and pairs to folder and starts the process on them (in its own session: a
-        Ctrl+C is its parent's, which ends it)."""
-        folder.mkdir()
-        np.savez(folder / "given.npz", mine=mine, pairs=pairs, **({} if theirs is None else {"theirs": theirs}))
+        Ctrl+C is its parent's, which ends it); None where the files or the process cannot be had."""
+        try:
+            folder.mkdir()
+            np.savez(folder / "given.npz", mine=mine, pairs=pairs, **({} if theirs is None else {"theirs": theirs}))
+        except OSError:  # a full or read-only temporary folder
+            return None
         package = str(Path(__file__).resolve().parents[1])  # this checkout's retrieval, whatever is installed
         path = os.pathsep.join(filter(None, [package, os.environ.get("PYTHONPATH")]))
         environment = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
         command = [sys.executable, "-m", "retrieval.duplicates", str(folder)]
         quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-        process = subprocess.Popen(command, env=environment, start_new_session=True, **quiet)
+        try:
+            process = subprocess.Popen(command, env=environment, start_new_session=True, **quiet)
+        except OSError:  # no process to be had
+            return None
         return cls(process, folder / "differences.npy")
 
     def result(self) -> np.ndarray | None:

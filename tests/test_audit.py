@@ -206,6 +206,9 @@ def test_pairs_shared_out_over_worker_processes_get_the_differences_of_one_proce
     monkeypatch.setattr(copy_check.sys, "executable", "/bin/false")  # workers that fail: their shares checked here
     assert find_copies(vectors, digests, thumbnails, threshold=1.0) == alone[0]
     assert len(here) == 5
+    monkeypatch.setattr(copy_check.tempfile, "tempdir", "/nonexistent/folder")  # no temporary folder: all here
+    assert find_copies(vectors, digests, thumbnails, threshold=1.0) == alone[0]
+    assert len(here) == 6
 
 
 def embedded(thumbnails: np.ndarray, name: str, labels: list[str] | None = None) -> Embedded:
