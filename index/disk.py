@@ -21,17 +21,20 @@ import numpy as np
 
 from index.types import FORMAT_VERSION, MANIFEST, RAW, Manifest
 from retrieval.errors import RetrievalError
-from retrieval.runs import fsync_dir, read_json
+from retrieval.runs import fsync_dir, read_json, writable_folder
 
 
 @contextmanager
 def writer_lock(directory: Path, timeout: float = 600.0) -> Iterator[None]:
     """Holds the index's writer lock (one writer at a time, across processes), waiting up to timeout s."""
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
+    directory = writable_folder(directory, "index", make=False)  # a file there is refused, not replaced
     path = directory.with_name(f".{directory.name}.lock")
     deadline = time.monotonic() + timeout
-    with open(path, "a") as handle:
+    try:
+        handle = open(path, "a")  # closed by the with below, after the lock is released
+    except OSError as error:
+        raise RetrievalError(f"index {directory}: its folder cannot be written ({error.strerror or error})") from None
+    with handle:
         while True:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -121,6 +121,21 @@ def metric_set_name(text: str) -> str:
     return re.sub(r"[^\w.-]+", "-", text).strip(".-") or "set"
 
 
+def writable_folder(path: Path, what: str, make: bool = True) -> Path:
+    """path as a folder to write in (made, with its parents, unless make is False: then only its parent), or one
+    line naming it and why it cannot be one (a file is there, or the system refuses: no such parent, read-only)."""
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise RetrievalError(f"{what} {path}: a file is there, not a folder; give a folder (a new one is made)")
+    try:
+        (path if make else path.parent).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise RetrievalError(
+            f"{what} {path}: cannot be made ({error.strerror or error}); give a folder where you can write"
+        ) from None
+    return path
+
+
 def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
     """Writes a file so that readers see the old or the new content, never a partial one.
 

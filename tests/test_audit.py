@@ -337,6 +337,8 @@ def test_careless_audits_are_one_line_each(
         "too many folds": ([str(demo_run.root), str(audited_folder), "--folds", "50"], "--folds 50"),
         "missing files": ([str(demo_run.root), str(listed)], "not there"),
         "wrong path": ([str(demo_run.root), str(tmp_path / "nowhere")], "no such file or folder"),
+        "--csv on a file": ([str(demo_run.root), str(audited_folder), "--csv", str(listed)], "a file is there"),
+        "--csv nowhere": ([str(demo_run.root), str(audited_folder), "--csv", f"{listed}/found"], "cannot be made"),
     }
     for name, (arguments, said) in cases.items():
         assert main(["audit", *arguments]) == 2, name

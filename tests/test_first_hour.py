@@ -143,6 +143,40 @@ def as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def test_output_folders_that_cannot_be_folders_are_one_line_and_a_file_there_is_kept(demo_run: RunDir, small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--run, --index and the demo's --run on a file, or under one (no folder can be made there): one line each, before
+    any work, and the file is left as it was (an index was once swapped into its place)."""
+    from retrieval.commands import main
+
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    cases = {
+        "train --run on a file": (["train", str(small_folder), "--run", str(taken)], "a file is there"),
+        "train --run under a file": (["train", str(small_folder), "--run", str(taken / "run")], "cannot be made"),
+        "index --index on a file": (["index", str(demo_run.root), str(small_folder), "--index", str(taken)], "a file is there"),
+        "index --index under a file": (["index", str(demo_run.root), str(small_folder), "--index", str(taken / "ix")], "cannot be"),
+        "demo --run under a file": (["demo", "--run", str(taken / "demo"), "--no-serve"], "cannot be made"),
+    }
+    for name, (arguments, said) in cases.items():
+        assert main(arguments) == 2, name
+        captured = capsys.readouterr()
+        assert said in captured.err and len(captured.err.strip().splitlines()) == 1, (name, captured.err)
+        assert taken.read_text() == "mine" and not list(tmp_path.glob(".notes.txt.*")), name
+
+
+def test_a_file_the_system_refuses_where_no_command_words_it_is_still_one_line(demo_run: RunDir, small_folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import retrieval.commands.audit as audit_command
+    from retrieval.commands import main
+
+    def refused(source: Path, option: str = "") -> Path:
+        raise PermissionError(13, "Permission denied", str(source))
+
+    monkeypatch.setattr(audit_command, "require_source", refused)
+    assert main(["audit", str(demo_run.root), str(small_folder)]) == 2
+    said = capsys.readouterr().err.strip()
+    assert said == f"error: {small_folder}: Permission denied; check the path and its permissions"
+
+
 def test_ctrl_c_during_training_says_how_to_resume(small_folder: Path, tmp_path: Path) -> None:
     import signal
     import subprocess

@@ -104,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(getattr(error, "exit_code", 2))
     except typer.Abort:  # Ctrl+C or end of input at a prompt
         return 130
+    except OSError as error:  # a file or folder the system refused where no command words it: still one line
+        where = f"{error.filename}: " if error.filename else ""
+        reason = error.strerror or str(error)
+        errors.print(
+            f"error: {where}{reason}; check the path and its permissions", highlight=False, soft_wrap=True, markup=False
+        )
+        return 2
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     return code if isinstance(code, int) else 0

@@ -15,7 +15,7 @@ from rich.table import Table
 from retrieval.commands.output import ModelOption, RunArg, console
 from retrieval.data import COLLECTION_HINT, Collection, load_collection, require_source
 from retrieval.errors import RetrievalError
-from retrieval.runs import RunDir
+from retrieval.runs import RunDir, writable_folder
 
 if TYPE_CHECKING:
     from retrieval.audit import Audit, Embedded
@@ -58,6 +58,8 @@ def audit(
         raise RetrievalError(f"--against {against}: the same images as DATA; give the other split (e.g. test/)")
     run_dir = RunDir(run)
     run_dir.require_model()
+    if csv_dir is not None:  # said before the audit runs, not after
+        writable_folder(csv_dir, "--csv")
     if folds:
         _check_folds(collection, folds, fold_epochs)
     from retrieval.audit import audit as run_audit

@@ -22,7 +22,7 @@ from retrieval.datasets import icons
 from retrieval.embedders import OnnxEmbedder, PixelEmbedder
 from retrieval.evaluation import evaluate_collection, write_plots
 from retrieval.extras import require
-from retrieval.runs import RunDir, read_json, write_json
+from retrieval.runs import RunDir, read_json, writable_folder, write_json
 
 STEPS = 5  # train, export, index, evaluate, self-supervised (serving is the sixth, when asked for)
 SSL_EPOCHS = 10  # the self-supervised run's short schedule (the recipe's is 35: docs/recipe.md)
@@ -118,7 +118,7 @@ def run_demo(
 
     started = time.perf_counter()
     dataset = icons()
-    run.root.mkdir(parents=True, exist_ok=True)
+    writable_folder(run.root, "--run")
     train_source = _split(dataset / "train", classes, run.root / "demo-train.csv")
     test_source = _split(dataset / "test", classes, run.root / "demo-test.csv")
     config = (

@@ -14,7 +14,7 @@ from retrieval.commands.output import BENCHMARK_HELP, DATA_HELP, DataArg, consol
 from retrieval.data import require_source
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
-from retrieval.runs import RunDir, read_json
+from retrieval.runs import RunDir, read_json, writable_folder
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,7 @@ def run_training(data: Path | None, run_dir: RunDir, resume: bool, overwrite: bo
         require_source(given["adapt"], "--adapt", "the gallery's image folder or a .txt list")
     if resume and not run_dir.config.is_file():
         raise RetrievalError(f"{run_dir.config}: missing; nothing to resume (start the run without --resume)")
+    writable_folder(run_dir.root, "--run")  # a file there, or a folder that cannot be made: said before torch loads
     require("torch", "train")
     from training.config import TrainConfig
     from training.loop import train
