@@ -9,6 +9,7 @@ from pathlib import Path
 from index.backends import create_index, open_index
 from index.disk import writer_lock
 from index.edit import commit_changes
+from index.faiss_ops import parsed_factory
 from index.journal import Journal
 from index.milvus import MilvusIndex, MilvusOptions
 from index.ray_engine import RayOptions, iter_embedded_ray
@@ -106,6 +107,8 @@ def _build_index(
         else open_index(directory, embedder.fingerprint, embedder.dim)
     )
     _check_kept_type(directory, base, factory, milvus)
+    if factory and milvus is None and base is None:
+        parsed_factory(factory, embedder.dim, len(collection.items))  # said before the gallery is embedded
     indexed = {row.path: (item_id, row.sha256) for item_id, row in (base.rows() if base else {}).items()}
     journal = Journal(journal_path(directory), embedder.fingerprint, embedder.dim)
     scan = _Scan({path: digest for path, (_, digest) in indexed.items()}, journal.hashes())

@@ -6,6 +6,7 @@ size of tie group. Compressed types (SQ, PQ) re-score rerank × k candidates wit
 
 from __future__ import annotations
 
+import re
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -29,34 +30,54 @@ def compressed(factory: str) -> bool:
     return "PQ" in factory or "SQ" in factory
 
 
+def parsed_factory(factory: str, dim: int, gallery: int | None = None) -> faiss.Index:
+    """An empty index of the factory type (inner product), or one line saying why FAISS cannot build it; given the
+    gallery's size, also when the type needs more vectors to train on than it has (checked before the gallery is
+    embedded, and again when the index is made)."""
+    try:
+        index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as error:
+        raise RetrievalError(
+            f"--faiss {factory!r}: FAISS cannot build it ({first_line(error)}); see the FAISS index factory "
+            "documentation (e.g. Flat, HNSW32, IVF4096,Flat, IVF4096,SQ8)"
+        ) from None
+    if gallery is not None and not index.is_trained and gallery < _needed(index, factory):
+        raise _too_few(factory, _needed(index, factory), gallery)
+    return index
+
+
+def _needed(index: faiss.Index, factory: str) -> int:
+    """The fewest vectors the type trains on: one per inverted list, or 256 (PQ's and SQ's codebooks)."""
+    return faiss.extract_index_ivf(index).nlist if index_kind(factory) == "ivf" else 256
+
+
+def _too_few(factory: str, needed: int, count: int) -> RetrievalError:
+    return RetrievalError(
+        f"--faiss {factory!r} needs at least {needed:,} vectors to train on, the gallery has {count:,}; "
+        "use a smaller type (e.g. Flat)"
+    )
+
+
 def new_index(factory: str, dim: int, sample: np.ndarray) -> faiss.Index:
     """An empty FAISS index of the factory type, trained on sample when the type needs training.
 
     IVF types keep the ids they are given (with a hash table from id to vector, so items can be
     found by id); the others are wrapped in IDMap2.
     """
-    try:
-        index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
-    except RuntimeError as error:
-        raise RetrievalError(
-            f"--faiss {factory!r}: FAISS cannot build it "
-            f"({first_line(error)}); see the FAISS index factory documentation"
-        ) from None
+    index = parsed_factory(factory, dim)
+    needed = _needed(index, factory)
     ivf = faiss.extract_index_ivf(index) if index_kind(factory) == "ivf" else None
     if ivf is not None:
         ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
-        needed, wanted = ivf.nlist, max(TRAIN_PER_LIST * ivf.nlist, PQ_TRAIN if "PQ" in factory else 0)
+        wanted = max(TRAIN_PER_LIST * ivf.nlist, PQ_TRAIN if "PQ" in factory else 0)
     else:
         if isinstance(index, faiss.IndexHNSW):
             index.hnsw.efConstruction = EF_CONSTRUCTION  # saved with the graph: later additions use it too
         index = faiss.IndexIDMap2(index)
-        needed, wanted = 256, PQ_TRAIN
+        wanted = PQ_TRAIN
     if not index.is_trained:
         if len(sample) < needed:
-            raise RetrievalError(
-                f"--faiss {factory!r} needs at least {needed:,} vectors to train on, the gallery has {len(sample):,}; "
-                "use a smaller type (e.g. Flat)"
-            )
+            raise _too_few(factory, needed, len(sample))
         if ivf is not None and gpu_count():  # k-means of the inverted lists on the GPUs; the index stays a CPU one
             ivf.clustering_index = on_gpus(faiss.IndexFlatIP(dim), "flat")
         index.train(sample[:wanted])
@@ -199,8 +220,10 @@ def search_parameters(kind: str, depth: int | None, selector: object | None = No
 
 
 def first_line(error: BaseException, limit: int = 200) -> str:
-    """The first line of an error's message, cut to limit characters (FAISS's are C++ stack dumps)."""
-    return (str(error).splitlines() or [""])[0][:limit]
+    """The first line of an error's message, cut to limit characters, without the C++ function and source line that
+    FAISS's messages start with ("Error in <function> at <file>:<line>: <what>")."""
+    line = (str(error).splitlines() or [""])[0]
+    return re.sub(r"^Error in .* at \S+:\d+: ", "", line)[:limit]
 
 
 @dataclass

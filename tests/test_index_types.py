@@ -173,6 +173,10 @@ def test_cli_index_choice_stats_and_depth(demo_run: RunDir, icons_root: Path, tm
     assert "give a query IMAGE or --id" in capsys.readouterr().err
     assert main(["search", str(demo_run.root), str(query), "--index", str(directory), "--depth", "99999"]) == 2
     assert "--depth 99999: this HNSW16 index has" in capsys.readouterr().err
+    for factory, said in (("IVF,Nonsense", "FAISS cannot build it (could not parse"), ("IVF4096,Flat", "needs at least 4,096")):
+        assert main(["index", str(demo_run.root), str(images), "--index", str(tmp_path / "refused"), "--faiss", factory]) == 2
+        captured = capsys.readouterr()  # refused before the gallery is embedded, without FAISS's C++ location
+        assert said in captured.err and "Error in" not in captured.err and "embedding" not in captured.out + captured.err
     assert main(["search", str(demo_run.root), "--id", "99999", "--index", str(directory)]) == 2
     assert "no item with id 99999" in capsys.readouterr().err
     assert main(["index", str(demo_run.root), str(images), "--index", str(directory), "--faiss", "IVF8,Flat"]) == 2

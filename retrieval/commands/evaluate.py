@@ -130,6 +130,8 @@ def _evaluate(
     """What `retrieval evaluate` does with its parsed options."""
     ks = parse_ks(k)
     reranker = parse_rerank(rerank)
+    if compare is not None:  # said before this run's images are embedded
+        RunDir(compare).require_model()
     if calibrate:
         from retrieval.calibration import require_target
 
