@@ -31,6 +31,7 @@ def writer_lock(directory: Path, timeout: float = 600.0) -> Iterator[None]:
     path = directory.with_name(f".{directory.name}.lock")
     deadline = time.monotonic() + timeout
     try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
         handle = open(path, "a")  # closed by the with below, after the lock is released
     except OSError as error:
         raise RetrievalError(f"index {directory}: its folder cannot be written ({error.strerror or error})") from None

@@ -122,13 +122,20 @@ def metric_set_name(text: str) -> str:
 
 
 def writable_folder(path: Path, what: str, make: bool = True) -> Path:
-    """path as a folder to write in (made, with its parents, unless make is False: then only its parent), or one
-    line naming it and why it cannot be one (a file is there, or the system refuses: no such parent, read-only)."""
+    """path as a folder to write in, or one line naming it and why it cannot be one (a file is there; no folder
+    can be made there). make: made now, with its parents; else only checked (its nearest existing parent is a
+    folder this process may write in), so that a job refused later leaves nothing behind."""
     path = Path(path).expanduser()
     if path.exists() and not path.is_dir():
         raise RetrievalError(f"{what} {path}: a file is there, not a folder; give a folder (a new one is made)")
     try:
-        (path if make else path.parent).mkdir(parents=True, exist_ok=True)
+        if make:
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            nearest = next(folder for folder in (path, *path.absolute().parents) if folder.exists())
+            if not nearest.is_dir() or not os.access(nearest, os.W_OK | os.X_OK):
+                kind = "a file" if not nearest.is_dir() else "a folder this user cannot write in"
+                raise NotADirectoryError(0, f"{nearest} is {kind}")
     except OSError as error:
         raise RetrievalError(
             f"{what} {path}: cannot be made ({error.strerror or error}); give a folder where you can write"

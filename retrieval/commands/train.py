@@ -158,7 +158,7 @@ def run_training(data: Path | None, run_dir: RunDir, resume: bool, overwrite: bo
         require_source(given["adapt"], "--adapt", "the gallery's image folder or a .txt list")
     if resume and not run_dir.config.is_file():
         raise RetrievalError(f"{run_dir.config}: missing; nothing to resume (start the run without --resume)")
-    writable_folder(run_dir.root, "--run")  # a file there, or a folder that cannot be made: said before torch loads
+    writable_folder(run_dir.root, "--run", make=False)  # a file there, or no folder to be made: said before torch loads
     require("torch", "train")
     from training.config import TrainConfig
     from training.loop import train
