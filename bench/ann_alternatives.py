@@ -32,6 +32,10 @@ bench_index = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench_index)  # type: ignore[union-attr]
 
 
+Report = Callable[[str, Callable[[], np.ndarray]], None]  # prints a search's recall and speed
+Rescored = Callable[[np.ndarray], np.ndarray]  # candidates re-ordered by their exact similarity
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="whitened", choices=["whitened", "encoder", "clustered"])
@@ -70,17 +74,7 @@ def main() -> None:
     def rescored(candidates: np.ndarray) -> np.ndarray:
         return rescore(gallery, queries, candidates)
 
-    for factory in filter(None, args.ivf.split(";")):
-        index = faiss.index_factory(128, factory, faiss.METRIC_INNER_PRODUCT)
-        index.train(sample)
-        index.add(gallery)
-        for nprobe in (16, 32, 64, 128, 256):
-            params = faiss.SearchParametersIVF(nprobe=nprobe)
-            for candidates in (10, 50, 100, 200):
-                report(
-                    f"{factory} nprobe {nprobe} candidates {candidates}",
-                    lambda: rescored(index.search(queries, candidates, params=params)[1]),
-                )
+    inverted_lists(args.ivf, gallery, queries, sample, report, rescored)
     mean = sample.mean(axis=0)
     _, values, components = np.linalg.svd(sample - mean, full_matrices=False)
     for alpha in filter(None, args.sharpen.split(";")):
@@ -92,12 +86,41 @@ def main() -> None:
             report,
             rescored,
         )
-    graphs = [(f"HNSW32 over PCA{d}", "HNSW32", int(d), 40) for d in filter(None, args.pca.split(";"))]
-    graphs += [
+    graphs(args, components, gallery, queries, report, rescored)
+
+
+def inverted_lists(
+    factories: str, gallery: np.ndarray, queries: np.ndarray, sample: np.ndarray, report: Report, rescored: Rescored
+) -> None:
+    """IVF types (factory strings separated by ;) trained on sample, their candidates re-scored exactly."""
+    for factory in filter(None, factories.split(";")):
+        index = faiss.index_factory(128, factory, faiss.METRIC_INNER_PRODUCT)
+        index.train(sample)
+        index.add(gallery)
+        for nprobe in (16, 32, 64, 128, 256):
+            params = faiss.SearchParametersIVF(nprobe=nprobe)
+            for candidates in (10, 50, 100, 200):
+                report(
+                    f"{factory} nprobe {nprobe} candidates {candidates}",
+                    lambda: rescored(index.search(queries, candidates, params=params)[1]),
+                )
+
+
+def graphs(
+    args: argparse.Namespace,
+    components: np.ndarray,
+    gallery: np.ndarray,
+    queries: np.ndarray,
+    report: Report,
+    rescored: Rescored,
+) -> None:
+    """HNSW32 over top principal components (--pca) and full-space graphs (--hnsw), candidates re-scored."""
+    specs = [(f"HNSW32 over PCA{d}", "HNSW32", int(d), 40) for d in filter(None, args.pca.split(";"))]
+    specs += [
         (f"{spec} (efConstruction {spec.split(':')[1]})", spec.split(":")[0], 128, int(spec.split(":")[1]))
         for spec in filter(None, args.hnsw.split(";"))
     ]
-    for name, factory, dims, construction in graphs:
+    for name, factory, dims, construction in specs:
         projection = components[:dims].T.astype(np.float32)
         points = np.ascontiguousarray(gallery @ projection if dims < 128 else gallery)
         asked = np.ascontiguousarray(queries @ projection if dims < 128 else queries)
@@ -129,8 +152,8 @@ def sharpened(
     queries: np.ndarray,
     forward: np.ndarray,
     alpha: str,
-    report: Callable[[str, Callable[[], np.ndarray]], None],
-    rescored: Callable[[np.ndarray], np.ndarray],
+    report: Report,
+    rescored: Rescored,
 ) -> None:
     """HNSW32 (efConstruction 80) over gallery @ forward, searched with queries @ forward, candidates re-scored in the
     full space: the graph walks a space of lower intrinsic dimension, the re-scoring restores the whitened order."""

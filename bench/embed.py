@@ -153,6 +153,60 @@ def peak_rss_mib(run: Path, gallery: Path, index: Path) -> float:
     return int(done.stdout.split("PEAK_RSS_KIB=")[1].split()[0]) / 1024
 
 
+def throughput_table(
+    model: torch.nn.Module,
+    embedder: OnnxEmbedder,
+    int8: OnnxEmbedder,
+    device: torch.device,
+    dtype: torch.dtype,
+    args: argparse.Namespace,
+) -> Table:
+    """Images/s of PyTorch eager, ONNX Runtime float32 and int8 on random batches of 1, 32, 64 and 128."""
+    providers = ", ".join(embedder.session.get_providers())
+    title = f"encoder throughput, {args.backbone} at {args.image_size}px, {'float16' if args.fp16 else 'float32'}, torch on {device}, ONNX Runtime on {providers}"
+    table = Table(title=f"{title} ({torch.get_num_threads()} CPU threads; images/s)")
+    for column in (
+        "batch",
+        "PyTorch eager",
+        "ONNX Runtime",
+        "ONNX Runtime / PyTorch",
+        "ORT int8",
+        "int8 / PyTorch",
+        "int8 / ORT float32",
+    ):
+        table.add_column(column, justify="right")
+    for batch_size in (1, 32, 64, 128):
+        batch = (
+            np.random.default_rng(batch_size)
+            .standard_normal((batch_size, 3, args.image_size, args.image_size))
+            .astype(np.float32)
+        )
+        steps = max(1, 256 // batch_size)
+
+        def run_torch() -> None:
+            with torch.inference_mode():
+                for _ in range(steps):
+                    model(torch.from_numpy(batch).to(device, dtype)).cpu()
+
+        def run_onnx(session: OnnxEmbedder = embedder) -> None:
+            for _ in range(steps):
+                session.embed_prepared(batch)
+
+        torch_rate = steps * batch_size / best_seconds(run_torch, args.repeats)
+        onnx_rate = steps * batch_size / best_seconds(run_onnx, args.repeats)
+        int8_rate = steps * batch_size / best_seconds(lambda: run_onnx(int8), args.repeats)
+        table.add_row(
+            str(batch_size),
+            f"{torch_rate:,.0f}",
+            f"{onnx_rate:,.0f}",
+            f"{onnx_rate / torch_rate:.2f}x",
+            f"{int8_rate:,.0f}",
+            f"{int8_rate / torch_rate:.2f}x",
+            f"{int8_rate / onnx_rate:.2f}x",
+        )
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backbone", default="resnet18")
@@ -181,50 +235,7 @@ def main() -> None:
         quantise(embedder, load_collection(source).items[:300], int8_path)
         int8 = OnnxEmbedder(int8_path, {**embedder.card, "precision": "int8"})
         model = model.to(device, dtype)
-        providers = ", ".join(embedder.session.get_providers())
-
-        title = f"encoder throughput, {args.backbone} at {args.image_size}px, {'float16' if args.fp16 else 'float32'}, torch on {device}, ONNX Runtime on {providers}"
-        table = Table(title=f"{title} ({torch.get_num_threads()} CPU threads; images/s)")
-        for column in (
-            "batch",
-            "PyTorch eager",
-            "ONNX Runtime",
-            "ONNX Runtime / PyTorch",
-            "ORT int8",
-            "int8 / PyTorch",
-            "int8 / ORT float32",
-        ):
-            table.add_column(column, justify="right")
-        for batch_size in (1, 32, 64, 128):
-            batch = (
-                np.random.default_rng(batch_size)
-                .standard_normal((batch_size, 3, args.image_size, args.image_size))
-                .astype(np.float32)
-            )
-            steps = max(1, 256 // batch_size)
-
-            def run_torch() -> None:
-                with torch.inference_mode():
-                    for _ in range(steps):
-                        model(torch.from_numpy(batch).to(device, dtype)).cpu()
-
-            def run_onnx(session: OnnxEmbedder = embedder) -> None:
-                for _ in range(steps):
-                    session.embed_prepared(batch)
-
-            torch_rate = steps * batch_size / best_seconds(run_torch, args.repeats)
-            onnx_rate = steps * batch_size / best_seconds(run_onnx, args.repeats)
-            int8_rate = steps * batch_size / best_seconds(lambda: run_onnx(int8), args.repeats)
-            table.add_row(
-                str(batch_size),
-                f"{torch_rate:,.0f}",
-                f"{onnx_rate:,.0f}",
-                f"{onnx_rate / torch_rate:.2f}x",
-                f"{int8_rate:,.0f}",
-                f"{int8_rate / torch_rate:.2f}x",
-                f"{int8_rate / onnx_rate:.2f}x",
-            )
-        console.print(table)
+        console.print(throughput_table(model, embedder, int8, device, dtype, args))
 
         gallery = make_gallery(source, Path(scratch) / "gallery", args.small)
         photos = make_gallery(source, Path(scratch) / "photos", args.small, jpeg=args.jpeg)

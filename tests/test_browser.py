@@ -175,23 +175,30 @@ def test_the_first_hour_in_the_browser(page_url: tuple[str, SearchService], tmp_
         fits = page.locator("#run-plots img").evaluate_all("nodes => nodes.map(node => getComputedStyle(node).objectFit)")
         assert fits and all(fit == "contain" for fit in fits), fits
         page.screenshot(path=str(ARTIFACTS / "app-metrics.png"), full_page=True)
-        page.get_by_role("tab", name="Embedding map").click()
-        page.get_by_role("button", name="Draw the map").click()
-        picture = page.locator("#map img")
-        expect(picture).to_be_visible(timeout=60_000)
-        page.get_by_label("Highlight a label (type to find it)").fill(item.label)
-        page.keyboard.press("Enter")
-        page.wait_for_timeout(3000)
-        shown = service.embedding_map("pca", item.label)
-        natural = picture.evaluate("image => [image.naturalWidth, image.naturalHeight]")
-        box = picture.bounding_box()
-        position = list(shown.ids).index(item_id)
-        x, y = shown.pixels[position]
-        page.mouse.move(box["x"] + x * box["width"] / natural[0], box["y"] + y * box["height"] / natural[1])
-        tooltip = page.locator("#map-tooltip")
-        expect(tooltip).to_be_visible(timeout=10_000)
-        expect(tooltip).to_contain_text(" · ")
-        page.screenshot(path=str(ARTIFACTS / "app-map-hover.png"), full_page=True)
+        _map_names_a_point(page, service, item_id, item.label)
+
+
+def _map_names_a_point(page: object, service: SearchService, item_id: int, label: str) -> None:
+    """The map, drawn with label highlighted, names the point under the pointer (the item's own)."""
+    from playwright.sync_api import expect
+
+    page.get_by_role("tab", name="Embedding map").click()
+    page.get_by_role("button", name="Draw the map").click()
+    picture = page.locator("#map img")
+    expect(picture).to_be_visible(timeout=60_000)
+    page.get_by_label("Highlight a label (type to find it)").fill(label)
+    page.keyboard.press("Enter")
+    page.wait_for_timeout(3000)
+    shown = service.embedding_map("pca", label)
+    natural = picture.evaluate("image => [image.naturalWidth, image.naturalHeight]")
+    box = picture.bounding_box()
+    position = list(shown.ids).index(item_id)
+    x, y = shown.pixels[position]
+    page.mouse.move(box["x"] + x * box["width"] / natural[0], box["y"] + y * box["height"] / natural[1])
+    tooltip = page.locator("#map-tooltip")
+    expect(tooltip).to_be_visible(timeout=10_000)
+    expect(tooltip).to_contain_text(" · ")
+    page.screenshot(path=str(ARTIFACTS / "app-map-hover.png"), full_page=True)
 
 
 def test_tiles_at_two_widths_a_missed_map_click_and_the_docs_offline(page_url: tuple[str, SearchService], tmp_path: Path) -> None:
