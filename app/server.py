@@ -29,6 +29,9 @@ from retrieval.runs import RunDir
 
 AUTH_VARIABLE = "RETRIEVAL_AUTH"  # user:password, instead of --auth on the command line
 ANALYTICS_EVENTS = 500  # finished events Gradio keeps for its monitoring page (its default, 10,000: ~10 MiB of dicts)
+# events between two of Gradio's monitoring summaries (a pandas DataFrame of the kept events, grouped; its default: 1,
+# after every event): never, since the app does not enable that page; rebuilt per search, it cost CPU and memory
+ANALYTICS_SUMMARY_EVERY = 10**9
 STATIC = Path(__file__).with_name("static")  # app.css, app.js: served at STATIC_ROUTE
 STATIC_ROUTE = "/app-static"
 KERNEL_SHARE = 0.5  # of the cores, for the encoder and FAISS in a server (the rest serve HTTP)
@@ -101,6 +104,7 @@ def launch(
             f"user:password (or set {AUTH_VARIABLE}), or bind 127.0.0.1"
         )
     os.environ.setdefault("GRADIO_ANALYTICS_MAX_EVENTS", str(ANALYTICS_EVENTS))  # read when the queue is made
+    os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(ANALYTICS_SUMMARY_EVERY))
     demo = build_app(service, None if STYLE_AT_LAUNCH else {"head": HEAD})
     release_memory_periodically()
     api = build_api(service, credentials, max_upload)

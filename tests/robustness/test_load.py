@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
-GROWTH_LIMIT_MIB = 25  # after a warm-up: -2 MiB over 120 s (2,000 images, 60 s), +0 (10,000, 120 s); +35 with the settings off
+GROWTH_LIMIT_MIB = 12  # this test's setting: +2 to +5 MiB; +14 to +27 with Gradio's monitoring summary rebuilt per event (docs/reliability.md)
 
 
 def test_32_clients_mixing_good_and_bad_uploads(tmp_path: Path) -> None:
