@@ -128,18 +128,20 @@ def writable_folder(path: Path, what: str, make: bool = True) -> Path:
     path = Path(path).expanduser()
     if path.exists() and not path.is_dir():
         raise RetrievalError(f"{what} {path}: a file is there, not a folder; give a folder (a new one is made)")
+
+    def refused(reason: object) -> RetrievalError:
+        return RetrievalError(f"{what} {path}: cannot be made ({reason}); give a folder where you can write")
+
+    if not make:
+        nearest = next(folder for folder in (path, *path.absolute().parents) if folder.exists())
+        if not nearest.is_dir() or not os.access(nearest, os.W_OK | os.X_OK):
+            kind = "a file" if not nearest.is_dir() else "a folder this user cannot write in"
+            raise refused(f"{nearest} is {kind}")
+        return path
     try:
-        if make:
-            path.mkdir(parents=True, exist_ok=True)
-        else:
-            nearest = next(folder for folder in (path, *path.absolute().parents) if folder.exists())
-            if not nearest.is_dir() or not os.access(nearest, os.W_OK | os.X_OK):
-                kind = "a file" if not nearest.is_dir() else "a folder this user cannot write in"
-                raise NotADirectoryError(0, f"{nearest} is {kind}")
+        path.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise RetrievalError(
-            f"{what} {path}: cannot be made ({error.strerror or error}); give a folder where you can write"
-        ) from None
+        raise refused(error.strerror or error) from None
     return path
 
 
