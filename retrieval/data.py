@@ -166,14 +166,15 @@ def _load_csv(csv_path: Path) -> Collection:
             if not path.exists() and not path.is_symlink():
                 skipped.append(Skipped(path, "listed in the CSV but not found"))
                 continue
+            resolved = path.resolve()  # once: a resolve is a system call per part of the path
             problem = file_problem(path) or (
-                "listed in the CSV more than once (the first row is used)" if path.resolve() in seen else None
+                "listed in the CSV more than once (the first row is used)" if resolved in seen else None
             )
             if problem:
                 skipped.append(Skipped(path, problem))
                 continue
-            seen.add(path.resolve())
-            items.append(Item(path.resolve(), (row.get("label") or "").strip()))
+            seen.add(resolved)
+            items.append(Item(resolved, (row.get("label") or "").strip()))
     return Collection(csv_path.resolve(), items, skipped)
 
 
