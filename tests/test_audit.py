@@ -159,13 +159,15 @@ def test_a_grey_picture_is_a_copy_of_its_colour_original_only_where_the_luma_mat
 
 def test_pairs_compared_in_blocks_get_the_difference_each_pair_gets_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """The rough and fine checks compare blocks of pairs in one array operation: a pair's difference must not depend
-    on the block it falls in, nor on the other pairs (here blocks of 3 and 2, across a collection and against
-    another)."""
+    on the block it falls in, nor on the other pairs (here blocks of 3 and 2, and chroma blurred 5 planes at a time,
+    across a collection and against another)."""
     pictures = shapes(6)
     thumbnails = np.stack(pictures + [changed(pictures[i], kind) for i, kind in enumerate(["jpeg", "crop", "grey"])])
     vectors = l2_normalise(np.random.default_rng(1).normal(size=(len(thumbnails), 8))).astype(np.float32)
     monkeypatch.setattr(copy_check, "PAIR_BLOCK", 3)
+    monkeypatch.setattr(copy_check, "ROUGH_BLOCK", 3)
     monkeypatch.setattr(copy_check, "FINE_BLOCK", 2)
+    monkeypatch.setattr(copy_check, "BLUR_PLANES", 5)
     monkeypatch.setattr(copy_check, "COARSE_BOUND", 1.0)  # every candidate pair to the rough check
     within = find_copies(vectors, [f"d{row}" for row in range(9)], thumbnails, threshold=1.0)
     assert len(within) > 3  # more than one block
@@ -177,6 +179,23 @@ def test_pairs_compared_in_blocks_get_the_difference_each_pair_gets_alone(monkey
     assert close >= {(0, 0), (1, 1), (2, 2)}
     for pair in across:
         assert pair.difference == difference(thumbnails[pair.a], thumbnails[6 + pair.b]), (pair.a, pair.b)
+
+
+def test_the_neighbourhood_blur_and_spread_are_those_of_a_padded_picture_pixel_by_pixel() -> None:
+    """_blur and _spread work on flat views of a padded buffer (one contiguous loop per operation): their values,
+    edges and corners included, must be those of the 3 x 3 neighbourhood of the edge-padded planes, in the same
+    order of operations, to the bit."""
+    planes = np.random.default_rng(0).random((7, 6, 6), dtype=np.float32)
+    padded = np.pad(planes, ((0, 0), (1, 1), (1, 1)), mode="edge")
+    shifted = [padded[:, i : i + 6, j : j + 6] for i in range(3) for j in range(3)]
+    total = shifted[0].copy()
+    for plane in shifted[1:]:
+        total += plane
+    moved = [planes + 0.5 * (plane - planes) for plane in shifted]
+    low, high = copy_check._spread(planes.reshape(7, 36), 6, 0.5)
+    np.testing.assert_array_equal(copy_check._blur(planes), total / 9)
+    np.testing.assert_array_equal(low.reshape(7, 6, 6), np.minimum.reduce([planes, *moved]))
+    np.testing.assert_array_equal(high.reshape(7, 6, 6), np.maximum.reduce([planes, *moved]))
 
 
 def test_pairs_shared_out_over_worker_processes_get_the_differences_of_one_process(
