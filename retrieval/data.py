@@ -68,9 +68,12 @@ def load_collection(source: str | Path) -> Collection:
     else:
         collection = _load_csv(source)
     if not collection.items:
+        found = f"no images found (looked for {', '.join(sorted(IMAGE_SUFFIXES))})"
+        if collection.skipped:  # every file it names was refused: say why, not only that none is left
+            first = collection.skipped[0]
+            found = f"no usable images ({len(collection.skipped)} skipped; the first, {first.path}: {first.reason})"
         raise RetrievalError(
-            f"{source}: no images found (looked for {', '.join(sorted(IMAGE_SUFFIXES))}); "
-            "put images in ROOT/<label>/<image> or list them in a CSV with columns path,label"
+            f"{source}: {found}; put images in ROOT/<label>/<image> or list them in a CSV with columns path,label"
         )
     return collection
 
