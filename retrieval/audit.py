@@ -273,9 +273,9 @@ class Embedded:
     skipped: list[Skipped] = field(default_factory=list)
 
 
-def duplicates(collection: Embedded) -> list[Duplicate]:
-    """The groups of images of a collection that hold the same picture, largest first."""
-    pairs = find_copies(collection.vectors, collection.digests, collection.thumbnails)
+def duplicates(collection: Embedded, shown: bool = False) -> list[Duplicate]:
+    """The groups of images of a collection that hold the same picture, largest first (shown: progress bars)."""
+    pairs = find_copies(collection.vectors, collection.digests, collection.thumbnails, shown=shown)
     groups = copy_groups(pairs, len(collection.items))
     group_of = {row: number for number, rows in enumerate(groups) for row in rows}
     pairs_of: list[list[CopyPair]] = [[] for _ in groups]
@@ -289,11 +289,11 @@ def duplicates(collection: Embedded) -> list[Duplicate]:
     return found
 
 
-def leaks(collection: Embedded, other: Embedded) -> list[Leak]:
-    """The images of collection that are copies of one in other, each with its closest copy there."""
-    pairs = find_copies(
-        collection.vectors, collection.digests, collection.thumbnails, (other.vectors, other.digests, other.thumbnails)
-    )
+def leaks(collection: Embedded, other: Embedded, shown: bool = False) -> list[Leak]:
+    """The images of collection that are copies of one in other, each with its closest copy there (shown: progress
+    bars)."""
+    gallery = (other.vectors, other.digests, other.thumbnails)
+    pairs = find_copies(collection.vectors, collection.digests, collection.thumbnails, gallery, shown=shown)
     first: dict[int, CopyPair] = {}
     for pair in pairs:  # identical bytes first, then the most alike
         first.setdefault(pair.a, pair)
@@ -304,13 +304,17 @@ def leaks(collection: Embedded, other: Embedded) -> list[Leak]:
 
 
 def audit(
-    collection: Embedded, other: Embedded | None = None, folds: Sequence[tuple[np.ndarray, np.ndarray]] = ()
+    collection: Embedded,
+    other: Embedded | None = None,
+    folds: Sequence[tuple[np.ndarray, np.ndarray]] = (),
+    shown: bool = False,
 ) -> Audit:
-    """Every finding of an audit of collection (and its leaks into other; folds: see suspects)."""
+    """Every finding of an audit of collection (and its leaks into other; folds: see suspects; shown: progress bars of
+    the copy checks, the audit's long part)."""
     return Audit(
         labels=suspects(collection.items, collection.vectors, folds),
-        duplicates=duplicates(collection),
-        leaks=leaks(collection, other) if other is not None else [],
+        duplicates=duplicates(collection, shown),
+        leaks=leaks(collection, other, shown) if other is not None else [],
         outliers=outliers(collection.items, collection.vectors, collection.skipped),
         images=len(collection.items) + len(collection.skipped),
     )

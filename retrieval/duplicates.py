@@ -23,7 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from functools import lru_cache
@@ -34,6 +34,7 @@ from PIL import Image
 
 from retrieval.extras import require
 from retrieval.knn import nearest_neighbours
+from retrieval.progress import progress
 
 THUMBNAIL = 64  # pixels a side of the pictures kept while embedding
 PIXEL_CUT = 0.1  # a pixel differs when a channel moves by more than this (of 1.0)
@@ -326,11 +327,13 @@ def _counts(flags: np.ndarray) -> np.ndarray:
     return _across_planes(flags).view(np.uint8).sum(axis=-1, dtype=np.uint16)
 
 
-def _differences(mine: np.ndarray, theirs: np.ndarray, pairs: Sequence[tuple[int, int]]) -> np.ndarray:
+def _differences(mine: np.ndarray, theirs: np.ndarray, pairs: Sequence[tuple[int, int]], shown: int = 0) -> np.ndarray:
     """[P]: difference of each (row of mine, row of theirs) pair: the rough grid, then the fine search for the pairs
-    it leaves under ROUGH_BOUND, both over blocks of pairs at once (pairs without colour apart)."""
+    it leaves under ROUGH_BOUND, both over blocks of pairs at once (pairs without colour apart). shown > 0: a
+    progress bar per stage, each pair counted shown times (this is one of shown equal shares checked at once)."""
     a, b = np.array(pairs, dtype=np.int64).reshape(-1, 2).T
-    best, crop = _rough(mine, theirs, a, b)
+    with progress(total=len(a) * shown, desc="copies, rough check", unit="pair", enabled=shown > 0) as bar:
+        best, crop = _rough(mine, theirs, a, b, lambda count: bar.update(count * shown))
     found = np.ones(len(a))
     near = np.flatnonzero(best.min(0) <= ROUGH_BOUND)
     if not len(near):
@@ -338,33 +341,38 @@ def _differences(mine: np.ndarray, theirs: np.ndarray, pairs: Sequence[tuple[int
     flipped = best[1, near] < best[0, near]  # b's crop fits a better than a's fits b: b is the one cropped
     grey_a, grey_b = _greys(mine, a[near]), _greys(theirs, b[near])
     boxes = np.array(_boxes(ROUGH[1]))[crop[flipped.astype(np.int64), near]]
-    for group in (np.flatnonzero(grey_a | grey_b), np.flatnonzero(~(grey_a | grey_b))):
-        for start in range(0, len(group), FINE_BLOCK):
-            rows = group[start : start + FINE_BLOCK]
-            first, second, turn = mine[a[near[rows]]], theirs[b[near[rows]]], flipped[rows, None, None, None]
-            cropped, whole = np.where(turn, second, first), np.where(turn, first, second)
-            grey, mixed = bool(grey_a[rows[0]] | grey_b[rows[0]]), grey_a[rows] != grey_b[rows]
-            found[near[rows]] = _fine(cropped, whole, boxes[rows], grey, mixed)
+    with progress(total=len(near) * shown, desc="copies, fine check", unit="pair", enabled=shown > 0) as bar:
+        for group in (np.flatnonzero(grey_a | grey_b), np.flatnonzero(~(grey_a | grey_b))):
+            for start in range(0, len(group), FINE_BLOCK):
+                rows = group[start : start + FINE_BLOCK]
+                first, second, turn = mine[a[near[rows]]], theirs[b[near[rows]]], flipped[rows, None, None, None]
+                cropped, whole = np.where(turn, second, first), np.where(turn, first, second)
+                grey, mixed = bool(grey_a[rows[0]] | grey_b[rows[0]]), grey_a[rows] != grey_b[rows]
+                found[near[rows]] = _fine(cropped, whole, boxes[rows], grey, mixed)
+                bar.update(len(rows) * shown)
     return found
 
 
-def _shared_out(mine: np.ndarray, theirs: np.ndarray, pairs: Sequence[tuple[int, int]]) -> np.ndarray:
+def _shared_out(
+    mine: np.ndarray, theirs: np.ndarray, pairs: Sequence[tuple[int, int]], shown: bool = False
+) -> np.ndarray:
     """_differences of the pairs, every n-th pair to each of the n usable cores: this process checks one share while a
     worker process per other core checks another (`python -m retrieval.duplicates`, given the thumbnails its pairs
     need in a temporary file). A pair's difference does not depend on the pairs checked beside it
-    (tests/test_audit.py), so the result is the one of a single process."""
+    (tests/test_audit.py), so the result is the one of a single process. shown: progress bars of this process's
+    share, standing for all of them."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if cores < 2 or len(pairs) < SHARED_PAIRS:
-        return _differences(mine, theirs, pairs)
+        return _differences(mine, theirs, pairs, int(shown))
     shares, found = [list(pairs[n::cores]) for n in range(cores)], np.ones(len(pairs))
     try:
         scratch = tempfile.TemporaryDirectory(prefix="retrieval-copies-", ignore_cleanup_errors=True)
     except OSError:  # no temporary folder to be had: every pair is checked here
-        return _differences(mine, theirs, pairs)
+        return _differences(mine, theirs, pairs, int(shown))
     with scratch as folder:
         workers = [_Worker.start(Path(folder) / str(n), *_needed(mine, theirs, shares[n])) for n in range(1, cores)]
         try:
-            found[0::cores] = _differences(mine, theirs, shares[0])
+            found[0::cores] = _differences(mine, theirs, shares[0], cores if shown else 0)
             for n, worker in enumerate(workers, 1):
                 done = worker.result() if worker else None  # None: it failed or never started (no room for its file)
                 found[n::cores] = done if done is not None else _differences(mine, theirs, shares[n])
@@ -428,10 +436,12 @@ def _work(folder: Path) -> None:
     np.save(folder / "differences.npy", _differences(mine, theirs, [tuple(pair) for pair in pairs.tolist()]))
 
 
-def _rough(mine: np.ndarray, theirs: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _rough(
+    mine: np.ndarray, theirs: np.ndarray, a: np.ndarray, b: np.ndarray, done: Callable[[int], object] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """[2, P] each: per pair (row a of mine, row b of theirs), the share of the best crop of the rough grid, and its
     number, of a's crops on b's whole picture and of b's on a's; ROUGH_BLOCK pairs at once, each picture's crops
-    drawn once."""
+    drawn once; done(count), if given, is told of each block's pairs."""
     if mine is theirs:
         rows_a = rows_b = np.unique(np.concatenate([a, b]))
         rough_a = rough_b = _rough_views(mine[rows_a])
@@ -451,6 +461,8 @@ def _rough(mine: np.ndarray, theirs: np.ndarray, a: np.ndarray, b: np.ndarray) -
             )
         ):
             best[side, block], crop[side, block] = shares.min(1), shares.argmin(1)
+        if done is not None:
+            done(len(a[block]))
     return best, crop
 
 
@@ -556,9 +568,10 @@ def find_copies(
     thumbnails: np.ndarray,
     other: tuple[np.ndarray, Sequence[str], np.ndarray] | None = None,
     threshold: float = COPY_DIFFERENCE,
+    shown: bool = False,
 ) -> list[CopyPair]:
     """Copy pairs within a collection (other None, a < b) or from it to other (a its row, b other's), identical
-    bytes first, then near copies at difference <= threshold, the most alike first."""
+    bytes first, then near copies at difference <= threshold, the most alike first (shown: with progress bars)."""
     gallery = (vectors, digests, thumbnails) if other is None else other
     rows_of: dict[str, list[int]] = {}
     for row, digest in enumerate(gallery[1]):
@@ -572,7 +585,7 @@ def find_copies(
     checked = [pair for pair in candidate_pairs(vectors, hashes, against) if pair not in known]
     coarse = _coarse(thumbnails)
     checked = _coarse_filter(coarse, coarse if other is None else _coarse(gallery[2]), checked)
-    near = zip(checked, _shared_out(thumbnails, gallery[2], checked).tolist(), strict=True) if checked else []
+    near = zip(checked, _shared_out(thumbnails, gallery[2], checked, shown).tolist(), strict=True) if checked else []
     pairs = [CopyPair(a, b, CopyKind.IDENTICAL, 0.0) for a, b in identical]
     pairs += sorted(
         (CopyPair(a, b, CopyKind.NEAR, d) for (a, b), d in near if d <= threshold), key=lambda p: p.difference

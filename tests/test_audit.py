@@ -304,11 +304,14 @@ def test_audit_prints_tables_and_json_and_writes_csvs(
     demo_run: RunDir, audited_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["audit", str(demo_run.root), str(audited_folder), "--csv", str(tmp_path / "found")]) == 0
-    printed = capsys.readouterr().out
+    printed = capsys.readouterr()
     for title in ("suspected wrong labels", "copies", "leaks", "outliers", "audited"):
-        assert title in printed
+        assert title in printed.out
+    assert "copies, rough check: " in printed.err  # the audit's long part shows its progress (one line in a log)
     assert main(["audit", str(demo_run.root), str(audited_folder), "--json"]) == 0
-    found = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    found = json.loads(printed.out)
+    assert "copies, rough check" not in printed.err  # a script's --json is left quiet
     assert set(found) >= {"labels", "duplicates", "leaks", "outliers"}
     assert all(
         Path(row["path"]).is_absolute() and set(row) >= {"path", "label", "suggested", "score"}

@@ -69,7 +69,8 @@ def audit(
     embedder = OnnxEmbedder.from_run(run_dir, model=model)
     embedded = _embedded(embedder, collection, not as_json)
     spaces = _fold_spaces(run_dir, embedded, folds, fold_epochs, model, not as_json) if folds else []
-    found = run_audit(embedded, _embedded(embedder, other, not as_json) if other is not None else None, spaces)
+    against_embedded = _embedded(embedder, other, not as_json) if other is not None else None
+    found = run_audit(embedded, against_embedded, spaces, shown=not as_json)
     if csv_dir is not None:
         written = write_csvs(found, csv_dir)
         if not as_json:
