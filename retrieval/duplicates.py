@@ -308,13 +308,13 @@ def _shares(crops: np.ndarray, wholes: _Wholes, rows: np.ndarray, cut: float = P
     low, high = wholes.low[rows][:, None] - cut, wholes.high[rows][:, None] + cut
     outside = np.less(crops, low)  # in place where it can be: fewer arrays made and passed over
     outside |= np.greater(crops, high)
-    differing = _counts(outside)
+    differing = _counts(_across_planes(outside))
     apart = np.subtract(crops, background)
     np.abs(apart, out=apart)
     drawn = _across_planes(np.greater(apart, PIXEL_CUT, out=outside)) | wholes.drawn[rows][:, None]
     np.abs(np.subtract(crops, whole[:, None], out=apart), out=apart)
     closeness = apart.mean(axis=(2, 3)) * 1e-3
-    return differing / np.maximum(_counts(drawn[:, :, None]), 1) + closeness
+    return differing / np.maximum(_counts(drawn), 1) + closeness
 
 
 def _across_planes(flags: np.ndarray) -> np.ndarray:
@@ -323,8 +323,8 @@ def _across_planes(flags: np.ndarray) -> np.ndarray:
 
 
 def _counts(flags: np.ndarray) -> np.ndarray:
-    """[P, V] of [P, V, C, D] bools: the pixels set in any plane, counted as bytes (a bool sum casts every one)."""
-    return _across_planes(flags).view(np.uint8).sum(axis=-1, dtype=np.uint16)
+    """[P, V] of [P, V, D] bools: how many are set, counted as bytes (a bool sum casts every one)."""
+    return flags.view(np.uint8).sum(axis=-1, dtype=np.uint16)
 
 
 def _differences(mine: np.ndarray, theirs: np.ndarray, pairs: Sequence[tuple[int, int]], shown: int = 0) -> np.ndarray:
