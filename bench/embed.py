@@ -7,7 +7,8 @@
    encoder alone on the same images, with each model, in alternating rounds: the ratio shows how well
    decoding is hidden behind inference. Two galleries: the icons (64 px PNG) and the same pictures as
    --jpeg px JPEGs, decoded at a reduced DCT scale (the default) and at full size, with how close the two
-   decodings' embeddings are.
+   decodings' embeddings are. Before it, reading, decoding and preparing the same images without a model, on one
+   thread and on one per core: whether the decoding of the pipelines can run in parallel.
 3. Peak memory of `retrieval index` on galleries of two sizes, each in its own process.
 
     python bench/embed.py [--backbone resnet18] [--image-size 64] [--small 2000] [--large 10000] [--jpeg 256] [--fp16]
@@ -19,10 +20,12 @@ On a machine with CUDA, ONNX Runtime runs on the CUDA execution provider and PyT
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # run as `python bench/embed.py`, bench/index.py would hide the `index` package
@@ -35,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from index.build import build_index
-from retrieval.data import load_collection, load_image
+from retrieval.data import decode_image, load_collection, load_image, read_image_bytes
 from retrieval.datasets import icons
 from retrieval.embedders import OnnxEmbedder, embed_items
 from retrieval.runs import RunDir, write_json
@@ -128,6 +131,29 @@ def indexing_table(
         table.add_row(name, label, f"{n / alone:,.0f}", f"{n / whole:,.0f}", f"{alone / whole:.2f}x")
     distinct = [item for item in load_collection(photos).items if item.path.name.startswith("0-")]  # one copy each
     table.caption = draft_agreement(models["float32"], distinct[:500])
+    return table
+
+
+def decoding_table(galleries: dict[str, Path], embedder: OnnxEmbedder, args: argparse.Namespace) -> Table:
+    """Reading, hashing, decoding and preparing each gallery's images (no model) in batches on one thread and on
+    one thread per core, best of --repeats: whether the decoding of the indexing pipelines runs in parallel."""
+    cores = os.cpu_count() or 1
+    table = Table(title=f"reading, decoding and preparing {args.small:,} images, no model (best of {args.repeats})")
+    for column in ("gallery", "1 thread, images/s", f"{cores} threads, images/s", f"{cores} threads vs 1", "µs of a core an image"):
+        table.add_column(column, justify="right")
+
+    def prepared(chunk: list) -> np.ndarray:
+        return embedder.prepare([decode_image(read_image_bytes(item.path)[0], item.path, embedder.input_size) for item in chunk])
+
+    for label, folder in galleries.items():
+        items = load_collection(folder).items
+        chunks = [items[start : start + embedder.batch_size] for start in range(0, len(items), embedder.batch_size)]
+        seconds = {}
+        for threads in (1, cores):
+            with ThreadPoolExecutor(threads) as pool:
+                seconds[threads] = best_seconds(lambda: list(pool.map(prepared, chunks)), args.repeats)
+        n = len(items)
+        table.add_row(label, f"{n / seconds[1]:,.0f}", f"{n / seconds[cores]:,.0f}", f"{seconds[1] / seconds[cores]:.2f}x", f"{seconds[1] / n * 1e6:.0f}")
     return table
 
 
@@ -239,6 +265,7 @@ def main() -> None:
 
         gallery = make_gallery(source, Path(scratch) / "gallery", args.small)
         photos = make_gallery(source, Path(scratch) / "photos", args.small, jpeg=args.jpeg)
+        console.print(decoding_table({"PNG 64 px": gallery, f"JPEG {args.jpeg} px": photos}, int8, args))
         console.print(indexing_table(gallery, photos, {"float32": embedder, "int8": int8}, Path(scratch), args))
 
         large = make_gallery(source, Path(scratch) / "large", args.large)
