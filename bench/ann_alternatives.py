@@ -7,7 +7,7 @@ The gallery and queries are bench/index.py's (`--data whitened` by default); rec
 for --queries held-out queries, speed is batch QPS over exact search's in the same run. Each line:
 `TYPE depth D candidates R: recall … qps … (…x)`.
 
-    python bench/ann_alternatives.py [--size 1000000] [--data whitened] [--ivf 'IVF1024,PQ64x4fs'] [--pca '64;48'] [--hnsw 'HNSW32:80;HNSW64:80'] [--sharpen '0.5;1'] [--rewhiten]
+    python bench/ann_alternatives.py [--size 1000000] [--data whitened] [--ivf 'IVF1024,PQ64x4fs'] [--nprobes '16;256'] [--candidates '10;100'] [--pca '64;48'] [--hnsw 'HNSW32:80;HNSW64:80'] [--sharpen '0.5;1'] [--rewhiten]
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1_000_000)
     parser.add_argument("--queries", type=int, default=2000)
     parser.add_argument("--ivf", default="IVF1024,PQ64x4fs", help="IVF factory strings separated by ; ('' for none)")
+    parser.add_argument("--nprobes", default="16;32;64;128;256", help="the IVF types' nprobe values, separated by ;")
+    parser.add_argument("--candidates", default="10;50;100;200", help="the IVF types' candidates re-scored, by ;")
     parser.add_argument("--pca", default="64", help="HNSW32 over this many top principal components, separated by ;")
     parser.add_argument(
         "--hnsw", default="", help="full-space graphs as TYPE:efConstruction separated by ; (e.g. HNSW32_SQ8:80)"
@@ -74,7 +76,7 @@ def main() -> None:
     def rescored(candidates: np.ndarray) -> np.ndarray:
         return rescore(gallery, queries, candidates)
 
-    inverted_lists(args.ivf, gallery, queries, sample, report, rescored)
+    inverted_lists(args, gallery, queries, sample, report, rescored)
     mean = sample.mean(axis=0)
     _, values, components = np.linalg.svd(sample - mean, full_matrices=False)
     for alpha in filter(None, args.sharpen.split(";")):
@@ -90,16 +92,21 @@ def main() -> None:
 
 
 def inverted_lists(
-    factories: str, gallery: np.ndarray, queries: np.ndarray, sample: np.ndarray, report: Report, rescored: Rescored
+    args: argparse.Namespace,
+    gallery: np.ndarray,
+    queries: np.ndarray,
+    sample: np.ndarray,
+    report: Report,
+    rescored: Rescored,
 ) -> None:
-    """IVF types (factory strings separated by ;) trained on sample, their candidates re-scored exactly."""
-    for factory in filter(None, factories.split(";")):
+    """IVF types (--ivf) trained on sample, searched at each of --nprobes, their --candidates re-scored exactly."""
+    for factory in filter(None, args.ivf.split(";")):
         index = faiss.index_factory(128, factory, faiss.METRIC_INNER_PRODUCT)
         index.train(sample)
         index.add(gallery)
-        for nprobe in (16, 32, 64, 128, 256):
+        for nprobe in (int(value) for value in args.nprobes.split(";")):
             params = faiss.SearchParametersIVF(nprobe=nprobe)
-            for candidates in (10, 50, 100, 200):
+            for candidates in (int(value) for value in args.candidates.split(";")):
                 report(
                     f"{factory} nprobe {nprobe} candidates {candidates}",
                     lambda: rescored(index.search(queries, candidates, params=params)[1]),
