@@ -8,7 +8,8 @@
    decoding is hidden behind inference. Two galleries: the icons (64 px PNG) and the same pictures as
    --jpeg px JPEGs, decoded at a reduced DCT scale (the default) and at full size, with how close the two
    decodings' embeddings are. Before it, reading, decoding and preparing the same images without a model, on one
-   thread and on one per core: whether the decoding of the pipelines can run in parallel.
+   thread and on one per core: whether the decoding of the pipelines can run in parallel; and writing the
+   indexing journal (index.journal) with SQLite pages of 4 KiB (SQLite's default) and of PAGE_SIZE.
 3. Peak memory of `retrieval index` on galleries of two sizes, each in its own process.
 
     python bench/embed.py [--backbone resnet18] [--image-size 64] [--small 2000] [--large 10000] [--jpeg 256] [--fp16]
@@ -37,8 +38,10 @@ from PIL import Image
 from rich.console import Console
 from rich.table import Table
 
+import index.journal
 from index.build import build_index
-from retrieval.data import decode_image, load_collection, load_image, read_image_bytes
+from index.journal import PAGE_SIZE, Journal
+from retrieval.data import Item, decode_image, load_collection, load_image, read_image_bytes
 from retrieval.datasets import icons
 from retrieval.embedders import OnnxEmbedder, embed_items
 from retrieval.runs import RunDir, write_json
@@ -69,16 +72,18 @@ def best_seconds(work, repeats: int) -> float:
     return min(times)
 
 
-def make_gallery(source: Path, target: Path, count: int, jpeg: int = 0) -> Path:
+def make_gallery(source: Path, target: Path, count: int, jpeg: int = 0, png: int = 0) -> Path:
     """Copies the icons of source under new names until target holds count images; jpeg=S: each one enlarged
-    to S x S pixels and saved as a JPEG (quality 90), the shape of a gallery of photos."""
+    to S x S pixels and saved as a JPEG (quality 90), the shape of a gallery of photos; png=S: enlarged and saved
+    as a PNG (a larger picture to decode, the same Python work around it)."""
     files = sorted(source.rglob("*.png"))
+    side = jpeg or png
     for n in range(count):
         original = files[n % len(files)]
         copy = target / original.parent.name / f"{n // len(files)}-{original.stem}.{'jpg' if jpeg else 'png'}"
         copy.parent.mkdir(parents=True, exist_ok=True)
-        if jpeg:
-            load_image(original).resize((jpeg, jpeg), Image.Resampling.BICUBIC).save(copy, quality=90)
+        if side:
+            load_image(original).resize((side, side), Image.Resampling.BICUBIC).save(copy, quality=90)
         else:
             copy.write_bytes(original.read_bytes())
     return target
@@ -138,8 +143,8 @@ def decoding_table(galleries: dict[str, Path], embedder: OnnxEmbedder, args: arg
     """Reading, hashing, decoding and preparing each gallery's images (no model) in batches on one thread and on
     one thread per core, best of --repeats: whether the decoding of the indexing pipelines runs in parallel."""
     cores = os.cpu_count() or 1
-    table = Table(title=f"reading, decoding and preparing {args.small:,} images, no model (best of {args.repeats})")
-    for column in ("gallery", "1 thread, images/s", f"{cores} threads, images/s", f"{cores} threads vs 1", "µs of a core an image"):
+    table = Table(title=f"reading, decoding and preparing images, no model (best of {args.repeats})")
+    for column in ("gallery", "images", "1 thread, images/s", f"{cores} threads, images/s", f"{cores} threads vs 1", "µs of a core an image"):
         table.add_column(column, justify="right")
 
     def prepared(chunk: list) -> np.ndarray:
@@ -153,7 +158,36 @@ def decoding_table(galleries: dict[str, Path], embedder: OnnxEmbedder, args: arg
             with ThreadPoolExecutor(threads) as pool:
                 seconds[threads] = best_seconds(lambda: list(pool.map(prepared, chunks)), args.repeats)
         n = len(items)
-        table.add_row(label, f"{n / seconds[1]:,.0f}", f"{n / seconds[cores]:,.0f}", f"{seconds[1] / seconds[cores]:.2f}x", f"{seconds[1] / n * 1e6:.0f}")
+        table.add_row(label, f"{n:,}", f"{n / seconds[1]:,.0f}", f"{n / seconds[cores]:,.0f}", f"{seconds[1] / seconds[cores]:.2f}x", f"{seconds[1] / n * 1e6:.0f}")
+    return table
+
+
+def journal_table(dim: int, scratch: Path, args: argparse.Namespace, rows: int = 10_000, batch: int = 64) -> Table:
+    """Journaling rows of dim-d vectors in batches (one commit each), with SQLite's default pages of 4 KiB and with
+    the journal's PAGE_SIZE, alternated, best of --repeats; and reading them back."""
+    vectors = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
+    items = [Item(scratch / f"class-{n % 50}" / f"{n:06d}-an-image-name.png", f"class-{n % 50}") for n in range(rows)]
+    digests = [f"{n:064x}" for n in range(rows)]
+    timings: dict[int, list[tuple[float, float]]] = {4096: [], PAGE_SIZE: []}
+    for _ in range(args.repeats):
+        for page in timings:
+            index.journal.PAGE_SIZE = page
+            journal = Journal(scratch / "journal-bench.sqlite", "encoder", dim)
+            started = time.perf_counter()
+            for start in range(0, rows, batch):
+                journal.add(items[start : start + batch], digests[start : start + batch], vectors[start : start + batch])
+            written = time.perf_counter() - started
+            started = time.perf_counter()
+            sum(len(chunk.items) for chunk in journal.chunks())
+            timings[page].append((written, time.perf_counter() - started))
+            journal.discard()
+    index.journal.PAGE_SIZE = PAGE_SIZE
+    table = Table(title=f"journaling {rows:,} rows of {dim}-d vectors, batches of {batch} (best of {args.repeats})")
+    for column in ("page size", "write ms", "µs a row", "read back ms"):
+        table.add_column(column, justify="right")
+    for page, runs in timings.items():
+        written, read = min(w for w, _ in runs), min(r for _, r in runs)
+        table.add_row(f"{page:,} B", f"{written * 1e3:.0f}", f"{written / rows * 1e6:.1f}", f"{read * 1e3:.0f}")
     return table
 
 
@@ -265,7 +299,10 @@ def main() -> None:
 
         gallery = make_gallery(source, Path(scratch) / "gallery", args.small)
         photos = make_gallery(source, Path(scratch) / "photos", args.small, jpeg=args.jpeg)
-        console.print(decoding_table({"PNG 64 px": gallery, f"JPEG {args.jpeg} px": photos}, int8, args))
+        large_png = make_gallery(source, Path(scratch) / "large-png", args.small // 4, png=args.jpeg)
+        decoded = {"PNG 64 px": gallery, f"JPEG {args.jpeg} px": photos, f"PNG {args.jpeg} px": large_png}
+        console.print(decoding_table(decoded, int8, args))
+        console.print(journal_table(embedder.dim, Path(scratch), args))
         console.print(indexing_table(gallery, photos, {"float32": embedder, "int8": int8}, Path(scratch), args))
 
         large = make_gallery(source, Path(scratch) / "large", args.large)

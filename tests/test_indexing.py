@@ -137,6 +137,33 @@ def test_a_journal_resumes_and_ignores_files_no_longer_listed(embedder: OnnxEmbe
     assert len(names) == len(collection.items) and earlier.items[-1].path.name not in names
 
 
+def test_a_journal_keeps_many_vectors_a_page_and_one_left_with_small_pages_still_resumes(tmp_path: Path) -> None:
+    """New journals use PAGE_SIZE pages (a 512-d row is over half of SQLite's default 4 KiB page, so that page held one
+    row); a journal written with the default pages, as a killed job of an earlier version left it, keeps them."""
+    from index import journal as journal_module
+    from index.journal import PAGE_SIZE, Journal
+    from retrieval.data import Item
+
+    vectors = np.random.default_rng(0).standard_normal((200, 512)).astype(np.float32)
+    items = [Item(tmp_path / f"{n}.png", "x") for n in range(200)]
+    digests = [f"{n:064x}" for n in range(200)]
+    for name, page in (("new.sqlite", PAGE_SIZE), ("old.sqlite", 4096)):
+        journal_module.PAGE_SIZE = page
+        try:
+            written = Journal(tmp_path / name, "encoder", 512)
+        finally:
+            journal_module.PAGE_SIZE = PAGE_SIZE
+        written.add(items, digests, vectors)
+        written.connection.close()
+        reopened = Journal(tmp_path / name, "encoder", 512)
+        assert reopened.connection.execute("PRAGMA page_size").fetchone()[0] == page
+        (chunk,) = list(reopened.chunks())
+        np.testing.assert_array_equal(chunk.vectors, vectors)
+        assert chunk.items == items and chunk.hashes == digests
+        reopened.discard()
+    assert PAGE_SIZE >= 16 * (512 * 4 + 200)  # at least 16 rows of a 512-d vector a page
+
+
 def test_a_journal_row_for_content_that_changed_back_is_not_used(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:
     from index.journal import Journal
 
