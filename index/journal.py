@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -69,3 +70,14 @@ class Journal:
         self.connection.close()
         for suffix in ("", "-wal", "-shm"):
             self.path.with_name(self.path.name + suffix).unlink(missing_ok=True)
+
+
+def pending_rows(path: Path) -> int:
+    """How many embedded rows the journal at path keeps (0 where there is none): what a stopped job goes on from."""
+    if not path.is_file():
+        return 0
+    try:
+        with closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=1.0)) as connection:
+            return int(connection.execute("SELECT COUNT(*) FROM pending").fetchone()[0])
+    except sqlite3.Error:
+        return 0

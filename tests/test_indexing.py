@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from PIL import Image
 
 from index.backends import open_index
 from index.build import build_index, journal_path
+from index.journal import pending_rows
 from retrieval.data import load_collection, load_image
 from retrieval.embedders import OnnxEmbedder, iter_embedded
 from retrieval.runs import RunDir
@@ -82,14 +82,6 @@ def test_an_index_of_another_encoder_needs_rebuild(embedder: OnnxEmbedder, icons
     assert rebuilt.index.encoder_sha256 == embedder.fingerprint
 
 
-def journal_rows(path: Path) -> int:
-    try:
-        with sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=0.1) as connection:
-            return int(connection.execute("SELECT COUNT(*) FROM pending").fetchone()[0])
-    except sqlite3.Error:
-        return 0
-
-
 def test_indexing_killed_with_sigkill_resumes_and_indexes_every_image_once(demo_run: RunDir, icons_root: Path, tmp_path: Path) -> None:
     gallery = tmp_path / "gallery"
     for copy in range(4):  # about 2,000 files: long enough to be killed part-way
@@ -102,11 +94,11 @@ def test_indexing_killed_with_sigkill_resumes_and_indexes_every_image_once(demo_
     command = [sys.executable, "-m", "retrieval", "index", str(demo_run.root), str(gallery), "--index", str(directory), "--batch-size", "16"]
     worker = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=Path(__file__).parents[1])
     deadline = time.monotonic() + 120
-    while journal_rows(journal_path(directory)) < 200 and worker.poll() is None and time.monotonic() < deadline:
+    while pending_rows(journal_path(directory)) < 200 and worker.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     os.kill(worker.pid, signal.SIGKILL)
     worker.wait()
-    done_before_kill = journal_rows(journal_path(directory))
+    done_before_kill = pending_rows(journal_path(directory))
     assert 0 < done_before_kill, "the job was killed before embedding anything"
     assert not (directory / "manifest.json").exists()  # nothing half-written is visible as an index
 
@@ -117,6 +109,49 @@ def test_indexing_killed_with_sigkill_resumes_and_indexes_every_image_once(demo_
     assert len(names) == len(set(names)) == len(good)  # every readable image exactly once
     assert f"resumed {done_before_kill}" in finished.stdout.replace("\n", " ")
     assert not journal_path(directory).exists()
+
+
+def test_ctrl_c_during_indexing_says_what_is_kept_and_the_same_command_goes_on(demo_run: RunDir, icons_root: Path, tmp_path: Path) -> None:
+    """Ctrl+C part-way: exit 130, no traceback, one line with the number of embedded images the journal keeps; the
+    same command then resumes them."""
+    from tests.test_first_hour import as_in_a_terminal
+
+    gallery = tmp_path / "gallery"
+    for copy in range(4):
+        for source in (icons_root / "test").rglob("*.png"):
+            target = gallery / source.parent.name / f"{copy}-{source.name}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(source.read_bytes())
+    directory = tmp_path / "index"
+    command = [sys.executable, "-m", "retrieval", "index", str(demo_run.root), str(gallery), "--index", str(directory), "--batch-size", "16"]
+    worker = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1], preexec_fn=as_in_a_terminal)
+    try:
+        deadline = time.monotonic() + 120
+        while pending_rows(journal_path(directory)) < 100 and worker.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        worker.send_signal(signal.SIGINT)
+        _, err = worker.communicate(timeout=120)
+    finally:
+        worker.kill()
+    kept = pending_rows(journal_path(directory))
+    assert worker.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        f"interrupted: {kept:,} embedded image(s) are kept in {journal_path(directory)}; run the same command again "
+        "to go on from them (the index is not changed until a job ends)"
+    )
+    finished = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=300)
+    assert finished.returncode == 0 and f"resumed {kept}" in finished.stdout.replace("\n", " "), finished.stderr
+
+
+def test_ctrl_c_before_any_image_is_embedded_says_nothing_was_kept(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import typer
+
+    from retrieval.commands.indexing import _interrupted
+
+    with pytest.raises(typer.Exit) as stopped:
+        _interrupted(tmp_path / "index")
+    assert stopped.value.exit_code == 130
+    assert capsys.readouterr().err.strip() == "interrupted before any image was embedded; nothing was kept and the index is not changed"
 
 
 def test_a_journal_resumes_and_ignores_files_no_longer_listed(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:

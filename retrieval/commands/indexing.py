@@ -8,7 +8,15 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from retrieval.commands.output import AutoModelOption, IndexOption, RunArg, console, format_value, report_skipped
+from retrieval.commands.output import (
+    AutoModelOption,
+    IndexOption,
+    RunArg,
+    console,
+    errors,
+    format_value,
+    report_skipped,
+)
 from retrieval.data import load_collection
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
@@ -85,12 +93,34 @@ def index(
         "ray": ray,
         "milvus": milvus,
     }
-    report = build_index(embedder, load_collection(images), target, **options)
+    try:
+        report = build_index(embedder, load_collection(images), target, **options)
+    except KeyboardInterrupt:
+        _interrupted(target)
     report_skipped(report.skipped, target / "skipped.json")
     console.print(
         f"index {target}: {len(report.index)} images · embedded {report.embedded} · resumed {report.resumed} · "
         f"unchanged {report.unchanged} · removed {report.removed} · skipped {len(report.skipped)}"
     )
+
+
+def _interrupted(target: Path) -> None:
+    """Ctrl+C: one line saying how many embedded images the journal keeps and that the same command goes on from
+    them; exit status 130."""
+    from index.build import journal_path
+    from index.journal import pending_rows
+
+    journal = journal_path(target)
+    kept = pending_rows(journal)
+    if kept:
+        line = (
+            f"interrupted: {kept:,} embedded image(s) are kept in {journal}; run the same command again to go on "
+            "from them (the index is not changed until a job ends)"
+        )
+    else:
+        line = "interrupted before any image was embedded; nothing was kept and the index is not changed"
+    errors.print(line, soft_wrap=True, highlight=False, markup=False)
+    raise typer.Exit(130)
 
 
 def directory_of_run(path: Path) -> bool:
