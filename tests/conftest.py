@@ -32,6 +32,17 @@ def copy_classes(icons_root: Path, target: Path, classes: int, split: str = "tra
     return target
 
 
+def icon_copies(icons_root: Path, gallery: Path, copies: int) -> Path:
+    """A gallery of `copies` copies of every test icon under new names (ROOT/<label>/<copy>-<name>): about 500 images
+    a copy, enough for an indexing job to be stopped part-way."""
+    for copy in range(copies):
+        for source in (icons_root / "test").rglob("*.png"):
+            target = gallery / source.parent.name / f"{copy}-{source.name}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(source.read_bytes())
+    return gallery
+
+
 @pytest.fixture
 def small_folder(icons_root: Path, tmp_path: Path) -> Path:
     """Four real classes of the icons training split."""

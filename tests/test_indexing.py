@@ -20,7 +20,7 @@ from index.journal import pending_rows
 from retrieval.data import load_collection, load_image
 from retrieval.embedders import OnnxEmbedder, iter_embedded
 from retrieval.runs import RunDir
-from tests.conftest import copy_classes, write_bad_files
+from tests.conftest import copy_classes, icon_copies, write_bad_files
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +83,7 @@ def test_an_index_of_another_encoder_needs_rebuild(embedder: OnnxEmbedder, icons
 
 
 def test_indexing_killed_with_sigkill_resumes_and_indexes_every_image_once(demo_run: RunDir, icons_root: Path, tmp_path: Path) -> None:
-    gallery = tmp_path / "gallery"
-    for copy in range(4):  # about 2,000 files: long enough to be killed part-way
-        for source in (icons_root / "test").rglob("*.png"):
-            target = gallery / source.parent.name / f"{copy}-{source.name}"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(source.read_bytes())
+    gallery = icon_copies(icons_root, tmp_path / "gallery", 4)  # about 2,000 files: long enough to be killed part-way
     bad = write_bad_files(gallery / "broken")
     directory = tmp_path / "index"
     command = [sys.executable, "-m", "retrieval", "index", str(demo_run.root), str(gallery), "--index", str(directory), "--batch-size", "16"]
@@ -116,12 +111,7 @@ def test_ctrl_c_during_indexing_says_what_is_kept_and_the_same_command_goes_on(d
     same command then resumes them."""
     from tests.test_first_hour import as_in_a_terminal
 
-    gallery = tmp_path / "gallery"
-    for copy in range(4):
-        for source in (icons_root / "test").rglob("*.png"):
-            target = gallery / source.parent.name / f"{copy}-{source.name}"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(source.read_bytes())
+    gallery = icon_copies(icons_root, tmp_path / "gallery", 4)
     directory = tmp_path / "index"
     command = [sys.executable, "-m", "retrieval", "index", str(demo_run.root), str(gallery), "--index", str(directory), "--batch-size", "16"]
     worker = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1], preexec_fn=as_in_a_terminal)

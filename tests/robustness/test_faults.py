@@ -25,7 +25,7 @@ from index.faiss_ops import stored_vectors
 from index.store import GalleryIndex
 from retrieval.commands import main
 from retrieval.runs import RunDir
-from tests.conftest import copy_classes
+from tests.conftest import copy_classes, icon_copies
 from tests.test_cli import expect_error
 from training.checkpoints import read_sealed
 
@@ -65,12 +65,7 @@ def test_training_killed_again_and_again_resumes_to_the_uninterrupted_weights(ic
 
 
 def test_indexing_killed_again_and_again_indexes_every_image_exactly_once(demo_run: RunDir, icons_root: Path, tmp_path: Path) -> None:
-    gallery = tmp_path / "gallery"
-    for copy in range(3):
-        for source in (icons_root / "test").rglob("*.png"):
-            target = gallery / source.parent.name / f"{copy}-{source.name}"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(source.read_bytes())
+    gallery = icon_copies(icons_root, tmp_path / "gallery", 3)
     directory = tmp_path / "index"
     command = [sys.executable, "-m", "retrieval", "index", str(demo_run.root), str(gallery), "--index", str(directory), "--batch-size", "16"]
     rng = random.Random(1)
