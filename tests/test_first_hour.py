@@ -143,6 +143,25 @@ def as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def ctrl_c_after(command: list[str], line: str) -> tuple[int, str]:
+    """Runs command as a terminal would, presses Ctrl+C once it prints a line starting with `line`: (status, stderr)."""
+    import signal
+    import subprocess
+    import time
+
+    worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1], preexec_fn=as_in_a_terminal)
+    assert worker.stdout is not None
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (worker.stdout.readline() or "").startswith(line):
+            pass
+        worker.send_signal(signal.SIGINT)
+        _, err = worker.communicate(timeout=120)
+    finally:
+        worker.kill()  # nothing left behind when the test fails (a no-op once it has exited)
+    return worker.returncode, err
+
+
 def test_output_folders_that_cannot_be_folders_are_one_line_and_a_file_there_is_kept(demo_run: RunDir, small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--run, --index and the demo's --run on a file, or under one (no folder can be made there): one line each, before
     any work, and the file is left as it was (an index was once swapped into its place)."""
@@ -178,27 +197,38 @@ def test_a_file_the_system_refuses_where_no_command_words_it_is_still_one_line(d
 
 
 def test_ctrl_c_during_training_says_how_to_resume(small_folder: Path, tmp_path: Path) -> None:
-    import signal
-    import subprocess
     import sys
-    import time
 
     run = tmp_path / "run"
     command = [sys.executable, "-m", "retrieval", "train", str(small_folder), "--run", str(run), "--epochs", "200", "--batch-size", "8", "--image-size", "32"]
-    worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1], preexec_fn=as_in_a_terminal)
-    assert worker.stdout is not None
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not (worker.stdout.readline() or "").startswith("epoch 2/200"):
-            pass
-        worker.send_signal(signal.SIGINT)
-        out, err = worker.communicate(timeout=120)
-    finally:
-        worker.kill()  # no trainer left behind when the test fails (a no-op once it has exited)
-    assert worker.returncode == 130, err
+    status, err = ctrl_c_after(command, "epoch 2/200")
+    assert status == 130, err
     assert "Traceback" not in err
     line = err.strip().splitlines()[-1]
     assert line.startswith("interrupted: the trainer state of epoch ") and f"resume with `retrieval train --run {run} --resume`" in line
+
+
+def test_ctrl_c_during_the_demo_says_what_is_kept_and_the_same_command_goes_on_from_it(tmp_path: Path) -> None:
+    """The first thing a new user may do to a five-minute demo: Ctrl+C in its training. One line, exit 130; the same
+    command then resumes the training from its last saved epoch (it started over before) and finishes the demo."""
+    import re
+    import subprocess
+    import sys
+
+    run = tmp_path / "demo"
+    command = [sys.executable, "-m", "retrieval", "demo", "--run", str(run), "--no-serve", "--classes", "4", "--epochs", "4"]
+    status, err = ctrl_c_after(command, "epoch 2/4")
+    assert status == 130 and "Traceback" not in err, err
+    said = re.fullmatch(
+        rf"interrupted: the demo in {re.escape(str(run))} has (\d) epoch\(s\) trained and saved; the same command again "
+        r"goes on from there \(--retrain starts over\)",
+        err.strip().splitlines()[-1],
+    )
+    assert said, err
+    again = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming {run} at epoch {int(said.group(1)) + 1}, batch 0" in again.stdout.replace("\n", " ")
+    assert json.loads((run / "demo.json").read_text())["outcome"]["model_metrics"]["recall@1"] > 0
 
 
 def busy_port() -> tuple[object, int]:

@@ -1,7 +1,8 @@
 """`retrieval demo`: the main job on the embedded icons: train on train/, export, index and evaluate test/, serve.
 
 test/ holds classes never seen in training, so the figures are the metric-learning protocol's. A
-finished demo run is reused (its figures kept in RUN/demo.json): `--retrain` starts it over.
+finished demo run is reused (its figures kept in RUN/demo.json): `--retrain` starts it over. A demo stopped in
+training goes on from its last finished epoch when run again with the same options.
 """
 
 from __future__ import annotations
@@ -11,18 +12,22 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from retrieval.commands.output import console, metrics_table
+from retrieval.commands.output import console, errors, metrics_table
 from retrieval.commands.serve import require_free_port, serve
 from retrieval.data import Collection, load_collection, write_collection_csv
 from retrieval.datasets import icons
 from retrieval.embedders import OnnxEmbedder, PixelEmbedder
+from retrieval.errors import RetrievalError
 from retrieval.evaluation import evaluate_collection, write_plots
 from retrieval.extras import require
 from retrieval.runs import RunDir, read_json, writable_folder, write_json
+
+if TYPE_CHECKING:
+    from training.config import TrainConfig
 
 STEPS = 5  # train, export, index, evaluate, self-supervised (serving is the sixth, when asked for)
 SSL_EPOCHS = 10  # the self-supervised run's short schedule (the recipe's is 35: docs/recipe.md)
@@ -59,7 +64,10 @@ def demo(
     outcome = None if retrain else finished_demo(run_dir, epochs, classes)
     if outcome is None:
         require("torch", "train")
-        outcome = run_demo(run_dir, epochs=epochs, classes=classes, steps=STEPS + serve_app)
+        try:
+            outcome = run_demo(run_dir, epochs=epochs, classes=classes, steps=STEPS + serve_app)
+        except KeyboardInterrupt:
+            _interrupted(run_dir)
     else:
         console.print(f"{run} holds a finished demo: reusing it (train it again with --retrain)", soft_wrap=True)
     columns = {"trained model": outcome.model_metrics}
@@ -82,6 +90,20 @@ def demo(
         serve(run, host, port)
 
 
+def _interrupted(run: RunDir) -> None:
+    """Ctrl+C before the demo finished: one line saying what is kept and that the same command goes on; exit 130."""
+    done = _saved_epochs(run)
+    if done:
+        line = (
+            f"interrupted: the demo in {run.root} has {done} epoch(s) trained and saved; the same command again goes "
+            "on from there (--retrain starts over)"
+        )
+    else:
+        line = f"interrupted before the demo's first epoch ended; the same command again starts it over in {run.root}"
+    errors.print(line, soft_wrap=True, highlight=False, markup=False)
+    raise typer.Exit(130)
+
+
 def reopen_command(run: Path) -> str:
     """The command that serves this run again, as this program was started (.venv/bin/retrieval by `make demo`)."""
     program = sys.argv[0] if Path(sys.argv[0]).name == "retrieval" else "retrieval"
@@ -99,7 +121,7 @@ def finished_demo(run: RunDir, epochs: int | None, classes: int | None) -> DemoO
     if not (record.is_file() and run.model.is_file() and (run.index / "manifest.json").is_file()):
         return None
     saved = read_json(record)
-    if saved.get("settings") != {"epochs": epochs, "classes": classes}:
+    if saved.get("settings") != {"epochs": epochs, "classes": classes} or not saved.get("outcome"):
         return None
     return DemoOutcome(**saved["outcome"])
 
@@ -114,7 +136,6 @@ def run_demo(
     from index.build import build_index
     from training.config import TrainConfig
     from training.exporting import export
-    from training.loop import train
 
     started = time.perf_counter()
     dataset = icons()
@@ -125,7 +146,7 @@ def run_demo(
         TrainConfig(data=str(train_source)) if epochs is None else TrainConfig(data=str(train_source), epochs=epochs)
     )
     step(f"train: {config.backbone} at {config.image_size} px, {config.loss}, {config.epochs} epochs", 1, steps)
-    train(config, run, progress=progress)
+    _train_demo(config, run, {"epochs": epochs, "classes": classes}, progress)
     train_seconds = time.perf_counter() - started
     step("export to ONNX, checked against PyTorch", 2, steps)
     console.print(f"{run.model}: {export(run).describe()}", highlight=False, soft_wrap=True)
@@ -147,6 +168,31 @@ def run_demo(
     outcome.self_supervised_epochs = epochs or SSL_EPOCHS
     write_json(run.root / "demo.json", {"settings": {"epochs": epochs, "classes": classes}, "outcome": asdict(outcome)})
     return outcome
+
+
+def _train_demo(config: TrainConfig, run: RunDir, settings: dict, progress: bool) -> None:
+    """Trains the demo's model, going on from where a demo of the same settings was stopped (Ctrl+C, a crash): its
+    trainer state is kept after every epoch, and RUN/demo.json without an outcome marks a demo under way."""
+    from training.loop import train
+
+    record = read_json(run.root / "demo.json") if (run.root / "demo.json").is_file() else {}
+    done = _saved_epochs(run) if record == {"settings": settings, "outcome": None} else None
+    write_json(run.root / "demo.json", {"settings": settings, "outcome": None})
+    if done is not None and done >= config.epochs:
+        console.print(f"the model of an earlier, stopped demo is trained ({done} epochs): going on from it")
+        return
+    train(config, run, progress=progress, resume=bool(done))  # resuming says so, with the epoch
+
+
+def _saved_epochs(run: RunDir) -> int | None:
+    """The epochs finished in run's trainer state (None where there is none to go on from)."""
+    from training.checkpoints import saved_record
+
+    try:
+        record = saved_record(run.trainer_state)
+    except RetrievalError:  # damaged: the demo trains anew
+        return None
+    return None if record is None or not run.config.is_file() else record.epoch
 
 
 def self_supervised(run: RunDir, train_source: Path, test: Collection, epochs: int | None, progress: bool) -> dict:
