@@ -84,17 +84,9 @@ def index(
     target = index_dir or run_dir.index
     embedder = OnnxEmbedder.from_run(run_dir, threads, model=model, built_with=None if rebuild else built_with(target))
     ray, milvus = _engine_and_backend(engine, address, workers, backend, uri, milvus_index)
-    options = {
-        "sync": sync,
-        "rebuild": rebuild,
-        "batch_size": batch_size,
-        "factory": faiss_type,
-        "memory": budget,
-        "ray": ray,
-        "milvus": milvus,
-    }
+    options = {"sync": sync, "rebuild": rebuild, "batch_size": batch_size, "factory": faiss_type, "memory": budget}
     try:
-        report = build_index(embedder, load_collection(images), target, **options)
+        report = build_index(embedder, load_collection(images), target, ray=ray, milvus=milvus, **options)
     except KeyboardInterrupt:
         _interrupted(target)
     report_skipped(report.skipped, target / "skipped.json")
