@@ -26,7 +26,7 @@ class Journal:
         self.path = path
         self.dim = dim
         self.connection = sqlite3.connect(path)
-        # pages of 64 KiB hold 31 rows of a 512-d vector (4 KiB pages: one, the rest of each page left empty):
+        # pages of 64 KiB hold about 29 rows of a 512-d vector and its path (4 KiB pages: one, the rest left empty):
         # a third of the time to journal a batch (bench/embed.py); a journal that exists keeps its own size
         self.connection.execute(f"PRAGMA page_size={PAGE_SIZE}")
         # WAL keeps every committed batch through a killed process; NORMAL skips an fsync per batch,

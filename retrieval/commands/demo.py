@@ -12,11 +12,11 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
-from retrieval.commands.output import console, errors, metrics_table
+from retrieval.commands.output import console, metrics_table, stopped_by_ctrl_c
 from retrieval.commands.serve import require_free_port, serve
 from retrieval.data import Collection, load_collection, write_collection_csv
 from retrieval.datasets import icons
@@ -90,7 +90,7 @@ def demo(
         serve(run, host, port)
 
 
-def _interrupted(run: RunDir) -> None:
+def _interrupted(run: RunDir) -> NoReturn:
     """Ctrl+C before the demo finished: one line saying what is kept and that the same command goes on; exit 130."""
     done = _saved_epochs(run)
     if done:
@@ -100,8 +100,7 @@ def _interrupted(run: RunDir) -> None:
         )
     else:
         line = f"interrupted before the demo's first epoch ended; the same command again starts it over in {run.root}"
-    errors.print(line, soft_wrap=True, highlight=False, markup=False)
-    raise typer.Exit(130)
+    stopped_by_ctrl_c(line)
 
 
 def reopen_command(run: Path) -> str:

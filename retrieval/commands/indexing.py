@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.table import Table
@@ -13,9 +13,9 @@ from retrieval.commands.output import (
     IndexOption,
     RunArg,
     console,
-    errors,
     format_value,
     report_skipped,
+    stopped_by_ctrl_c,
 )
 from retrieval.data import load_collection
 from retrieval.errors import RetrievalError
@@ -96,7 +96,7 @@ def index(
     )
 
 
-def _interrupted(target: Path) -> None:
+def _interrupted(target: Path) -> NoReturn:
     """Ctrl+C: one line saying how many embedded images the journal keeps and that the same command goes on from
     them; exit status 130."""
     from index.build import journal_path
@@ -111,8 +111,7 @@ def _interrupted(target: Path) -> None:
         )
     else:
         line = "interrupted before any image was embedded; nothing was kept and the index is not changed"
-    errors.print(line, soft_wrap=True, highlight=False, markup=False)
-    raise typer.Exit(130)
+    stopped_by_ctrl_c(line)
 
 
 def directory_of_run(path: Path) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -14,6 +14,13 @@ from retrieval.errors import RetrievalError
 
 console = Console(soft_wrap=True)  # lines of text keep their paths whole; tables still fit the width
 errors = Console(stderr=True, soft_wrap=True)
+
+
+def stopped_by_ctrl_c(line: str) -> NoReturn:
+    """Ends a command that Ctrl+C stopped: the line that says what is kept and what to run next, exit status 130."""
+    errors.print(line, soft_wrap=True, highlight=False, markup=False)
+    raise typer.Exit(130)
+
 
 RUN_HELP = "Run directory (holds config, checkpoints, model.onnx, index/)."
 DATA_HELP = (

@@ -5,12 +5,12 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.table import Table
 
-from retrieval.commands.output import BENCHMARK_HELP, DATA_HELP, DataArg, console, errors, report_skipped
+from retrieval.commands.output import BENCHMARK_HELP, DATA_HELP, DataArg, console, report_skipped, stopped_by_ctrl_c
 from retrieval.data import require_source
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
@@ -197,7 +197,7 @@ def _refuse_existing(run: RunDir, overwrite: bool) -> None:
     )
 
 
-def _interrupted(run: RunDir) -> None:
+def _interrupted(run: RunDir) -> NoReturn:
     """Ctrl+C: one line saying where the last saved state is and how to go on from it; exit status 130."""
     from training.checkpoints import saved_record
 
@@ -209,8 +209,7 @@ def _interrupted(run: RunDir) -> None:
             f"interrupted: the trainer state of epoch {record.epoch}, batch {record.batch} is kept in "
             f"{run.trainer_state}; resume with `retrieval train --run {run.root} --resume`"
         )
-    errors.print(line, soft_wrap=True, highlight=False, markup=False)
-    raise typer.Exit(130)
+    stopped_by_ctrl_c(line)
 
 
 def _sweep_table(rows: list[dict]) -> Table:
