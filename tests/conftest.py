@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -41,6 +45,32 @@ def icon_copies(icons_root: Path, gallery: Path, copies: int) -> Path:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(source.read_bytes())
     return gallery
+
+
+def as_in_a_terminal() -> None:
+    """Ctrl+C as a terminal's foreground process gets it: a test run started in the background (`make test &`, nohup)
+    starts its children with SIGINT ignored, and Python keeps ignoring what it starts with ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def prints(line: str) -> Callable[[subprocess.Popen], bool]:
+    """Whether the command's next line of output starts with line (a readiness test for ctrl_c_when)."""
+    return lambda worker: (worker.stdout.readline() or "").startswith(line)
+
+
+def ctrl_c_when(command: list[str], ready: Callable[[subprocess.Popen], bool]) -> tuple[int, str]:
+    """Runs command as a terminal would and presses Ctrl+C once ready(worker) is true (or it ended, or 240 s went
+    by): (exit status, stderr)."""
+    worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1], preexec_fn=as_in_a_terminal)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and worker.poll() is None and not ready(worker):
+            time.sleep(0.01)
+        worker.send_signal(signal.SIGINT)
+        _, err = worker.communicate(timeout=120)
+    finally:
+        worker.kill()  # nothing left behind when the test fails (a no-op once it has exited)
+    return worker.returncode, err
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import pytest
 from app.server import launch
 from app.service import SearchService
 from retrieval.runs import RunDir
+from tests.conftest import as_in_a_terminal, ctrl_c_when, prints
 from tests.test_app import free_port
 
 
@@ -135,33 +136,6 @@ def test_a_run_directory_is_resumed_or_overwritten_never_silently_replaced(small
     assert len(run.train_log.read_text().splitlines()) == 1
 
 
-def as_in_a_terminal() -> None:
-    """Ctrl+C as a terminal's foreground process gets it: a test run started in the background (`make test &`, nohup)
-    starts its children with SIGINT ignored, and Python keeps ignoring what it starts with ignored."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def ctrl_c_after(command: list[str], line: str) -> tuple[int, str]:
-    """Runs command as a terminal would, presses Ctrl+C once it prints a line starting with `line`: (status, stderr)."""
-    import signal
-    import subprocess
-    import time
-
-    worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1], preexec_fn=as_in_a_terminal)
-    assert worker.stdout is not None
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not (worker.stdout.readline() or "").startswith(line):
-            pass
-        worker.send_signal(signal.SIGINT)
-        _, err = worker.communicate(timeout=120)
-    finally:
-        worker.kill()  # nothing left behind when the test fails (a no-op once it has exited)
-    return worker.returncode, err
-
-
 def test_output_folders_that_cannot_be_folders_are_one_line_and_a_file_there_is_kept(demo_run: RunDir, small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--run, --index and the demo's --run on a file, or under one (no folder can be made there): one line each, before
     any work, and the file is left as it was (an index was once swapped into its place)."""
@@ -201,7 +175,7 @@ def test_ctrl_c_during_training_says_how_to_resume(small_folder: Path, tmp_path:
 
     run = tmp_path / "run"
     command = [sys.executable, "-m", "retrieval", "train", str(small_folder), "--run", str(run), "--epochs", "200", "--batch-size", "8", "--image-size", "32"]
-    status, err = ctrl_c_after(command, "epoch 2/200")
+    status, err = ctrl_c_when(command, prints("epoch 2/200"))
     assert status == 130, err
     assert "Traceback" not in err
     line = err.strip().splitlines()[-1]
@@ -217,7 +191,7 @@ def test_ctrl_c_during_the_demo_says_what_is_kept_and_the_same_command_goes_on_f
 
     run = tmp_path / "demo"
     command = [sys.executable, "-m", "retrieval", "demo", "--run", str(run), "--no-serve", "--classes", "4", "--epochs", "4"]
-    status, err = ctrl_c_after(command, "epoch 2/4")
+    status, err = ctrl_c_when(command, prints("epoch 2/4"))
     assert status == 130 and "Traceback" not in err, err
     said = re.fullmatch(
         rf"interrupted: the demo in {re.escape(str(run))} has (\d) epoch\(s\) trained and saved; the same command again "

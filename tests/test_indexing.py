@@ -20,7 +20,7 @@ from index.journal import pending_rows
 from retrieval.data import load_collection, load_image
 from retrieval.embedders import OnnxEmbedder, iter_embedded
 from retrieval.runs import RunDir
-from tests.conftest import copy_classes, icon_copies, write_bad_files
+from tests.conftest import copy_classes, ctrl_c_when, icon_copies, write_bad_files
 
 
 @pytest.fixture(scope="module")
@@ -109,22 +109,12 @@ def test_indexing_killed_with_sigkill_resumes_and_indexes_every_image_once(demo_
 def test_ctrl_c_during_indexing_says_what_is_kept_and_the_same_command_goes_on(demo_run: RunDir, icons_root: Path, tmp_path: Path) -> None:
     """Ctrl+C part-way: exit 130, no traceback, one line with the number of embedded images the journal keeps; the
     same command then resumes them."""
-    from tests.test_first_hour import as_in_a_terminal
-
     gallery = icon_copies(icons_root, tmp_path / "gallery", 4)
     directory = tmp_path / "index"
     command = [sys.executable, "-m", "retrieval", "index", str(demo_run.root), str(gallery), "--index", str(directory), "--batch-size", "16"]
-    worker = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1], preexec_fn=as_in_a_terminal)
-    try:
-        deadline = time.monotonic() + 120
-        while pending_rows(journal_path(directory)) < 100 and worker.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        worker.send_signal(signal.SIGINT)
-        _, err = worker.communicate(timeout=120)
-    finally:
-        worker.kill()
+    status, err = ctrl_c_when(command, lambda _: pending_rows(journal_path(directory)) >= 100)
     kept = pending_rows(journal_path(directory))
-    assert worker.returncode == 130 and "Traceback" not in err, err
+    assert status == 130 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == (
         f"interrupted: {kept:,} embedded image(s) are kept in {journal_path(directory)}; run the same command again "
         "to go on from them (the index is not changed until a job ends)"
