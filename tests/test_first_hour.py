@@ -170,6 +170,20 @@ def test_a_file_the_system_refuses_where_no_command_words_it_is_still_one_line(d
     assert said == f"error: {small_folder}: Permission denied; check the path and its permissions"
 
 
+def test_ctrl_c_in_a_command_without_a_line_of_its_own_still_says_it_stopped(demo_run: RunDir, small_folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """audit, evaluate, export and search write nothing part-way: Ctrl+C there says it stopped (it was silent), exit 130."""
+    import retrieval.commands.audit as audit_command
+    from retrieval.commands import INTERRUPTED, main
+
+    def ctrl_c(source: Path, option: str = "") -> Path:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(audit_command, "require_source", ctrl_c)
+    assert main(["audit", str(demo_run.root), str(small_folder)]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == INTERRUPTED and "Traceback" not in err
+
+
 def test_ctrl_c_during_training_says_how_to_resume(small_folder: Path, tmp_path: Path) -> None:
     import sys
 

@@ -16,9 +16,10 @@ from typer.core import TyperCommand, TyperGroup
 
 from retrieval import __version__
 from retrieval.commands import audit, demo, evaluate, export, indexing, search, serve, train
-from retrieval.commands.output import errors
+from retrieval.commands.output import errors, stopped_by_ctrl_c
 from retrieval.errors import RetrievalError
 
+INTERRUPTED = "interrupted: stopped before it finished; run the same command again to do it whole"
 HELP = (
     "Train image embeddings with contrastive losses, export them to "
     "ONNX, index a gallery with FAISS, search it in the browser."
@@ -37,7 +38,13 @@ class _Flags:
 
 
 class _Command(_Flags, TyperCommand):
-    pass
+    def invoke(self, ctx: typer.Context) -> object:
+        """Runs the command; Ctrl+C where it has no line of its own (train, index and demo say what they keep) still
+        gets one, exit 130 (typer's own handling exits silently)."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            stopped_by_ctrl_c(INTERRUPTED)
 
 
 class _Group(_Flags, TyperGroup):
@@ -102,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         if message:  # (no message: the help was shown, as for a bare `retrieval`)
             errors.print(f"error: {message}{where}", highlight=False, soft_wrap=True, markup=False)
         return int(getattr(error, "exit_code", 2))
-    except typer.Abort:  # Ctrl+C or end of input at a prompt
+    except typer.Abort:  # end of input at a prompt
         return 130
     except OSError as error:  # a file or folder the system refused where no command words it: still one line
         where = f"{error.filename}: " if error.filename else ""
