@@ -188,7 +188,31 @@ def outliers_setting(name: str, run: Path, items: list[Item], strangers: list[Pa
             "collection listed": sum(i.path in together for i in own.items),
             "collection listed alone": len(outliers(own.items, own.vectors)),
         })  # fmt: skip
-    return {"setting": name, "images": len(own.items), "strangers": len(foreign.items), "by spread": rows}
+    trained_on = embed_items(embedder, load_collection(Path(json.loads(RunDir(run).config.read_text())["data"])).items, progress=False).vectors
+    return {
+        "setting": name, "images": len(own.items), "strangers": len(foreign.items), "by spread": rows,
+        "AUROC, strangers together (noise; glyphs)": separation(own.vectors, foreign.vectors, trained_on),
+    }  # fmt: skip
+
+
+def separation(own: np.ndarray, foreign: np.ndarray, trained_on: np.ndarray) -> dict:
+    """How well two scores tell the strangers (the last 20 noise, then glyphs) from the collection, all together, as
+    AUROC (1: every stranger scores as more out of place than every image; 0.5: chance): the audit's closeness, and
+    the Mahalanobis distance to the run's training images' embeddings (covariance shrunk by a tenth to its mean)."""
+    vectors = np.concatenate([own, foreign])
+    centred = trained_on - trained_on.mean(axis=0)
+    covariance = np.cov(centred.T)
+    covariance = 0.9 * covariance + 0.1 * np.trace(covariance) / len(covariance) * np.eye(len(covariance))
+    offsets = vectors - trained_on.mean(axis=0)
+    distance = np.einsum("ij,jk,ik->i", offsets, np.linalg.inv(covariance), offsets)
+    scores = {"audit closeness": -audit_module.closeness(vectors), "Mahalanobis to the training images": distance}
+    return {name: [round(auroc(score[: len(own)], score[len(own) :][part]), 3) for part in (slice(0, 20), slice(20, None))] for name, score in scores.items()}
+
+
+def auroc(inliers: np.ndarray, outliers: np.ndarray) -> float:
+    """The chance that an outlier scores above an inlier (ties count half)."""
+    above = (outliers[:, None] > inliers[None, :]).mean() + 0.5 * (outliers[:, None] == inliers[None, :]).mean()
+    return float(above)
 
 
 def time_setting(run: Path, items: list[Item], work: Path, count: int = 10_000) -> dict:
