@@ -221,6 +221,8 @@ def read_image_bytes(path: Path) -> tuple[bytes, str]:
             if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
                 raise ImageError(path, "not a regular file (a folder, a pipe or a device); only image files are read")
             data = handle.read()
+    except IsADirectoryError:
+        raise ImageError(path, "a folder, not an image file; give an image file") from None
     except OSError as error:
         raise ImageError(path, f"cannot be read ({error.strerror or error})") from None
     return data, hashlib.sha256(data).hexdigest()

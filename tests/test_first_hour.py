@@ -88,12 +88,13 @@ def test_search_as_json(demo_run: RunDir, capsys: pytest.CaptureFixture[str]) ->
         (["-k", "0"], "k must be at least 1, got 0"),
         (["--label", "dialog-eror"], "has the label 'dialog-eror'; the closest labels are dialog-error"),
         (["--id", "99999"], "no item with id 99999 in"),
+        ([], "a folder, not an image file; give an image file"),
     ],
 )
 def test_search_refuses_what_finds_nothing(demo_run: RunDir, options: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     from retrieval.commands import main
 
-    query = [] if "--id" in options else [first_test_image(demo_run)]
+    query = [] if "--id" in options else [first_test_image(demo_run)] if options else [str(Path(first_test_image(demo_run)).parent)]
     assert main(["search", str(demo_run.root), *query, *options]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
@@ -364,6 +365,25 @@ def test_the_parsers_own_mistakes_are_one_line(capsys: pytest.CaptureFixture[str
     assert main(["search", "run", "q.jpg", "-k", "many"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Invalid value for '-k'" in err and "╭" not in err
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        ["serve", "run", "--port", "99999"],  # was a traceback from the port check's socket
+        ["demo", "--port", "0"],
+        ["demo", "--classes", "0"],  # trained, then failed on an empty CSV
+        ["index", "run", "images", "--batch-size", "-3"],  # was "nothing to index (no readable images)"
+        ["index", "run", "images", "--threads", "0"],  # was silently all cores
+        ["audit", "run", "images", "--shown", "-1"],
+    ],
+)
+def test_numbers_out_of_range_are_one_line_before_any_work(arguments: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from retrieval.commands import main
+
+    assert main(arguments) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"Invalid value for '{arguments[-2]}'" in err and "Traceback" not in err
 
 
 def test_skipped_files_are_listed_with_absolute_paths(small_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

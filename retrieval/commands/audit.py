@@ -42,7 +42,7 @@ def audit(
     fold_epochs: Annotated[int, typer.Option(help=FOLD_EPOCHS_HELP)] = 10,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
     csv_dir: Annotated[Path | None, typer.Option("--csv", help=CSV_HELP, show_default=False)] = None,
-    shown: Annotated[int, typer.Option(help=SHOWN_HELP)] = 15,
+    shown: Annotated[int, typer.Option(help=SHOWN_HELP, min=0)] = 15,
     model: ModelOption = "float32",
 ) -> None:
     """Audit a collection: images whose closest images agree on another label (with the label they suggest),

@@ -51,11 +51,11 @@ def demo(
     serve_app: Annotated[bool, typer.Option("--serve/--no-serve", help="Serve the app at the end.")] = True,
     epochs: Annotated[int | None, typer.Option(help="Training epochs (default: those of `retrieval train`).")] = None,
     classes: Annotated[
-        int | None, typer.Option(help="Use only the first N classes of each split (a quicker look).")
+        int | None, typer.Option(help="Use only the first N classes of each split (a quicker look).", min=1)
     ] = None,
     retrain: Annotated[bool, typer.Option("--retrain", help="Train again even if RUN holds a finished demo.")] = False,
     host: Annotated[str, typer.Option(help="Address to bind the app to.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port of the app.")] = 7860,
+    port: Annotated[int, typer.Option(help="Port of the app.", min=1, max=65535)] = 7860,
 ) -> None:
     """Train on the embedded icons dataset, export, index and evaluate its unseen test classes, then serve."""
     if serve_app:

@@ -48,9 +48,11 @@ def index(
     ] = False,
     rebuild: Annotated[bool, typer.Option("--rebuild", help="Ignore the existing index and build it anew.")] = False,
     batch_size: Annotated[
-        int | None, typer.Option(help="Images per encoder call (default: 64 on CPU, 256 on CUDA).")
+        int | None, typer.Option(help="Images per encoder call (default: 64 on CPU, 256 on CUDA).", min=1)
     ] = None,
-    threads: Annotated[int | None, typer.Option(help="ONNX Runtime intra-op threads (default: all cores).")] = None,
+    threads: Annotated[
+        int | None, typer.Option(help="ONNX Runtime intra-op threads (default: all cores).", min=1)
+    ] = None,
     faiss_type: Annotated[str | None, typer.Option("--faiss", help=FAISS_HELP, **NO_DEFAULT)] = None,
     memory: Annotated[str | None, typer.Option("--memory", help=MEMORY_HELP, **NO_DEFAULT)] = None,
     engine: Annotated[str, typer.Option(help=ENGINE_HELP)] = "local",

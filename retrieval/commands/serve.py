@@ -28,7 +28,7 @@ BATCH_HELP = "Queued searches embedded together in one call (default 4: a larger
 def serve(
     run: RunArg,
     host: Annotated[str, typer.Option(help=HOST_HELP)] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port.")] = 7860,
+    port: Annotated[int, typer.Option(help="Port.", min=1, max=65535)] = 7860,
     index_dir: IndexOption = None,
     allow_write: Annotated[bool, typer.Option("--allow-write", help=WRITE_HELP)] = False,
     auth: Annotated[str | None, typer.Option(help=AUTH_HELP)] = None,
