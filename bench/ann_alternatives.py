@@ -1,13 +1,14 @@
 """Approximate search on the whitened set beside the shipped graph: IVF with fast-scan PQ codes, a graph over the
 top principal components, and a graph over the vectors with their principal components re-weighted (--sharpen
 ALPHA: each scaled by its singular value's share of the largest to the power ALPHA, which gives the strong
-directions back the weight whitening took from them), each with its candidates re-scored exactly in the full space.
+directions back the weight whitening took from them), each with its candidates re-scored exactly in the full space;
+and NSG graphs (--nsg), searched directly.
 
 The gallery and queries are bench/index.py's (`--data whitened` by default); recall@10 is against exact search
 for --queries held-out queries, speed is batch QPS over exact search's in the same run. Each line:
 `TYPE depth D candidates R: recall … qps … (…x)`.
 
-    python bench/ann_alternatives.py [--size 1000000] [--data whitened] [--ivf 'IVF1024,PQ64x4fs'] [--nprobes '16;256'] [--candidates '10;100'] [--pca '64;48'] [--hnsw 'HNSW32:80;HNSW64:80'] [--sharpen '0.5;1'] [--rewhiten]
+    python bench/ann_alternatives.py [--size 1000000] [--data whitened] [--ivf 'IVF1024,PQ64x4fs'] [--nprobes '16;256'] [--candidates '10;100'] [--pca '64;48'] [--hnsw 'HNSW32:80;HNSW64:80'] [--sharpen '0.5;1'] [--nsg 'NSG32;NSG64'] [--rewhiten]
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def main() -> None:
     parser.add_argument("--pca", default="64", help="HNSW32 over this many top principal components, separated by ;")
     parser.add_argument(
         "--hnsw", default="", help="full-space graphs as TYPE:efConstruction separated by ; (e.g. HNSW32_SQ8:80)"
+    )
+    parser.add_argument(
+        "--nsg", default="", help="NSG graphs (FAISS IndexNSGFlat, L2 on the unit vectors) as NSG<R> separated by ;"
     )
     parser.add_argument(
         "--sharpen", default="", help="HNSW32 graphs over re-weighted components, the powers separated by ;"
@@ -89,6 +93,8 @@ def main() -> None:
             rescored,
         )
     graphs(args, components, gallery, queries, report, rescored)
+    for spec in filter(None, args.nsg.split(";")):
+        navigating(spec, gallery, queries, report)
 
 
 def inverted_lists(
@@ -145,6 +151,18 @@ def graphs(
                         f"{name} efSearch {ef} candidates {candidates}",
                         lambda: rescored(index.search(asked, candidates, params=params)[1]),
                     )
+
+
+def navigating(spec: str, gallery: np.ndarray, queries: np.ndarray, report: Report) -> None:
+    """An NSG graph (FAISS's IndexNSGFlat: a k-NN graph by NN-descent, then pruned to R links; L2, which orders unit
+    vectors as the inner product does), searched at growing search_L."""
+    index = faiss.IndexNSGFlat(gallery.shape[1], int(spec.removeprefix("NSG")))
+    started = time.perf_counter()
+    index.add(gallery)
+    print(f"{spec}: built in {time.perf_counter() - started:.0f} s", flush=True)
+    for depth in (16, 32, 48, 64, 96, 128):
+        index.nsg.search_L = depth
+        report(f"{spec} search_L {depth}", lambda: index.search(queries, 10)[1])
 
 
 def rescore(gallery: np.ndarray, queries: np.ndarray, candidates: np.ndarray) -> np.ndarray:
