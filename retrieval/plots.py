@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -138,7 +139,12 @@ def plot_worst_queries(
     """Draws one row per query: its image, then its top results framed green (same label) or red, into a PNG."""
     columns = 1 + max((len(results) for _, results in rows), default=0)
     figure, axes = plt.subplots(
-        max(len(rows), 1), columns, figsize=(1.6 * columns, 1.8 * max(len(rows), 1)), dpi=100, squeeze=False
+        max(len(rows), 1),
+        columns,
+        figsize=(1.6 * columns, 1.8 * max(len(rows), 1)),
+        dpi=100,
+        squeeze=False,
+        layout="constrained",  # room for each two-line caption and the title, which tight_layout overlapped
     )
     for axis in axes.flat:
         axis.axis("off")
@@ -152,7 +158,7 @@ def plot_worst_queries(
                 f"{similarity:.3f} {_shorten(item.label)}",
                 "tab:green" if item.label == query.label else "tab:red",
             )
-    figure.suptitle("worst queries (lowest MAP@R) and their top results: green = same label, red = other label")
+    _title(figure, "worst queries (lowest MAP@R) and their top results: green = same label, red = other label")
     return _save(figure, target)
 
 
@@ -162,7 +168,12 @@ def plot_confusions(pairs: Sequence[dict], target: Path, rows: int = 8, thumbnai
     shown = list(pairs[:rows])
     columns = 2 * max((len(pair["examples"]) for pair in shown), default=1)
     figure, axes = plt.subplots(
-        max(len(shown), 1), columns, figsize=(1.8 * columns, 2.0 * max(len(shown), 1)), dpi=100, squeeze=False
+        max(len(shown), 1),
+        columns,
+        figsize=(1.8 * columns, 2.0 * max(len(shown), 1)),
+        dpi=100,
+        squeeze=False,
+        layout="constrained",
     )
     for axis in axes.flat:
         axis.axis("off")
@@ -173,8 +184,8 @@ def plot_confusions(pairs: Sequence[dict], target: Path, rows: int = 8, thumbnai
             _show(row[2 * number], query, thumbnail, title if number == 0 else _shorten(pair["label"]), "black")
             _show(row[2 * number + 1], hit, thumbnail, f"top-1: {_shorten(pair['confused_with'])}", "tab:red")
     if not shown:
-        axes[0, 0].text(0.5, 0.5, "no query's top-1 hit has another label", ha="center", va="center")
-    figure.suptitle("the class pairs most often confused: queries (black) and their top-1 hit of the other class (red)")
+        figure.text(0.5, 0.45, "no query's top-1 hit\nhas another label", ha="center", va="center")
+    _title(figure, "the class pairs most often confused: queries (black) and their top-1 hit of the other class (red)")
     return _save(figure, target)
 
 
@@ -194,6 +205,12 @@ def _show(axis: plt.Axes, item: Item, size: int, caption: str, colour: str) -> N
         spine.set_edgecolor(colour)
         spine.set_linewidth(3)
     axis.set_title(caption, fontsize=7)
+
+
+def _title(figure: plt.Figure, text: str, size: float = 11) -> None:
+    """A figure's title wrapped to its width: a grid of few thumbnails is narrower than the title (it was cut off)."""
+    characters = max(20, int(figure.get_figwidth() * 72 / (0.55 * size)))
+    figure.suptitle(textwrap.fill(text, characters), fontsize=size)
 
 
 def _shorten(label: str, width: int = 18) -> str:
@@ -302,7 +319,8 @@ def plot_embedding_map(
 
 
 def _save(figure: plt.Figure, target: Path) -> Path:
-    figure.tight_layout()
+    if figure.get_layout_engine() is None:
+        figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
     plt.close(figure)

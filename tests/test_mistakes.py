@@ -74,3 +74,29 @@ def test_evaluate_prints_the_confusions_and_json_and_compares_per_class(demo_run
     assert [pair["count"] for pair in found["confusions"]] == sorted(wrong.values(), reverse=True)[:15]
     compared = found["comparison"]["classes"]
     assert compared["classes"] == 6 and compared["unchanged"] == 6 and not compared["better"] and not compared["worse"]  # the same model
+
+
+def test_a_grid_of_few_thumbnails_keeps_its_title_inside_and_its_captions_off_the_pictures(icons_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A confusions or worst-queries grid of one or two pictures is narrower than its title (it was cut off at both
+    sides), and a caption of two lines overlapped the picture above it."""
+    import retrieval.plots as plots
+
+    drawn: list = []
+    monkeypatch.setattr(plots, "_save", lambda figure, target: drawn.append(figure) or target)
+    first, second = sorted((icons_root / "test").rglob("*.png"))[:2]
+    pair = {"label": "a", "confused_with": "b", "count": 2, "queries": 3}
+    plots.plot_confusions([{**pair, "examples": [{"query": str(first), "hit": str(second)}]}] * 2, tmp_path / "c.png")
+    plots.plot_worst_queries([(Item(first, "a"), [(Item(second, "b"), 0.5)])] * 2, tmp_path / "w.png")
+    plots.plot_confusions([], tmp_path / "none.png")
+    for figure in drawn:
+        figure.canvas.draw()
+        renderer = figure.canvas.get_renderer()
+        texts = [figure._suptitle, *figure.texts, *(axis.title for axis in figure.axes if axis.get_title())]
+        for text in filter(None, texts):
+            box = text.get_window_extent(renderer)
+            assert figure.bbox.x0 <= box.x0 and box.x1 <= figure.bbox.x1 and box.y1 <= figure.bbox.y1, text.get_text()
+        pictures = [axis.get_window_extent(renderer) for axis in figure.axes if axis.images]
+        for axis in figure.axes:
+            if axis.get_title():
+                caption = axis.title.get_window_extent(renderer)
+                assert not any(caption.overlaps(picture) for picture in pictures), axis.get_title()
