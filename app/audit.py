@@ -35,23 +35,31 @@ class ShownSuspect:
     neighbours: tuple[int, ...]  # gallery ids of the suggested label's closest images
 
 
+@dataclass(frozen=True)
+class GallerySuspects:
+    """What the Audit tab shows: the most suspect images first (at most SUSPECTS_SHOWN) and how many were found."""
+
+    shown: list[ShownSuspect]
+    total: int
+
+
 def labels_csv(service: SearchService) -> Path:
     """Where the app keeps the decisions: beside the run's other files."""
     return service.run.root / LABELS_CSV
 
 
-def gallery_suspects(service: SearchService) -> list[ShownSuspect]:
+def gallery_suspects(service: SearchService) -> GallerySuspects:
     """The gallery's suspects, decisions applied and decided images left out, the most suspect first."""
     items = service.items
     ids = sorted(items)
     if not ids:
-        return []
+        return GallerySuspects([], 0)
     decisions = read_decisions(labels_csv(service))
     gallery = decided_labels([items[i] for i in ids], decisions)
     vectors = np.asarray(service.index.vectors_of(ids), np.float32)
     id_of = {item.path: item_id for item_id, item in zip(ids, gallery, strict=True)}
     found: list[Suspect] = [s for s in suspects(gallery, vectors) if s.path not in decisions]
-    return [
+    shown = [
         ShownSuspect(
             id_of[s.path],
             str(s.path),
@@ -62,6 +70,7 @@ def gallery_suspects(service: SearchService) -> list[ShownSuspect]:
         )
         for s in found[:SUSPECTS_SHOWN]
     ]
+    return GallerySuspects(shown, len(found))
 
 
 def as_rows(found: list[ShownSuspect]) -> list[list]:
@@ -103,10 +112,11 @@ class AuditHandlers:
     def audit(self) -> tuple[list[list], list[dict], str]:
         """The suspects table, its rows' data, and a line saying how many (and what to do)."""
         found = gallery_suspects(self.service)
-        if not found:
+        if not found.total:
             return [], [], "No suspected wrong label: every image's closest images agree with its label."
-        more = f" (the first {SUSPECTS_SHOWN} shown)" if len(found) == SUSPECTS_SHOWN else ""
-        return as_rows(found), as_data(found), f"**{len(found)}** suspected wrong label(s){more}: click one to see it."
+        more = f" (the first {len(found.shown)} shown)" if found.total > len(found.shown) else ""
+        line = f"**{found.total}** suspected wrong label(s){more}: click one to see it."
+        return as_rows(found.shown), as_data(found.shown), line
 
     def open(self, data: list[dict], event: gr.SelectData) -> tuple[list[tuple[str, str]], str, dict | None]:
         """A clicked suspect: its image, then the closest images of the suggested label, and what is proposed."""

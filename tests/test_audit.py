@@ -389,6 +389,21 @@ def audit_run(demo_run: RunDir, tmp_path_factory: pytest.TempPathFactory) -> tup
     return run, moved
 
 
+def test_the_audit_tab_counts_every_suspect_beyond_those_it_shows(audit_run: tuple[RunDir, Item], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With more suspects than the table shows, the line gave the table's length as the count (200 of 231)."""
+    import app.audit as audit_tab
+
+    service = SearchService(audit_run[0])
+    try:
+        _, every, _ = audit_tab.AuditHandlers(service).audit()
+        monkeypatch.setattr(audit_tab, "SUSPECTS_SHOWN", 1)
+        rows, _, said = audit_tab.AuditHandlers(service).audit()
+    finally:
+        service.close()
+    assert len(every) > 1 and len(rows) == 1
+    assert said == f"**{len(every)}** suspected wrong label(s) (the first 1 shown): click one to see it."
+
+
 def test_the_audit_tab_lists_suspects_and_keeps_decisions_in_a_labels_csv(audit_run: tuple[RunDir, Item]) -> None:
     from app.audit import AuditHandlers, labels_csv
     from retrieval.data import load_collection
