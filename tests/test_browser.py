@@ -54,14 +54,17 @@ def page_url(demo_run: RunDir) -> Iterator[tuple[str, SearchService]]:
 
 
 def whole_images(page: object, gallery: str) -> bool:
-    """Whether every tile of the gallery shows its image whole, its caption below it, inside the gallery's width."""
+    """Whether every tile of the gallery shows its image whole, its caption below it, inside the gallery's width and
+    below the gallery's name (drawn over its top-left corner)."""
     return page.locator(f"{gallery} .thumbnail-item").evaluate_all(  # type: ignore[attr-defined]
         """nodes => nodes.every(node => {
             const image = node.querySelector('img').getBoundingClientRect();
             const caption = node.querySelector('.caption-label').getBoundingClientRect();
             const tile = node.getBoundingClientRect();
             const grid = node.closest('.grid-wrap').getBoundingClientRect();
-            return caption.top >= image.bottom - 1 && image.top >= tile.top && tile.right <= grid.right + 1;
+            const name = node.closest('.block').querySelector('[data-testid="block-label"]');
+            const named = name ? tile.top >= name.getBoundingClientRect().bottom - 1 : true;
+            return caption.top >= image.bottom - 1 && image.top >= tile.top && tile.right <= grid.right + 1 && named;
         })"""
     )
 
@@ -302,6 +305,7 @@ def test_the_audit_tab_shows_a_suspect_beside_its_suggested_label_and_accepts_it
             tiles = page.locator("#suspect-view .thumbnail-item")
             expect(tiles.first).to_contain_text("labeled", timeout=30_000)
             assert tiles.count() >= 2  # the image, then the suggested label's closest images
+            assert whole_images(page, "#suspect-view")  # not cropped, captions below, the first row below the name
             expect(page.locator("#suspect-line")).to_contain_text("suggest")
             page.screenshot(path=str(ARTIFACTS / "app-audit.png"), full_page=True)
             page.locator("#accept").click()
