@@ -61,12 +61,18 @@ def load_collection(source: str | Path) -> Collection:
     the image is read.
     """
     source = require_source(source)
-    if source.is_dir():
-        collection = _load_folder(source)
-    elif source.suffix.lower() == ".txt":
-        collection = _load_list(source)
-    else:
-        collection = _load_csv(source)
+    try:
+        if source.is_dir():
+            collection = _load_folder(source)
+        elif source.suffix.lower() == ".txt":
+            collection = _load_list(source)
+        else:
+            collection = _load_csv(source)
+    except UnicodeDecodeError as error:  # a spreadsheet's own format, or a CSV saved in another encoding
+        raise RetrievalError(
+            f"{source}: not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
+            "save it as a UTF-8 CSV with columns path,label, or a UTF-8 list of paths"
+        ) from None
     if not collection.items:
         found = f"no images found (looked for {', '.join(sorted(IMAGE_SUFFIXES))})"
         if collection.skipped:  # every file it names was refused: say why, not only that none is left
@@ -155,7 +161,7 @@ def _load_csv(csv_path: Path) -> Collection:
     items: list[Item] = []
     skipped: list[Skipped] = []
     seen: set[Path] = set()
-    with csv_path.open(newline="", encoding="utf-8") as handle:
+    with csv_path.open(newline="", encoding="utf-8-sig") as handle:  # -sig: the BOM of Excel's "CSV UTF-8"
         reader = csv.DictReader(handle)
         if "path" not in (reader.fieldnames or []):
             raise RetrievalError(
@@ -195,7 +201,7 @@ def _load_list(list_path: Path) -> Collection:
     base = list_path.resolve().parent
     items: list[Item] = []
     skipped: list[Skipped] = []
-    for line in list_path.read_text(encoding="utf-8").splitlines():
+    for line in list_path.read_text(encoding="utf-8-sig").splitlines():
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         path = base / line.strip()

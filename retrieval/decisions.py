@@ -48,7 +48,7 @@ def read_decisions(path: Path) -> dict[Path, LabelDecision]:
     if not path.is_file():
         return {}
     try:
-        rows = list(csv.DictReader(path.read_text(encoding="utf-8").splitlines()))
+        rows = list(csv.DictReader(path.read_text(encoding="utf-8-sig").splitlines()))  # saved again by Excel: a BOM
     except (OSError, UnicodeDecodeError, csv.Error) as error:
         raise RetrievalError(
             f"{path}: cannot be read as a labels CSV ({error}); move it away to start afresh"

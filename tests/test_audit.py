@@ -285,6 +285,8 @@ def test_decisions_go_to_a_labels_csv_that_train_reads_and_none_is_lost(tmp_path
     assert not list(target.parent.glob(".labels.csv.*"))  # written atomically: no temporary left
     with pytest.raises(RetrievalError, match="not among the audited images"):
         decide(target, items, LabelDecision(tmp_path / "other.png", "dog", "cat", Decision.ACCEPTED))
+    target.write_bytes(target.read_text().encode("utf-8-sig"))  # opened and saved again in Excel: a byte-order mark
+    assert read_decisions(target) == decisions
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,20 @@ def test_csv_without_the_columns_is_refused(tmp_path: Path) -> None:
         load_collection(listing)
 
 
+@pytest.mark.parametrize("name", ["list.csv", "list.txt"])
+def test_a_list_saved_by_a_spreadsheet_is_read_and_one_in_another_encoding_is_one_line(tmp_path: Path, name: str) -> None:
+    """Excel's "CSV UTF-8" starts with a byte-order mark (the header read as "\\ufeffpath": "missing column path");
+    a CSV saved as Latin-1 was a UnicodeDecodeError traceback."""
+    Image.new("RGB", (8, 8)).save(tmp_path / "caf\u00e9.png")
+    listing = tmp_path / name
+    rows = ["path,label", "caf\u00e9.png,cup"] if name.endswith(".csv") else ["caf\u00e9.png"]
+    listing.write_bytes("\r\n".join(rows).encode("utf-8-sig"))
+    assert [item.path.name for item in load_collection(listing).items] == ["caf\u00e9.png"]
+    listing.write_bytes("\r\n".join(rows).encode("latin-1"))
+    with pytest.raises(RetrievalError, match=rf"{name}: not UTF-8 text \(byte 0xe9 at offset \d+\); save it as a UTF-8"):
+        load_collection(listing)
+
+
 @pytest.mark.parametrize("make", ["missing", "empty"])
 def test_missing_or_empty_source_names_it(tmp_path: Path, make: str) -> None:
     source = tmp_path / "nothing"
