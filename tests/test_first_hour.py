@@ -395,3 +395,20 @@ def test_skipped_files_are_listed_with_absolute_paths(small_folder: Path, tmp_pa
     assert main(["train", str(small_folder.relative_to(tmp_path)), "--run", "run", *TINY]) == 0
     paths = [entry["path"] for entry in json.loads((tmp_path / "run" / "skipped.json").read_text())]
     assert paths and all(Path(path).is_absolute() for path in paths)
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (["--int8", "--calibration", "minmx"], "--calibration 'minmx': choose one of minmax, entropy, percentile"),
+        (["--calibration", "entropy"], "--calibration entropy sets how --int8 quantises: add --int8"),
+    ],
+)
+def test_a_calibration_mistake_is_said_before_the_export_writes_anything(demo_run: RunDir, options: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """It was said after the float32 export (seconds later), or, without --int8, not at all."""
+    from retrieval.commands import main
+
+    written = demo_run.model.stat().st_mtime_ns
+    assert main(["export", str(demo_run.root), *options]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+    assert demo_run.model.stat().st_mtime_ns == written

@@ -37,6 +37,12 @@ def export(
     require("torch", "train")
     from training.exporting import DEFAULT_WHITENING
     from training.exporting import export as run_export
+    from training.quantise import DEFAULT_METHOD, METHODS
+
+    if calibration not in METHODS:  # said before the float export (seconds), not after it
+        raise RetrievalError(f"--calibration {calibration!r}: choose one of {', '.join(METHODS)}")
+    if calibration != DEFAULT_METHOD and not int8:
+        raise RetrievalError(f"--calibration {calibration} sets how --int8 quantises: add --int8")
 
     shrinkage = DEFAULT_WHITENING if whiten is None else _shrinkage(whiten)
     parity = run_export(RunDir(run), float16=fp16, whiten=shrinkage, whiten_dim=whiten_dim)
