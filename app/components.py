@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import gradio as gr
+from pydantic import ValidationError
 
 log = logging.getLogger("retrieval.app")
 
@@ -18,6 +19,17 @@ def refused(message: str) -> gr.Error:
     """The error a refused request gets: its message to the user, and one line (not a traceback) in the server's log."""
     log.warning("refused a request: %s", message)
     return gr.Error(message, print_exception=False)
+
+
+class Blocks(gr.Blocks):
+    """gr.Blocks whose requests with a value of the wrong shape for a component (an API call with one file where the
+    component takes a list, a number for an image) are refused in one log line, not a traceback."""
+
+    async def preprocess_data(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().preprocess_data(*args, **kwargs)
+        except ValidationError as error:
+            raise refused(f"the request's {error.title} value: {error.errors()[0]['msg']}") from None
 
 
 class QueryImage(gr.Image):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from app.audit import audit_tab
-from app.components import BoundedNumber, BoundedSlider, PageData, PageHTML, QueryImage
+from app.components import Blocks, BoundedNumber, BoundedSlider, PageData, PageHTML, QueryImage
 from app.handlers import Handlers, as_data, item_tiles, metrics_rows, run_plots
 from app.service import BROWSE_LIMIT, SearchService
 from index.types import Manifest
@@ -73,7 +73,7 @@ def build_app(service: SearchService, style: dict | None = None) -> gr.Blocks:
         "concurrency_id": "search",
     }
     picking = {"concurrency_limit": PICKS, "concurrency_id": "pick"}
-    with gr.Blocks(title="retrieval · image search", **(style or {})) as demo:
+    with Blocks(title="retrieval · image search", **(style or {})) as demo:
         gr.Markdown(
             f"# Image search\nRun `{service.run.root}` · {len(service.index):,} gallery images · {len(labels)} labels"
             f" · {service.index.manifest.index_type} index" + ("" if service.allow_write else " · read-only")

@@ -392,7 +392,7 @@ def audit_run(demo_run: RunDir, tmp_path_factory: pytest.TempPathFactory) -> tup
 
 
 def test_the_audit_tab_counts_every_suspect_beyond_those_it_shows(audit_run: tuple[RunDir, Item], monkeypatch: pytest.MonkeyPatch) -> None:
-    """With more suspects than the table shows, the line gave the table's length as the count (200 of 231)."""
+    """With more suspects than the table shows, the line gave the table's length as the count (200 where 306 were found)."""
     import app.audit as audit_tab
 
     service = SearchService(audit_run[0])

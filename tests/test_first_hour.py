@@ -57,6 +57,20 @@ def test_out_of_range_api_input_is_one_log_line_not_a_traceback(
     ]
 
 
+def test_a_value_of_the_wrong_shape_is_one_log_line_not_a_traceback(
+    served: tuple[object, SearchService], capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A gradio_client call with a number for the image (or one file where a list goes) failed in Gradio's own
+    validation, with a traceback in the server's log."""
+    client, _ = served
+    with caplog.at_level(logging.WARNING, logger="retrieval.app"), pytest.raises(Exception, match="ImageData value"):
+        client.predict(image=5, k=3, api_name="/search")
+    assert "Traceback" not in capfd.readouterr().err
+    assert [record.getMessage() for record in caplog.records if record.name == "retrieval.app"] == [
+        "refused a request: the request's ImageData value: Input should be a valid dictionary or instance of ImageData"
+    ]
+
+
 def first_test_image(run: RunDir) -> str:
     return (run.root / "demo-test.csv").read_text().splitlines()[1].split(",")[0]
 
