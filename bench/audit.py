@@ -196,23 +196,20 @@ def outliers_setting(name: str, run: Path, items: list[Item], strangers: list[Pa
 
 
 def separation(own: np.ndarray, foreign: np.ndarray, trained_on: np.ndarray) -> dict:
-    """How well two scores tell the strangers (the last 20 noise, then glyphs) from the collection, all together, as
+    """How well two scores tell the strangers (the first 20 noise, then glyphs) from the collection, all together, as
     AUROC (1: every stranger scores as more out of place than every image; 0.5: chance): the audit's closeness, and
     the Mahalanobis distance to the run's training images' embeddings (covariance shrunk by a tenth to its mean)."""
+    from sklearn.covariance import ShrunkCovariance
+    from sklearn.metrics import roc_auc_score
+
     vectors = np.concatenate([own, foreign])
-    centred = trained_on - trained_on.mean(axis=0)
-    covariance = np.cov(centred.T)
-    covariance = 0.9 * covariance + 0.1 * np.trace(covariance) / len(covariance) * np.eye(len(covariance))
-    offsets = vectors - trained_on.mean(axis=0)
-    distance = np.einsum("ij,jk,ik->i", offsets, np.linalg.inv(covariance), offsets)
+    distance = ShrunkCovariance(shrinkage=0.1).fit(trained_on).mahalanobis(vectors)
     scores = {"audit closeness": -audit_module.closeness(vectors), "Mahalanobis to the training images": distance}
-    return {name: [round(auroc(score[: len(own)], score[len(own) :][part]), 3) for part in (slice(0, 20), slice(20, None))] for name, score in scores.items()}
-
-
-def auroc(inliers: np.ndarray, outliers: np.ndarray) -> float:
-    """The chance that an outlier scores above an inlier (ties count half)."""
-    above = (outliers[:, None] > inliers[None, :]).mean() + 0.5 * (outliers[:, None] == inliers[None, :]).mean()
-    return float(above)
+    strangers = {"noise": np.arange(len(own), len(own) + 20), "glyphs": np.arange(len(own) + 20, len(vectors))}
+    return {
+        name: [round(float(roc_auc_score(np.r_[np.zeros(len(own)), np.ones(len(rows))], np.r_[score[: len(own)], score[rows]])), 3) for rows in strangers.values()]
+        for name, score in scores.items()
+    }  # fmt: skip
 
 
 def time_setting(run: Path, items: list[Item], work: Path, count: int = 10_000) -> dict:
