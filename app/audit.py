@@ -14,7 +14,7 @@ from pathlib import Path
 import gradio as gr
 import numpy as np
 
-from app.components import PageData, refused
+from app.components import TILES, PageData, refused
 from app.service import SearchService
 from retrieval.audit import Suspect, suspects
 from retrieval.decisions import LABELS_CSV, Decision, LabelDecision, decide, decided_labels, read_decisions
@@ -180,6 +180,7 @@ def audit_tab(service: SearchService) -> None:
                 height="auto",
                 allow_preview=False,
                 elem_id="suspect-view",
+                elem_classes=TILES,
             )
             with gr.Row(visible=service.allow_write):
                 accept_button = gr.Button("Accept the suggestion", variant="primary", elem_id="accept")

@@ -13,6 +13,7 @@ import gradio as gr
 from pydantic import ValidationError
 
 log = logging.getLogger("retrieval.app")
+TILES = ["tiles"]  # the class of the galleries of thumbnails shown whole above their captions (app/static/app.css)
 
 
 def refused(message: str) -> gr.Error:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from app.audit import audit_tab
-from app.components import Blocks, BoundedNumber, BoundedSlider, PageData, PageHTML, QueryImage
+from app.components import TILES, Blocks, BoundedNumber, BoundedSlider, PageData, PageHTML, QueryImage
 from app.handlers import Handlers, as_data, item_tiles, metrics_rows, run_plots
 from app.service import BROWSE_LIMIT, SearchService
 from index.types import Manifest
@@ -113,6 +113,7 @@ def search_tab(on: Handlers, labels: list[str], searching: dict) -> SearchTab:
                 object_fit="contain",
                 allow_preview=False,
                 elem_id="results",
+                elem_classes=TILES,
             )
             tile_marks = PageHTML(elem_id="result-marks")
     tiles, shown = item_tiles(service, service.samples())
@@ -120,6 +121,7 @@ def search_tab(on: Handlers, labels: list[str], searching: dict) -> SearchTab:
         value=tiles,
         label="One image per label (click to search with it)",
         elem_id="picker",
+        elem_classes=TILES,
         columns=10,
         height="auto",
         allow_preview=False,
@@ -179,7 +181,15 @@ def browse_tab(on: Handlers, labels: list[str]) -> tuple[gr.Gallery, PageData]:
                 labels, value=first, label=f"Label (up to {BROWSE_LIMIT} shown; click an image to search with it)"
             )
             tiles, shown = on.browse(first) if first else ([], [])
-            browsed = gr.Gallery(tiles, label="Items", columns=8, height="auto", allow_preview=False, elem_id="browsed")
+            browsed = gr.Gallery(
+                tiles,
+                label="Items",
+                columns=8,
+                height="auto",
+                allow_preview=False,
+                elem_id="browsed",
+                elem_classes=TILES,
+            )
             browsed_shown = PageData(shown, visible=False)
     with gr.Group(visible=service.allow_write):
         gr.Markdown("### Add and remove (started with `--allow-write`)")
@@ -266,6 +276,7 @@ def mistakes_view(on: Handlers, chosen: gr.Dropdown, first: str) -> None:
         height="auto",
         allow_preview=False,
         elem_id="class-view",
+        elem_classes=TILES,
     )
     chosen.change(on.mistakes, chosen, [confused, table], api_name=False)
     table.select(on.class_view, chosen, [view, opened], api_name=False)
