@@ -14,7 +14,7 @@ from pathlib import Path
 import gradio as gr
 import numpy as np
 
-from app.components import TILES, PageData, refused
+from app.components import PageData, refused, tile_gallery
 from app.service import SearchService
 from retrieval.audit import Suspect, suspects
 from retrieval.decisions import LABELS_CSV, Decision, LabelDecision, decide, decided_labels, read_decisions
@@ -174,14 +174,7 @@ def audit_tab(service: SearchService) -> None:
         )
         with gr.Column():
             proposed = gr.Markdown(elem_id="suspect-line")
-            view = gr.Gallery(
-                label="The image, then the closest images of the suggested label",
-                columns=4,
-                height="auto",
-                allow_preview=False,
-                elem_id="suspect-view",
-                elem_classes=TILES,
-            )
+            view = tile_gallery("suspect-view", "The image, then the closest images of the suggested label", 4)
             with gr.Row(visible=service.allow_write):
                 accept_button = gr.Button("Accept the suggestion", variant="primary", elem_id="accept")
                 keep_button = gr.Button("Keep the label", elem_id="keep")

@@ -13,13 +13,27 @@ import gradio as gr
 from pydantic import ValidationError
 
 log = logging.getLogger("retrieval.app")
-TILES = ["tiles"]  # the class of the galleries of thumbnails shown whole above their captions (app/static/app.css)
 
 
 def refused(message: str) -> gr.Error:
     """The error a refused request gets: its message to the user, and one line (not a traceback) in the server's log."""
     log.warning("refused a request: %s", message)
     return gr.Error(message, print_exception=False)
+
+
+def tile_gallery(elem_id: str, label: str, columns: int, value: object = None) -> gr.Gallery:
+    """A gallery of thumbnails, each shown whole above its caption, the first row below the gallery's name (the
+    class "tiles" of app/static/app.css); a click on a tile is an event of the page, not a preview."""
+    return gr.Gallery(
+        value,
+        label=label,
+        columns=columns,
+        height="auto",
+        object_fit="contain",
+        allow_preview=False,
+        elem_id=elem_id,
+        elem_classes=["tiles"],
+    )
 
 
 class Blocks(gr.Blocks):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from app.audit import audit_tab
-from app.components import TILES, Blocks, BoundedNumber, BoundedSlider, PageData, PageHTML, QueryImage
+from app.components import Blocks, BoundedNumber, BoundedSlider, PageData, PageHTML, QueryImage, tile_gallery
 from app.handlers import Handlers, as_data, item_tiles, metrics_rows, run_plots
 from app.service import BROWSE_LIMIT, SearchService
 from index.types import Manifest
@@ -106,26 +106,10 @@ def search_tab(on: Handlers, labels: list[str], searching: dict) -> SearchTab:
             button = gr.Button("Search", variant="primary", elem_id="search")
         with gr.Column(scale=2):
             summary = gr.Markdown(elem_id="summary")
-            results = gr.Gallery(
-                label="Nearest neighbours (click one to search with it)",
-                columns=5,
-                height="auto",
-                object_fit="contain",
-                allow_preview=False,
-                elem_id="results",
-                elem_classes=TILES,
-            )
+            results = tile_gallery("results", "Nearest neighbours (click one to search with it)", 5)
             tile_marks = PageHTML(elem_id="result-marks")
     tiles, shown = item_tiles(service, service.samples())
-    picker = gr.Gallery(
-        value=tiles,
-        label="One image per label (click to search with it)",
-        elem_id="picker",
-        elem_classes=TILES,
-        columns=10,
-        height="auto",
-        allow_preview=False,
-    )
+    picker = tile_gallery("picker", "One image per label (click to search with it)", 10, tiles)
     shown_results, shown_picker = PageData([], visible=False), PageData(as_data(shown), visible=False)
     tab = SearchTab(
         query, query_label, only_label, k, depth, results, summary, shown_results, tile_marks, picker, shown_picker
@@ -181,15 +165,7 @@ def browse_tab(on: Handlers, labels: list[str]) -> tuple[gr.Gallery, PageData]:
                 labels, value=first, label=f"Label (up to {BROWSE_LIMIT} shown; click an image to search with it)"
             )
             tiles, shown = on.browse(first) if first else ([], [])
-            browsed = gr.Gallery(
-                tiles,
-                label="Items",
-                columns=8,
-                height="auto",
-                allow_preview=False,
-                elem_id="browsed",
-                elem_classes=TILES,
-            )
+            browsed = tile_gallery("browsed", "Items", 8, tiles)
             browsed_shown = PageData(shown, visible=False)
     with gr.Group(visible=service.allow_write):
         gr.Markdown("### Add and remove (started with `--allow-write`)")
@@ -270,14 +246,7 @@ def mistakes_view(on: Handlers, chosen: gr.Dropdown, first: str) -> None:
             elem_id="classes",
         )
     opened = gr.Markdown()
-    view = gr.Gallery(
-        label="The class's queries, each followed by its first hit",
-        columns=8,
-        height="auto",
-        allow_preview=False,
-        elem_id="class-view",
-        elem_classes=TILES,
-    )
+    view = tile_gallery("class-view", "The class's queries, each followed by its first hit", 8)
     chosen.change(on.mistakes, chosen, [confused, table], api_name=False)
     table.select(on.class_view, chosen, [view, opened], api_name=False)
 
