@@ -19,6 +19,7 @@ from app.service import SearchService
 from retrieval.audit import Suspect, suspects
 from retrieval.decisions import LABELS_CSV, Decision, LabelDecision, decide, decided_labels, read_decisions
 from retrieval.errors import RetrievalError
+from retrieval.runs import shell_path
 
 SUSPECTS_SHOWN = 200  # rows of the suspects table at most
 
@@ -100,7 +101,7 @@ def record(service: SearchService, shown: ShownSuspect, accept: bool) -> str:
     decision = LabelDecision(path, label, shown.label, Decision.ACCEPTED if accept else Decision.KEPT)
     decisions = decide(target, [items[i] for i in sorted(items)], decision)  # decide applies the earlier ones
     done = f"**{path.name}**: " + (f"{shown.label} → {label}" if accept else f"kept as {label}")
-    return f"{done}; {len(decisions)} decision(s) in `{target}` (train on it: `retrieval train {target}`)"
+    return f"{done}; {len(decisions)} decision(s) in `{target}` (train on it: `retrieval train {shell_path(target)}`)"
 
 
 class AuditHandlers:

@@ -21,7 +21,7 @@ import numpy as np
 
 from index.types import FORMAT_VERSION, MANIFEST, RAW, Manifest
 from retrieval.errors import RetrievalError
-from retrieval.runs import fsync_dir, read_json, writable_folder
+from retrieval.runs import fsync_dir, read_json, shell_path, writable_folder
 
 
 @contextmanager
@@ -116,13 +116,20 @@ def open_raw(directory: Path, rows: int, dim: int) -> np.ndarray:
     return np.memmap(path, np.float32, "r", shape=(rows, dim)) if rows else np.zeros((0, dim), np.float32)
 
 
+def _index_command(directory: Path) -> str:
+    """The command that builds an index at directory: the run's own (RUN/index) or one given --index."""
+    if directory.name == "index":
+        return f"retrieval index {shell_path(directory.parent)} IMAGES"
+    return f"retrieval index RUN IMAGES --index {shell_path(directory)}"
+
+
 MANIFEST_KEYS = {"format_version", "dim", "count", "next_id", "encoder_sha256", "created"}
 
 
 def read_manifest(directory: Path, encoder_sha256: str | None = None, dim: int | None = None) -> Manifest:
     """The manifest of an index directory, refused when incomplete, of another format, or of another encoder."""
     if not (directory / MANIFEST).is_file():
-        raise RetrievalError(f"{directory}: not an index (no {MANIFEST}); build one with `retrieval index RUN IMAGES`")
+        raise RetrievalError(f"{directory}: not an index (no {MANIFEST}); build one with `{_index_command(directory)}`")
     values = read_json(directory / MANIFEST)
     missing = MANIFEST_KEYS - set(values)
     if missing:

@@ -19,7 +19,7 @@ from retrieval.errors import ImageError, RetrievalError
 from retrieval.extras import require
 from retrieval.preprocess import Preprocessing
 from retrieval.progress import progress as progress_bar
-from retrieval.runs import RunDir, read_json
+from retrieval.runs import RunDir, read_json, shell_path
 
 
 class Embedder(Protocol):
@@ -128,7 +128,8 @@ class OnnxEmbedder(Embedder):
         if model == "int8":
             if "int8" not in card or not run.int8_model.is_file():
                 raise RetrievalError(
-                    f"{run.root}: no int8 model (model.int8.onnx); make it with `retrieval export {run.root} --int8`"
+                    f"{run.root}: no int8 model (model.int8.onnx); "
+                    f"make it with `retrieval export {shell_path(run.root)} --int8`"
                 )
             model_path = run.int8_model
             card = {**card, "precision": "int8", "sha256": card["int8"]["sha256"]}
@@ -136,7 +137,7 @@ class OnnxEmbedder(Embedder):
         if digest != card.get("sha256"):
             raise RetrievalError(
                 f"{model_path}: sha256 {digest[:12]}… does not match model.json "
-                f"({str(card.get('sha256'))[:12]}…); re-export with `retrieval export {run.root}`"
+                f"({str(card.get('sha256'))[:12]}…); re-export with `retrieval export {shell_path(run.root)}`"
             )
         return cls(model_path, card, threads, spinning)
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +100,7 @@ class RunDir:
         if not self.last_checkpoint.is_file():
             raise RetrievalError(
                 f"{self.root}: no trained checkpoint ({self.last_checkpoint.name}); "
-                f"run `retrieval train DATA --run {self.root}` first"
+                f"run `retrieval train DATA --run {shell_path(self.root)}` first"
             )
         return self.last_checkpoint
 
@@ -107,13 +108,20 @@ class RunDir:
         """Returns the exported ONNX model, or says to export first."""
         if not self.root.is_dir():
             raise RetrievalError(
-                f"{self.root}: no such run directory; train one with `retrieval train DATA --run {self.root}`"
+                f"{self.root}: no such run directory; "
+                f"train one with `retrieval train DATA --run {shell_path(self.root)}`"
             )
         if not self.model.is_file() or not self.model_card.is_file():
             raise RetrievalError(
-                f"{self.root}: no exported model (model.onnx + model.json); run `retrieval export {self.root}` first"
+                f"{self.root}: no exported model (model.onnx + model.json); "
+                f"run `retrieval export {shell_path(self.root)}` first"
             )
         return self.model
+
+
+def shell_path(path: Path | str) -> str:
+    """path as a command to copy would hold it: quoted where it has spaces or characters a shell reads."""
+    return shlex.quote(str(path))
 
 
 def metric_set_name(text: str) -> str:

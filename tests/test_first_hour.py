@@ -426,3 +426,21 @@ def test_a_calibration_mistake_is_said_before_the_export_writes_anything(demo_ru
     assert main(["export", str(demo_run.root), *options]) == 2
     assert capsys.readouterr().err == f"error: {message}\n"
     assert demo_run.model.stat().st_mtime_ns == written
+
+
+def test_the_command_to_run_next_names_the_users_own_run_quoted(demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The hint said `retrieval index RUN IMAGES` (the user had to work out RUN), and a path with a space in it was
+    printed unquoted in a command to copy."""
+    import shutil
+
+    from retrieval.commands import main
+
+    run = tmp_path / "my run"
+    shutil.copytree(demo_run.root, run, ignore=shutil.ignore_patterns("index"))
+    query = first_test_image(demo_run)
+    assert main(["search", str(run), query]) == 2
+    assert capsys.readouterr().err == f"error: {run}/index: not an index (no manifest.json); build one with `retrieval index '{run}' IMAGES`\n"
+    assert main(["search", str(run), query, "--index", str(tmp_path / "elsewhere")]) == 2
+    assert f"build one with `retrieval index RUN IMAGES --index {tmp_path / 'elsewhere'}`" in capsys.readouterr().err
+    assert main(["search", str(tmp_path / "no run"), query]) == 2
+    assert f"train one with `retrieval train DATA --run '{tmp_path / 'no run'}'`" in capsys.readouterr().err

@@ -30,7 +30,7 @@ from retrieval.extras import require
 from retrieval.plots import plot_training_log
 from retrieval.progress import progress as progress_bar
 from retrieval.progress import say
-from retrieval.runs import RunDir, write_atomic
+from retrieval.runs import RunDir, shell_path, write_atomic
 from training.checkpoints import Progress, TrainerState, save_checkpoint
 from training.config import SELF_SUPERVISED, TrainConfig
 from training.distributed import Ranks, broadcast_object, gather_rows, start, stop
@@ -307,7 +307,7 @@ class Trainer:
         if record.epoch >= epochs or (patience and record.stale_epochs >= patience):
             raise RetrievalError(
                 f"{self.run.root} is finished ({record.epoch} of {epochs} epochs trained): nothing to resume; "
-                f"export it with `retrieval export {self.run.root}`, or train more in a new run"
+                f"export it with `retrieval export {shell_path(self.run.root)}`, or train more in a new run"
             )
 
     def epoch(self, epoch: int) -> float:

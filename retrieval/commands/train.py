@@ -14,7 +14,7 @@ from retrieval.commands.output import BENCHMARK_HELP, DATA_HELP, DataArg, consol
 from retrieval.data import require_source
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
-from retrieval.runs import RunDir, read_json, writable_folder
+from retrieval.runs import RunDir, read_json, shell_path, writable_folder
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ def _refuse_existing(run: RunDir, overwrite: bool) -> None:
     trained = len(run.train_log.read_text(encoding="utf-8").splitlines()) if run.train_log.is_file() else 0
     raise RetrievalError(
         f"{run.root} already holds a run ({trained} epoch(s) trained); continue it with "
-        f"`retrieval train --run {run.root} --resume`, or start over with --overwrite"
+        f"`retrieval train --run {shell_path(run.root)} --resume`, or start over with --overwrite"
     )
 
 
@@ -207,7 +207,7 @@ def _interrupted(run: RunDir) -> NoReturn:
     else:
         line = (
             f"interrupted: the trainer state of epoch {record.epoch}, batch {record.batch} is kept in "
-            f"{run.trainer_state}; resume with `retrieval train --run {run.root} --resume`"
+            f"{run.trainer_state}; resume with `retrieval train --run {shell_path(run.root)} --resume`"
         )
     stopped_by_ctrl_c(line)
 
