@@ -307,8 +307,9 @@ def test_audit_prints_tables_and_json_and_writes_csvs(
 ) -> None:
     assert main(["audit", str(demo_run.root), str(audited_folder), "--csv", str(tmp_path / "found")]) == 0
     printed = capsys.readouterr()
-    for title in ("suspected wrong labels", "copies", "leaks", "outliers", "audited"):
+    for title in ("suspected wrong labels", "copies", "outliers", "audited"):
         assert title in printed.out
+    assert "leaks (" not in printed.out  # nothing was given --against: no table of it
     assert "copies, rough check: " in printed.err  # the audit's long part shows its progress (one line in a log)
     assert main(["audit", str(demo_run.root), str(audited_folder), "--json"]) == 0
     printed = capsys.readouterr()
@@ -342,6 +343,11 @@ def test_audit_against_another_split_lists_its_copies(
     assert [(Path(leak["path"]).name, Path(leak["other"]).name, leak["kind"]) for leak in found["leaks"]] == [
         (leaked.name, "same.png", "identical bytes")
     ]
+    assert main(["audit", str(demo_run.root), str(audited_folder), "--against", str(tmp_path / "train")]) == 0
+    assert "leaks (copies in --against): 1\n" in capsys.readouterr().out
+    (other / "same.png").unlink()
+    assert main(["audit", str(demo_run.root), str(audited_folder), "--against", str(tmp_path / "train")]) == 0
+    assert "leaks (copies in --against): none\n" in capsys.readouterr().out  # one line, not an empty table
 
 
 def test_careless_audits_are_one_line_each(

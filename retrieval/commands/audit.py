@@ -78,7 +78,7 @@ def audit(
     if as_json:
         print(json.dumps(found.to_dict(), indent=2))
     else:
-        _print(found, shown)
+        _print(found, shown, against is not None)
 
 
 def _collection(source: Path, option: str = "") -> Collection:
@@ -146,8 +146,9 @@ def _fold_spaces(
     return spaces
 
 
-def _print(found: Audit, shown: int) -> None:
-    """The four tables (the first `shown` rows of each), paths relative to the folder they share."""
+def _print(found: Audit, shown: int, leaks: bool) -> None:
+    """The tables (the first `shown` rows of each; leaks only when there was --against), paths relative to the folder
+    they share; a table with no row is one line saying none."""
     every = [s.path for s in found.labels] + [p for d in found.duplicates for p in d.paths]
     every += [leak.path for leak in found.leaks] + [o.path for o in found.outliers]
     root = Path(os.path.commonpath([str(path.parent) for path in every])) if every else Path()
@@ -165,7 +166,10 @@ def _print(found: Audit, shown: int) -> None:
         ("outliers", ["path", "why", "closeness"], found.outliers,
          lambda o: [short(o.path), o.reason or o.kind.value, "" if o.score is None else f"{o.score:.3f}"]),
     ]  # fmt: skip
-    for title, columns, rows, cells in tables:
+    for title, columns, rows, cells in tables if leaks else tables[:2] + tables[3:]:
+        if not rows:
+            console.print(f"{title}: none")
+            continue
         table = Table(title=f"{title}: {len(rows)}", caption=f"paths under {root}" if every else None)
         for column in columns:
             table.add_column(column, overflow="fold")
