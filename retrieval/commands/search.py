@@ -16,7 +16,7 @@ from retrieval.rerank import SPEC_HELP as RERANK_HELP
 from retrieval.rerank import parse_rerank
 from retrieval.runs import RunDir
 
-IMAGE_HELP = "Query image file (or give --id)."
+IMAGE_HELP = "Query image file (or give --id); a gallery file with the same bytes is the query itself, left out."
 ID_HELP = "Query with an item already in the index, by its id (itself left out)."
 DEPTH_HELP = "nprobe (IVF) or efSearch (HNSW) for this search (default: the value tuned at build time)."
 MMAP_HELP = "Leave the index's vectors on disk, memory-mapped (galleries larger than memory)."
