@@ -238,7 +238,7 @@ def mistakes_view(on: Handlers, chosen: gr.Dropdown, first: str) -> None:
         table = gr.Dataframe(
             classes,
             headers=["label", "queries", "recall@1", "MAP@R", "confused with"],
-            column_widths=["34%", "12%", "12%", "12%", "30%"],
+            column_widths=["31%", "15%", "16%", "13%", "25%"],  # each header whole on one line
             interactive=False,
             wrap=True,
             max_height=420,
