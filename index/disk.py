@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from index.types import FORMAT_VERSION, MANIFEST, RAW, Manifest
+from index.types import FORMAT_VERSION, MANIFEST, RAW, Manifest, index_command, rebuild_advice
 from retrieval.errors import RetrievalError
-from retrieval.runs import fsync_dir, read_json, shell_path, writable_folder
+from retrieval.runs import fsync_dir, read_json, writable_folder
 
 
 @contextmanager
@@ -111,16 +111,10 @@ def open_raw(directory: Path, rows: int, dim: int) -> np.ndarray:
     if not path.is_file() or path.stat().st_size != expected:
         found = f"{path.stat().st_size:,} bytes" if path.is_file() else "missing"
         raise RetrievalError(
-            f"{path}: {found}, expected {expected:,} bytes ({rows:,} vectors of {dim} floats); rebuild the index"
+            f"{path}: {found}, expected {expected:,} bytes ({rows:,} vectors of {dim} floats); "
+            f"{rebuild_advice(directory)}"
         )
     return np.memmap(path, np.float32, "r", shape=(rows, dim)) if rows else np.zeros((0, dim), np.float32)
-
-
-def _index_command(directory: Path) -> str:
-    """The command that builds an index at directory: the run's own (RUN/index) or one given --index."""
-    if directory.name == "index":
-        return f"retrieval index {shell_path(directory.parent)} IMAGES"
-    return f"retrieval index RUN IMAGES --index {shell_path(directory)}"
 
 
 MANIFEST_KEYS = {"format_version", "dim", "count", "next_id", "encoder_sha256", "created"}
@@ -129,28 +123,25 @@ MANIFEST_KEYS = {"format_version", "dim", "count", "next_id", "encoder_sha256", 
 def read_manifest(directory: Path, encoder_sha256: str | None = None, dim: int | None = None) -> Manifest:
     """The manifest of an index directory, refused when incomplete, of another format, or of another encoder."""
     if not (directory / MANIFEST).is_file():
-        raise RetrievalError(f"{directory}: not an index (no {MANIFEST}); build one with `{_index_command(directory)}`")
-    values = read_json(directory / MANIFEST)
+        raise RetrievalError(f"{directory}: not an index (no {MANIFEST}); build one with `{index_command(directory)}`")
+    values = read_json(directory / MANIFEST, remedy=rebuild_advice(directory))
     missing = MANIFEST_KEYS - set(values)
     if missing:
-        raise RetrievalError(
-            f"{directory / MANIFEST}: lacks {', '.join(sorted(missing))}; "
-            "rebuild the index with `retrieval index --rebuild`"
-        )
+        raise RetrievalError(f"{directory / MANIFEST}: lacks {', '.join(sorted(missing))}; {rebuild_advice(directory)}")
     if values["format_version"] != FORMAT_VERSION:
         raise RetrievalError(
-            f"{directory}: index format {values['format_version']} is not {FORMAT_VERSION}; "
-            "rebuild it with `retrieval index`"
+            f"{directory}: index format {values['format_version']} is not {FORMAT_VERSION}; {rebuild_advice(directory)}"
         )
     manifest = Manifest.from_dict(values, directory / MANIFEST)
     if encoder_sha256 is not None and manifest.encoder_sha256 != encoder_sha256:
         raise RetrievalError(
             f"{directory}: built with encoder {manifest.encoder_sha256[:12]}…, not with this model "
             f"({encoder_sha256[:12]}…); use the model it was built with (--model float32 or int8), "
-            "or rebuild it with `retrieval index RUN IMAGES --rebuild`"
+            f"or {rebuild_advice(directory)}"
         )
     if dim is not None and manifest.dim != dim:
         raise RetrievalError(
-            f"{directory}: holds {manifest.dim}-dimensional vectors, the encoder makes {dim}; rebuild the index"
+            f"{directory}: holds {manifest.dim}-dimensional vectors, the encoder makes {dim}; "
+            f"{rebuild_advice(directory)}"
         )
     return manifest

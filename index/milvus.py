@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from index.choice import IndexChoice, choose_index
-from index.types import MANIFEST, Additions, Hit, HitArrays, Manifest, ManifestFacts, Row
+from index.types import MANIFEST, Additions, Hit, HitArrays, Manifest, ManifestFacts, Row, rebuild_advice
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
@@ -169,7 +169,7 @@ class MilvusIndex(ManifestFacts):
         if not index.client.has_collection(index.collection):  # type: ignore[attr-defined]
             raise RetrievalError(
                 f"{directory}: Milvus at {manifest.uri} has no collection "
-                f"{index.collection}; rebuild the index with `retrieval index --rebuild`"
+                f"{index.collection}; {rebuild_advice(Path(directory))}"
             )
         rows = index.rows()
         index.manifest = replace(manifest, count=len(rows), next_id=max(manifest.next_id, max(rows, default=0) + 1))

@@ -39,7 +39,19 @@ from index.faiss_ops import (
     stored_vectors,
 )
 from index.tuning import RECALL_SAMPLE, RecallProbe, intrinsic_dimension, sample_rows, tune_depth
-from index.types import ITEMS, MANIFEST, RAW, VECTORS, Additions, Hit, HitArrays, Manifest, ManifestFacts, Row
+from index.types import (
+    ITEMS,
+    MANIFEST,
+    RAW,
+    VECTORS,
+    Additions,
+    Hit,
+    HitArrays,
+    Manifest,
+    ManifestFacts,
+    Row,
+    rebuild_advice,
+)
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
 from retrieval.runs import file_sha256, write_json
@@ -144,21 +156,23 @@ class GalleryIndex(ManifestFacts):
             vectors = faiss.read_index(str(directory / VECTORS), faiss.IO_FLAG_MMAP if mmap else 0)
         except RuntimeError as error:
             raise RetrievalError(
-                f"{directory / VECTORS}: FAISS cannot read it ({first_line(error)}); rebuild the index"
+                f"{directory / VECTORS}: FAISS cannot read it ({first_line(error)}); {rebuild_advice(directory)}"
             ) from None
         if vectors.ntotal != manifest.count or vectors.d != manifest.dim:
             raise RetrievalError(
                 f"{directory}: {VECTORS} holds {vectors.ntotal}x{vectors.d} vectors, the manifest says "
-                f"{manifest.count}x{manifest.dim}; rebuild the index"
+                f"{manifest.count}x{manifest.dim}; {rebuild_advice(directory)}"
             )
         try:
             with read_only(directory / ITEMS) as connection:
                 (rows,) = connection.execute("SELECT COUNT(*) FROM items").fetchone()
         except sqlite3.DatabaseError as error:
-            raise RetrievalError(f"{directory / ITEMS}: SQLite cannot read it ({error}); rebuild the index") from None
+            raise RetrievalError(
+                f"{directory / ITEMS}: SQLite cannot read it ({error}); {rebuild_advice(directory)}"
+            ) from None
         if rows != vectors.ntotal:
             raise RetrievalError(
-                f"{directory}: {ITEMS} has {rows} items for {vectors.ntotal} vectors; rebuild the index"
+                f"{directory}: {ITEMS} has {rows} items for {vectors.ntotal} vectors; {rebuild_advice(directory)}"
             )
         index = cls(directory, manifest, vectors)
         _ = index.raw  # checks the exact vectors of a compressed index now, not at the first search
@@ -322,14 +336,14 @@ def _check_files(directory: Path, manifest: Manifest, mmap: bool) -> None:
     """Refuses an index directory whose files are missing or differ from the manifest's sha256."""
     for name in (VECTORS, ITEMS):
         if not (directory / name).is_file():
-            raise RetrievalError(f"{directory}: {name} is missing; rebuild the index with `retrieval index`")
+            raise RetrievalError(f"{directory}: {name} is missing; {rebuild_advice(directory)}")
     for name, digest in manifest.sha256.items():
         if mmap and name == VECTORS:
             continue  # memory-mapped: reading the whole file to hash it would defeat the purpose
         if not (directory / name).is_file() or file_sha256(directory / name) != digest:
             raise RetrievalError(
                 f"{directory / name}: missing, or its bytes do not match the manifest's sha256 (damaged or truncated); "
-                "rebuild the index"
+                f"{rebuild_advice(directory)}"
             )
 
 

@@ -16,12 +16,28 @@ import numpy as np
 
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
+from retrieval.runs import shell_path
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 VECTORS = "vectors.faiss"
 ITEMS = "items.sqlite"
 RAW = "raw.f32"  # compressed types only: the exact float32 vectors, row id - 1, read memory-mapped to re-rank
+
+
+def index_command(directory: Path, rebuild: bool = False) -> str:
+    """The command that builds (or rebuilds) the index at directory: the run's own (RUN/index) or one given --index."""
+    command = (
+        f"retrieval index {shell_path(directory.parent)} IMAGES"
+        if directory.name == "index"
+        else f"retrieval index RUN IMAGES --index {shell_path(directory)}"
+    )
+    return command + (" --rebuild" if rebuild else "")
+
+
+def rebuild_advice(directory: Path) -> str:
+    """What to do about a damaged or mismatched index at directory, with the command that does it."""
+    return f"rebuild the index with `{index_command(directory, rebuild=True)}`"
 
 
 class Row(NamedTuple):
@@ -156,7 +172,7 @@ class Manifest:
         if unknown:
             raise RetrievalError(
                 f"{source}: has unknown keys {sorted(unknown)} (damaged, or written by another version); "
-                "rebuild the index with `retrieval index --rebuild`"
+                f"{rebuild_advice(source.parent)}"
             )
         return cls(**given)
 

@@ -193,19 +193,20 @@ def write_json(path: Path, value: Any, sealed: bool = False) -> None:
     write_atomic(path, (json.dumps(value, indent=2, sort_keys=False) + "\n").encode())
 
 
-def read_json(path: Path) -> Any:
-    """Reads JSON, naming the file when it is missing, malformed or (sealed) does not match its checksum."""
+def read_json(path: Path, remedy: str = "recreate it") -> Any:
+    """Reads JSON, naming the file when it is missing, malformed or (sealed) does not match its checksum, and the
+    remedy for the last two."""
     try:
         value = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise RetrievalError(f"{path}: missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise RetrievalError(f"{path}: not valid JSON ({error}); the file is damaged, recreate it") from None
+        raise RetrievalError(f"{path}: not valid JSON ({error}); the file is damaged, {remedy}") from None
     if isinstance(value, dict) and CHECKSUM in value:
         expected = value.pop(CHECKSUM)
         if expected != _json_digest(value):
             raise RetrievalError(
-                f"{path}: its content does not match its checksum (the file was damaged or edited by hand); recreate it"
+                f"{path}: its content does not match its checksum (the file was damaged or edited by hand); {remedy}"
             )
     return value
 

@@ -41,8 +41,8 @@ def test_rebuild_replaces_the_previous_index(tmp_path: Path) -> None:
 
 def test_mismatched_encoder_and_dimension_are_refused(tmp_path: Path) -> None:
     build(tmp_path / "index")
-    with pytest.raises(RetrievalError, match="built with encoder enc-a.*rebuild"):
-        open_index(tmp_path / "index", "enc-b")
+    with pytest.raises(RetrievalError, match=f"built with encoder enc-a.*rebuild the index with `retrieval index {tmp_path} IMAGES --rebuild`"):
+        open_index(tmp_path / "index", "enc-b")  # the run's own path in the command, not RUN
     with pytest.raises(RetrievalError, match="8-dimensional vectors, the encoder makes 16"):
         open_index(tmp_path / "index", "enc-a", 16)
 
@@ -60,8 +60,9 @@ def test_damaged_indexes_are_refused(tmp_path: Path, damage: str) -> None:
         (directory / "manifest.json").write_text("{not json")
     else:
         (directory / "manifest.json").unlink()
-    with pytest.raises(RetrievalError, match=str(directory)):
+    with pytest.raises(RetrievalError, match=str(directory)) as refused:
         open_index(directory)
+    assert f"`retrieval index {tmp_path} IMAGES" in str(refused.value)  # the command to run names the run
 
 
 def test_empty_gallery_is_refused(tmp_path: Path) -> None:
