@@ -270,6 +270,27 @@ def test_a_finished_demo_is_reused_and_its_plots_and_figures_are_there(demo_run:
     assert {"recall_at_k.png", "similarities.png"} <= {path.name for path in demo_run.plots.glob("*.png")}
 
 
+def test_a_finished_demo_exported_again_with_other_options_is_indexed_with_its_model_again(demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It reused the index built with the first export, which the app then refused (built with another encoder)."""
+    import shutil
+
+    from index.disk import read_manifest
+    from retrieval.commands import main
+
+    run = RunDir(tmp_path / "demo")
+    shutil.copytree(demo_run.root, run.root)
+    assert main(["export", str(run.root), "--whiten", "none"]) == 0
+    capsys.readouterr()
+    assert main(["demo", "--no-serve", "--run", str(run.root), "--classes", "8", "--epochs", "2"]) == 0
+    assert "exported again since the index was built: indexing and evaluating with it anew" in capsys.readouterr().out
+    assert read_manifest(run.index).encoder_sha256 == json.loads(run.model_card.read_text())["sha256"]
+    service = SearchService(run)  # the app opens it
+    try:
+        assert len(service.items) == read_manifest(demo_run.index).count
+    finally:
+        service.close()
+
+
 def test_the_demo_output_has_its_steps_and_the_time_left(tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -10,7 +10,7 @@ from __future__ import annotations
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
 
@@ -70,6 +70,7 @@ def demo(
             _interrupted(run_dir)
     else:
         console.print(f"{run} holds a finished demo: reusing it (train it again with --retrain)", soft_wrap=True)
+        outcome = _reindexed(run_dir, outcome, {"epochs": epochs, "classes": classes})
     columns = {"trained model": outcome.model_metrics}
     if outcome.self_supervised_metrics:
         columns[f"no labels, {outcome.self_supervised_epochs} epochs"] = outcome.self_supervised_metrics
@@ -123,6 +124,27 @@ def finished_demo(run: RunDir, epochs: int | None, classes: int | None) -> DemoO
     if saved.get("settings") != {"epochs": epochs, "classes": classes} or not saved.get("outcome"):
         return None
     return DemoOutcome(**saved["outcome"])
+
+
+def _reindexed(run: RunDir, outcome: DemoOutcome, settings: dict) -> DemoOutcome:
+    """A finished demo whose model was exported again since, with other options (its index was built with another
+    model, which the app would refuse): the test images indexed and evaluated again with the model now there."""
+    from index.build import build_index
+    from index.disk import read_manifest
+
+    embedder = OnnxEmbedder.from_run(run)
+    if read_manifest(run.index).encoder_sha256 == embedder.fingerprint:
+        return outcome
+    console.print("its model was exported again since the index was built: indexing and evaluating with it anew")
+    test_source = _split(icons() / "test", settings["classes"], run.root / "demo-test.csv")
+    test = load_collection(test_source)
+    build_index(embedder, test, run.index, rebuild=True)
+    evaluation = evaluate_collection(embedder, test)
+    run.save_metrics(f"icons-{Path(test_source).stem}", evaluation.metrics)
+    write_plots(evaluation, run.plots)
+    outcome = replace(outcome, model_metrics=evaluation.metrics)
+    write_json(run.root / "demo.json", {"settings": settings, "outcome": asdict(outcome)})
+    return outcome
 
 
 def run_demo(
