@@ -38,3 +38,16 @@ def test_bad_sweeps_are_refused_before_training(small_folder: Path, tmp_path: Pa
     assert main(["analyze", str(small_folder), "--out", str(tmp_path / "sweep"), *options]) == 2
     assert message in capsys.readouterr().err.replace("\n", "")
     assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.parametrize(("classes", "found"), [(0, "no labeled image"), (2, "2 labeled class(es)")])
+def test_a_sweep_without_enough_labeled_classes_is_one_line(icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], classes: int, found: str) -> None:
+    """An unlabeled folder said "--loss supcon needs labels" (no --loss was given); two classes said to raise
+    --val-classes, which cannot help."""
+    data = copy_classes(icons_root, tmp_path / "data", 2)
+    if not classes:
+        for image in list(data.rglob("*.png")):
+            image.rename(data / f"{image.parent.name}-{image.name}")
+    assert main(["analyze", str(data), "--out", str(tmp_path / "sweep")]) == 2
+    err = capsys.readouterr().err
+    assert f"{data}: {found}; the sweep trains on some classes" in err and err.count("\n") == 1

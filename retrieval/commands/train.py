@@ -10,8 +10,8 @@ from typing import Annotated, NoReturn
 import typer
 from rich.table import Table
 
-from retrieval.commands.output import BENCHMARK_HELP, DATA_HELP, DataArg, console, report_skipped, stopped_by_ctrl_c
-from retrieval.data import require_source
+from retrieval.commands.output import BENCHMARK_HELP, DATA_HELP, console, report_skipped, stopped_by_ctrl_c
+from retrieval.data import load_collection, require_source
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
 from retrieval.runs import RunDir, read_json, shell_path, writable_folder
@@ -37,6 +37,9 @@ class Option:
         return inspect.Parameter(self.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
 
 
+DATA_LABELED = "an image folder ROOT/<label>/<image> or a CSV with columns path,label"
+ANALYZE_DATA_HELP = f"Labeled images: {DATA_LABELED}."
+SWEEP_CLASSES = 4  # analyze trains on some classes and measures on at least two held-out ones
 LOSS_HELP = (
     "Loss: supcon (Khosla et al. 2020), infonce (NT-Xent), npair (Sohn 2016), hcl (Robinson et al. 2021), "
     "hard (Wang & Liu 2021); default supcon. Without labels: simclr (default), moco, instdisc, hcl, hard."
@@ -242,7 +245,7 @@ SWEEP_KEYS = ("loss_uniformity", "loss_tolerance", "uniformity", "tolerance", "r
 
 
 def analyze(
-    data: DataArg,
+    data: Annotated[Path, typer.Argument(help=ANALYZE_DATA_HELP, show_default=False)],
     out: Annotated[
         Path,
         typer.Option("--out", help="Directory for temperature_sweep.json, temperature_sweep.png and the sweep's runs."),
@@ -278,6 +281,13 @@ def analyze(
     which uniformity and tolerance are measured.
     """
     require_source(data)  # a mistyped path is said before torch is loaded (seconds)
+    classes = len(load_collection(data).class_counts())
+    if classes < SWEEP_CLASSES:
+        found = f"{classes} labeled class(es)" if classes else "no labeled image"
+        raise RetrievalError(
+            f"{data}: {found}; the sweep trains on some classes and measures uniformity and tolerance on two or more "
+            f"others (with --self-supervised too), so it needs {SWEEP_CLASSES} or more: give {DATA_LABELED}"
+        )
     require("torch", "train")
     from training.analyze import temperature_sweep
     from training.config import TrainConfig
