@@ -66,7 +66,7 @@ class Server:
     def __init__(self, app: object, host: str, port: int) -> None:
         import uvicorn
 
-        self.url = f"http://{host}:{port}"
+        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"  # an IPv6 address in brackets
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)

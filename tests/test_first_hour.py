@@ -258,6 +258,23 @@ def test_a_busy_port_fails_in_one_line_before_any_work(command: str, demo_run: R
     assert not (tmp_path / "run").exists()  # nothing trained
 
 
+@pytest.mark.parametrize(
+    ("host", "message"),
+    [
+        ("nonexistent.invalid", "--host nonexistent.invalid: not a name this machine knows"),
+        ("192.0.2.1", "--host 192.0.2.1: not an address of this machine; give 127.0.0.1"),  # TEST-NET-1, never local
+    ],
+)
+def test_a_host_this_machine_cannot_bind_is_one_line(host: str, message: str, demo_run: RunDir, capsys: pytest.CaptureFixture[str]) -> None:
+    """It said "Name or service not known; check the path and its permissions" (there was no path), or "port ... is
+    Cannot assign requested address"."""
+    from retrieval.commands import main
+
+    assert main(["serve", str(demo_run.root), "--host", host, "--port", "7860"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
 def test_a_finished_demo_is_reused_and_its_plots_and_figures_are_there(demo_run: RunDir, capsys: pytest.CaptureFixture[str]) -> None:
     from retrieval.commands import main
 

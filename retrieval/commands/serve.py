@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shlex
 import socket
 from typing import Annotated
 
@@ -56,13 +57,21 @@ def serve(
 
 
 def require_free_port(host: str, port: int) -> None:
-    """Refuses a port that another program already listens on, before any work, naming a free one to use."""
+    """Refuses a port that another program already listens on, before any work, naming a free one to use; and a host
+    that is not a name or address of this machine."""
+    hosts = "give 127.0.0.1 (this machine only) or 0.0.0.0 (every network, with --auth)"
     try:
-        with socket.socket() as probe:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except (socket.gaierror, UnicodeError) as error:
+        raise RetrievalError(f"--host {shlex.quote(host)}: not a name this machine knows ({error}); {hosts}") from None
+    try:
+        with socket.socket(family) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
             probe.bind((host, port))
     except OSError as error:
-        with socket.socket() as probe:
+        if error.errno == errno.EADDRNOTAVAIL:
+            raise RetrievalError(f"--host {host}: not an address of this machine; {hosts}") from None
+        with socket.socket(family) as probe:
             probe.bind((host, 0))
             free = probe.getsockname()[1]
         reason = "in use" if error.errno == errno.EADDRINUSE else error.strerror or error
