@@ -116,7 +116,8 @@ class AuditHandlers:
         if not found.total:
             return [], [], "No suspected wrong label: every image's closest images agree with its label."
         more = f" (the first {len(found.shown)} shown)" if found.total > len(found.shown) else ""
-        line = f"**{found.total}** suspected wrong label(s){more}: click one to see it."
+        labeled = sum(bool(item.label) for item in self.service.items.values())
+        line = f"**{found.total}** suspected wrong label(s) of {labeled} labeled images{more}: click one to see it."
         return as_rows(found.shown), as_data(found.shown), line
 
     def open(self, data: list[dict], event: gr.SelectData) -> tuple[list[tuple[str, str]], str, dict | None]:

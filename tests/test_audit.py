@@ -409,7 +409,8 @@ def test_the_audit_tab_counts_every_suspect_beyond_those_it_shows(audit_run: tup
     finally:
         service.close()
     assert len(every) > 1 and len(rows) == 1
-    assert said == f"**{len(every)}** suspected wrong label(s) (the first 1 shown): click one to see it."
+    labeled = sum(bool(item.label) for item in service.items.values())
+    assert said == f"**{len(every)}** suspected wrong label(s) of {labeled} labeled images (the first 1 shown): click one to see it."
 
 
 def test_the_audit_tab_lists_suspects_and_keeps_decisions_in_a_labels_csv(audit_run: tuple[RunDir, Item]) -> None:

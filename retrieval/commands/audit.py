@@ -157,7 +157,8 @@ def _print(found: Audit, shown: int, leaks: bool) -> None:
         return os.path.relpath(path, root) if every else str(path)
 
     tables = [
-        ("suspected wrong labels", ["path", "label", "suggested", "score"], found.labels,
+        (f"suspected wrong labels (of {found.images} images, most suspect first)",
+         ["path", "label", "suggested", "score"], found.labels,
          lambda s: [short(s.path), s.label, s.suggested, f"{s.score:.3f}"]),
         ("copies", ["images", "kind", "score"], found.duplicates,
          lambda d: ["\n".join(short(p) for p in d.paths), d.kind.value, f"{d.score:.3f}"]),
