@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from retrieval.data import Item, Skipped
-from retrieval.duplicates import CopyKind, CopyPair, copy_groups, find_copies
+from retrieval.duplicates import CANDIDATES, CopyKind, CopyPair, copy_groups, find_copies
 from retrieval.errors import RetrievalError
-from retrieval.knn import nearest_neighbours
+from retrieval.knn import Neighbours
 from retrieval.runs import write_atomic
 
 CLOSEST = 3  # the closest images of a label whose mean similarity is compared (chosen on held-out classes)
@@ -140,10 +140,18 @@ def _own_closeness(vectors: np.ndarray, codes: np.ndarray, closest: int) -> np.n
     return own
 
 
-def label_scores(vectors: np.ndarray, labels: Sequence[str], closest: int = CLOSEST, depth: int = DEPTH) -> LabelScores:
-    """Each image's suspicion (see the module's text), from one k-NN search and one product per label."""
+def label_scores(
+    vectors: np.ndarray,
+    labels: Sequence[str],
+    closest: int = CLOSEST,
+    depth: int = DEPTH,
+    neighbours: Neighbours | None = None,
+) -> LabelScores:
+    """Each image's suspicion (see the module's text), from one k-NN search (or the neighbours of vectors already
+    searched) and one product per label."""
     classes, codes = np.unique(np.asarray(labels), return_inverse=True)
-    ids, similarities = nearest_neighbours(vectors, vectors, depth, exclude_self=True)
+    found = neighbours or Neighbours.of(vectors, depth)
+    ids, similarities = found.first(depth)
     other = classes.size * np.arange(len(vectors))[:, None] + codes[ids]  # a (row, neighbour's label) key
     keep = codes[ids] != codes[:, None]
     keys, sims, rows = other[keep], similarities[keep], ids[keep]  # row-major: each row's neighbours closest first
@@ -171,12 +179,16 @@ def label_scores(vectors: np.ndarray, labels: Sequence[str], closest: int = CLOS
 
 
 def suspects(
-    items: Sequence[Item], vectors: np.ndarray, folds: Sequence[tuple[np.ndarray, np.ndarray]] = ()
+    items: Sequence[Item],
+    vectors: np.ndarray,
+    folds: Sequence[tuple[np.ndarray, np.ndarray]] = (),
+    neighbours: Neighbours | None = None,
 ) -> list[Suspect]:
     """The labeled images whose closest images agree on another label, the most suspect first.
 
     folds: (vectors of every item by one fold's model, the rows that model did not train on) for each fold
     (--folds): each image is then scored in the space of the model that did not see it; vectors is unused.
+    neighbours: those of vectors, already searched (used where every item is labeled and there are no folds).
     """
     labeled = np.flatnonzero([bool(item.label) for item in items])
     labels = [items[row].label for row in labeled]
@@ -188,8 +200,9 @@ def suspects(
     closest: list[np.ndarray] = []
     position = np.full(len(items), -1)
     position[labeled] = np.arange(len(labeled))
+    shared = neighbours if not folds and len(labeled) == len(items) else None
     for space, rows in spaces:
-        scores = label_scores(space[labeled], labels)
+        scores = label_scores(space[labeled], labels, neighbours=shared)
         mine = position[rows][position[rows] >= 0]
         score[mine], suggested[mine] = np.nan_to_num(scores.score[mine], nan=-np.inf), scores.suggested[mine]
         closest.append(scores.closest[np.isin(scores.closest[:, 0], mine)])
@@ -239,18 +252,21 @@ def check_folds(labels: Sequence[str], folds: int) -> None:
     )
 
 
-def closeness(vectors: np.ndarray) -> np.ndarray:
-    """How close each image is to the rest of the collection: the mean similarity of its CLOSEST other images."""
-    _, similarities = nearest_neighbours(vectors, vectors, CLOSEST, exclude_self=True)
+def closeness(vectors: np.ndarray, neighbours: Neighbours | None = None) -> np.ndarray:
+    """How close each image is to the rest of the collection: the mean similarity of its CLOSEST other images
+    (neighbours: those of vectors, already searched)."""
+    _, similarities = (neighbours or Neighbours.of(vectors, CLOSEST)).first(CLOSEST)
     return similarities.mean(axis=1)
 
 
-def outliers(items: Sequence[Item], vectors: np.ndarray, skipped: Sequence[Skipped] = ()) -> list[Outlier]:
+def outliers(
+    items: Sequence[Item], vectors: np.ndarray, skipped: Sequence[Skipped] = (), neighbours: Neighbours | None = None
+) -> list[Outlier]:
     """Images far from every other image: their closeness far below the collection's usual, the farthest first;
-    then the files that could not be read."""
+    then the files that could not be read (neighbours: those of vectors, already searched)."""
     found: list[Outlier] = []
     if len(vectors) > CLOSEST + 1:
-        close = closeness(vectors)
+        close = closeness(vectors, neighbours)
         median = float(np.median(close))
         spread = 1.4826 * float(np.median(np.abs(close - median))) or 1e-6
         far = np.flatnonzero(close < median - OUTLIER_SPREAD * spread)
@@ -273,9 +289,12 @@ class Embedded:
     skipped: list[Skipped] = field(default_factory=list)
 
 
-def duplicates(collection: Embedded, shown: bool = False) -> list[Duplicate]:
-    """The groups of images of a collection that hold the same picture, largest first (shown: progress bars)."""
-    pairs = find_copies(collection.vectors, collection.digests, collection.thumbnails, shown=shown)
+def duplicates(collection: Embedded, shown: bool = False, neighbours: Neighbours | None = None) -> list[Duplicate]:
+    """The groups of images of a collection that hold the same picture, largest first (shown: progress bars;
+    neighbours: those of its vectors, already searched)."""
+    pairs = find_copies(
+        collection.vectors, collection.digests, collection.thumbnails, shown=shown, neighbours=neighbours
+    )
     groups = copy_groups(pairs, len(collection.items))
     group_of = {row: number for number, rows in enumerate(groups) for row in rows}
     pairs_of: list[list[CopyPair]] = [[] for _ in groups]
@@ -310,12 +329,15 @@ def audit(
     shown: bool = False,
 ) -> Audit:
     """Every finding of an audit of collection (and its leaks into other; folds: see suspects; shown: progress bars of
-    the copy checks, the audit's long part)."""
+    the copy checks, the audit's long part). The collection's neighbours are searched once, for all three parts
+    that need them."""
+    several = len(collection.vectors) > 1  # one image has no neighbour to search for
+    shared = Neighbours.of(collection.vectors, max(DEPTH, CANDIDATES, CLOSEST)) if several else None
     return Audit(
-        labels=suspects(collection.items, collection.vectors, folds),
-        duplicates=duplicates(collection, shown),
+        labels=suspects(collection.items, collection.vectors, folds, shared),
+        duplicates=duplicates(collection, shown, shared),
         leaks=leaks(collection, other, shown) if other is not None else [],
-        outliers=outliers(collection.items, collection.vectors, collection.skipped),
+        outliers=outliers(collection.items, collection.vectors, collection.skipped, shared),
         images=len(collection.items) + len(collection.skipped),
     )
 

@@ -33,7 +33,7 @@ import numpy as np
 from PIL import Image
 
 from retrieval.extras import require
-from retrieval.knn import nearest_neighbours
+from retrieval.knn import Neighbours, nearest_neighbours
 from retrieval.progress import progress
 
 THUMBNAIL = 64  # pixels a side of the pictures kept while embedding
@@ -547,14 +547,22 @@ def _hash_neighbours(queries: np.ndarray, gallery: np.ndarray, k: int, same: boo
 
 
 def candidate_pairs(
-    vectors: np.ndarray, hashes: np.ndarray, other: tuple[np.ndarray, np.ndarray] | None = None, k: int = CANDIDATES
+    vectors: np.ndarray,
+    hashes: np.ndarray,
+    other: tuple[np.ndarray, np.ndarray] | None = None,
+    k: int = CANDIDATES,
+    neighbours: Neighbours | None = None,
 ) -> list[tuple[int, int]]:
-    """(row, row of other or of the same collection) pairs worth checking: neighbours by embedding and by hash."""
+    """(row, row of other or of the same collection) pairs worth checking: neighbours by embedding (within one
+    collection, neighbours already searched may be given) and by hash."""
     same = other is None
     gallery, gallery_hashes = (vectors, hashes) if other is None else other
     if not len(vectors) or len(gallery) <= int(same):
         return []
-    ids, _ = nearest_neighbours(vectors, gallery, k, exclude_self=same)
+    if same and neighbours is not None:
+        ids, _ = neighbours.first(k)
+    else:
+        ids, _ = nearest_neighbours(vectors, gallery, k, exclude_self=same)
     pairs = set(zip(np.repeat(np.arange(len(vectors)), ids.shape[1]).tolist(), ids.ravel().tolist(), strict=True))
     pairs |= set(_hash_neighbours(hashes, gallery_hashes, k, same))
     if same:
@@ -569,9 +577,11 @@ def find_copies(
     other: tuple[np.ndarray, Sequence[str], np.ndarray] | None = None,
     threshold: float = COPY_DIFFERENCE,
     shown: bool = False,
+    neighbours: Neighbours | None = None,
 ) -> list[CopyPair]:
     """Copy pairs within a collection (other None, a < b) or from it to other (a its row, b other's), identical
-    bytes first, then near copies at difference <= threshold, the most alike first (shown: with progress bars)."""
+    bytes first, then near copies at difference <= threshold, the most alike first (shown: with progress bars;
+    neighbours: the collection's, already searched, used within one collection)."""
     gallery = (vectors, digests, thumbnails) if other is None else other
     rows_of: dict[str, list[int]] = {}
     for row, digest in enumerate(gallery[1]):
@@ -582,7 +592,7 @@ def find_copies(
     hashes = perceptual_hashes(thumbnails)
     against = None if other is None else (gallery[0], perceptual_hashes(gallery[2]))
     known = set(identical)
-    checked = [pair for pair in candidate_pairs(vectors, hashes, against) if pair not in known]
+    checked = [pair for pair in candidate_pairs(vectors, hashes, against, neighbours=neighbours) if pair not in known]
     coarse = _coarse(thumbnails)
     checked = _coarse_filter(coarse, coarse if other is None else _coarse(gallery[2]), checked)
     near = zip(checked, _shared_out(thumbnails, gallery[2], checked, shown).tolist(), strict=True) if checked else []

@@ -8,6 +8,7 @@ rule over whatever a FAISS index returns.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -45,6 +46,28 @@ def nearest_neighbours(
         rows = np.arange(start, min(start + block, len(queries)))
         indices[rows], scores[rows] = search_flat(index, queries[rows], k, rows if exclude_self else None)
     return indices, scores
+
+
+@dataclass(frozen=True)
+class Neighbours:
+    """Each row's nearest other rows of one collection, best first (leave-one-out), searched once to the deepest
+    depth that several users need: `first(k)` is what `nearest_neighbours(vectors, vectors, k, exclude_self=True)`
+    gives (ties go to the lower id, so a shallower search is a prefix of a deeper one)."""
+
+    ids: np.ndarray  # [N, depth]
+    similarities: np.ndarray  # [N, depth]
+
+    @classmethod
+    def of(cls, vectors: np.ndarray, depth: int) -> Neighbours:
+        """The neighbours of every row of vectors among the others, to depth (or all the others, if fewer)."""
+        return cls(*nearest_neighbours(vectors, vectors, depth, exclude_self=True))
+
+    def first(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids [N, k], similarities [N, k]): the k nearest (all of them where fewer were searched than k, as
+        nearest_neighbours gives where the collection holds fewer)."""
+        if k > self.ids.shape[1] and self.ids.shape[1] < len(self.ids) - 1:
+            raise ValueError(f"searched to depth {self.ids.shape[1]}, asked for {k}")
+        return self.ids[:, :k], self.similarities[:, :k]
 
 
 def search_flat(

@@ -16,13 +16,14 @@ from PIL import Image, ImageDraw
 
 import retrieval.duplicates as copy_check
 from app.service import SearchService
-from retrieval.audit import Embedded, check_folds, duplicates, label_scores, leaks, outliers, suspects
+from retrieval.audit import Embedded, audit, check_folds, duplicates, label_scores, leaks, outliers, suspects
 from retrieval.commands import main
 from retrieval.data import Item, Skipped, write_collection_csv
 from retrieval.decisions import Decision, LabelDecision, decide, decided_labels, read_decisions
 from retrieval.duplicates import THUMBNAIL, CopyKind, difference, find_copies
 from retrieval.embedders import l2_normalise
 from retrieval.errors import RetrievalError
+from retrieval.knn import Neighbours, nearest_neighbours
 from retrieval.runs import RunDir
 from tests.conftest import copy_classes
 
@@ -95,6 +96,29 @@ def test_fold_counts_the_labels_do_not_allow_are_one_line() -> None:
         check_folds(["a", "a", "a", "b", "b", "b"], 4)
     with pytest.raises(RetrievalError, match="single image"):
         check_folds(["a", "a", "b"], 2)
+
+
+def test_neighbours_searched_once_to_depth_are_each_shallower_search_and_the_audit_is_that_of_its_parts() -> None:
+    """The audit searches the collection's neighbours once for the labels, copies and outliers (three searches
+    before): each part gets what its own search gave, ties included, so the findings are the same."""
+    vectors, labels = clusters([15, 15, 15, 14], seed=3)
+    vectors[[5, 20, 40]] = vectors[4]  # tied neighbours across classes: ties go to the lower id at every depth
+    vectors = np.concatenate([vectors, -vectors[:1]])  # one image far from every other
+    labels.append("class-1")
+    labels[2] = "class-3"
+    shared = Neighbours.of(vectors, 50)
+    for k in (3, 10, 50):
+        ids, similarities = nearest_neighbours(vectors, vectors, k, exclude_self=True)
+        assert np.array_equal(shared.first(k)[0], ids) and np.array_equal(shared.first(k)[1], similarities)
+    pictures = shapes(len(vectors))
+    pictures[9] = changed(pictures[30], "jpeg")
+    for unlabeled in (False, True):  # an unlabeled image: the labels are scored on the labeled ones' own search
+        items = [Item(Path(f"/images/{row}.png"), "" if unlabeled and row == 7 else label) for row, label in enumerate(labels)]
+        collection = Embedded(items, vectors, [f"d{row}" for row in range(len(items))], np.stack(pictures))
+        found = audit(collection)
+        assert found.labels == suspects(items, vectors) and found.labels[0].path.name == "2.png"
+        assert found.duplicates == duplicates(collection) and len(found.duplicates) == 1
+        assert found.outliers == outliers(items, vectors) and found.outliers[0].path.name == f"{len(vectors) - 1}.png"
 
 
 def shapes(count: int, seed: int = 0) -> list[np.ndarray]:
