@@ -4,9 +4,12 @@ The step (forward, SupCon loss, backward, AdamW) is timed in each precision on r
 that it measures the model, not the disk; its FLOPs are counted with torch's FlopCounterMode and
 set against this device's own measured matmul throughput (the utilisation a user can expect). The
 trainer row runs `train()` for one epoch on the embedded icons dataset (decoding, augmentation,
-sampler and all) and reads images/s from its log.
+sampler and all) and reads images/s from its log. With --photos N, the same trainer on N seeded 4000 x 3000
+JPEGs (5 classes, quality 90: the shape of a folder of camera photos), one epoch each way in alternated
+rounds: decoded at the reduced DCT scale training uses (training.images.DECODED_SIDES) and at full size.
 
     python bench/train.py                       # CPU: resnet18 at 64 px, fp32 and bf16
+    python bench/train.py --no-trainer --precisions fp32 --photos 60 --rounds 3   # photos: decoding's share
     bash bench/gpu_train.sh                     # GPU: resnet50 at 224 px, bf16, channels_last
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -94,6 +98,42 @@ def trainer_rate(args: argparse.Namespace, device: torch.device, precision: str)
         return json.loads(run.train_log.read_text().splitlines()[-1])["images_per_second"]
 
 
+def photos(folder: Path, count: int) -> Path:
+    """count seeded 4000 x 3000 JPEGs in 5 class folders under folder (smooth colour fields, as photos compress)."""
+    from PIL import Image
+
+    rng = torch.Generator().manual_seed(0)
+    for number in range(count):
+        label = folder / f"class-{number % 5}"
+        label.mkdir(parents=True, exist_ok=True)
+        small = (torch.rand(30, 40, 3, generator=rng) * 255).to(torch.uint8).numpy()
+        Image.fromarray(small).resize((4000, 3000), Image.BILINEAR).save(label / f"IMG_{number:04d}.JPG", quality=90)
+    return folder
+
+
+def photo_rates(args: argparse.Namespace, device: torch.device, precision: str) -> dict[str, list[float]]:
+    """Images/s of one trainer epoch on --photos JPEGs, at the reduced decoding scale and at full size, alternated."""
+    import training.images
+
+    reduced = training.images.DECODED_SIDES
+    rates: dict[str, list[float]] = {"reduced-scale decode": [], "full-size decode": []}
+    with tempfile.TemporaryDirectory() as scratch:
+        data = photos(Path(scratch) / "photos", args.photos)
+        for _ in range(args.rounds):
+            for name, sides in (("full-size decode", 0), ("reduced-scale decode", reduced)):
+                training.images.DECODED_SIDES = sides
+                config = TrainConfig(
+                    data=str(data), epochs=1, batch_size=min(args.batch_size, args.photos), precision=precision,
+                    image_size=args.image_size, backbone=args.backbone, device=str(device), workers=args.workers,
+                )
+                run = RunDir(Path(scratch) / name.replace(" ", "-"))
+                train(config, run, progress=False)
+                rates[name].append(json.loads(run.train_log.read_text().splitlines()[-1])["images_per_second"])
+                shutil.rmtree(run.root)
+    training.images.DECODED_SIDES = reduced
+    return rates
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -109,6 +149,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--workers", type=int, default=0, help="data-loading processes of the trainer row")
     parser.add_argument("--no-trainer", action="store_true", help="skip the real-trainer row")
+    parser.add_argument("--photos", type=int, default=0, help="also the trainer on this many 12-megapixel JPEGs")
+    parser.add_argument("--rounds", type=int, default=3, help="alternated rounds of the --photos rows")
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -128,6 +170,12 @@ def main() -> None:
         precision = args.precisions.split(",")[0]
         rate = trainer_rate(args, device, precision)
         table.add_row("whole trainer, icons epoch", precision, f"{rate:.0f}", f"{rate / base:.2f}x", "", "", "")
+    if args.photos:
+        precision = args.precisions.split(",")[0]
+        for name, rates in photo_rates(args, device, precision).items():
+            middle = sorted(rates)[len(rates) // 2]
+            shown = f"{middle:.0f} (rounds {', '.join(f'{rate:.0f}' for rate in rates)})"
+            table.add_row(f"whole trainer, {args.photos} photos, {name}", precision, shown, f"{middle / base:.2f}x", "", "", "")
     Console(width=160).print(table)
 
 

@@ -283,10 +283,10 @@ def decode_image(data: bytes, name: str | Path = "image", min_size: int = 0) -> 
     return decode(data, name, min_size).image
 
 
-def load_image(path: str | Path) -> Image.Image:
-    """Reads and decodes one image file into RGB (see decode_image)."""
+def load_image(path: str | Path, min_size: int = 0) -> Image.Image:
+    """Reads and decodes one image file into RGB (see decode_image; min_size: a JPEG's reduced-scale decoding)."""
     data, _ = read_image_bytes(Path(path))
-    return decode_image(data, path)
+    return decode_image(data, path, min_size)
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

@@ -55,7 +55,7 @@ class Validator:
         self.std = torch.tensor(preprocessing.std, dtype=torch.float32).view(1, 3, 1, 1)
 
     def _decoded(self, item: Item) -> np.ndarray:
-        return self.preprocessing.pixels(load_image(item.path))
+        return self.preprocessing.pixels(load_image(item.path, self.preprocessing.image_size))  # as indexing decodes
 
     def batches(self) -> Iterator[torch.Tensor]:
         """The held-out images as normalised float32 batches [B, 3, S, S], in order.

@@ -74,7 +74,7 @@ def whiten_encoder(
             images = []
             for path in paths[start : start + BATCH]:
                 try:
-                    images.append(load_image(path))
+                    images.append(load_image(path, preprocessing.image_size))  # as indexing decodes
                 except ImageError:
                     continue
             if images:
