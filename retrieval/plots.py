@@ -192,7 +192,7 @@ def plot_confusions(pairs: Sequence[dict], target: Path, rows: int = 8, thumbnai
 def _show(axis: plt.Axes, item: Item, size: int, caption: str, colour: str) -> None:
     """Draws a thumbnail of item framed in colour; an image that can no longer be read is drawn grey."""
     try:
-        image = load_image(item.path)
+        image = load_image(item.path, size)  # a large JPEG decoded at a reduced scale: a thumbnail is drawn
         image.thumbnail((size, size))
         axis.imshow(np.asarray(image))
     except ImageError:

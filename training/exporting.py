@@ -113,7 +113,7 @@ def export(
             np.random.default_rng(n).standard_normal((n, 3, size, size)).astype(np.float32) for n in PARITY_BATCH_SIZES
         ]
         real = _real_images(
-            parity_images or _training_images(config.data, config.benchmark), limit=max(PARITY_BATCH_SIZES)
+            parity_images or _training_images(config.data, config.benchmark), max(PARITY_BATCH_SIZES), size
         )
         if real:
             inputs.append(preprocessing(real))
@@ -238,11 +238,12 @@ def _training_images(data: str, benchmark: str | None) -> list[Path]:
         return []  # the training data may have moved since; random inputs still check the graph
 
 
-def _real_images(paths: Sequence[Path], limit: int) -> list:
+def _real_images(paths: Sequence[Path], limit: int, size: int) -> list:
+    """Up to limit of the images at paths that decode, for an input of size pixels (as indexing decodes)."""
     images = []
     for path in paths[:limit]:
         try:
-            images.append(load_image(path))
+            images.append(load_image(path, size))
         except ImageError:
             continue
     return images

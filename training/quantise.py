@@ -178,7 +178,7 @@ class _Calibration:
 
     def __init__(self, embedder: OnnxEmbedder, items: Sequence[Item]) -> None:
         self.name = embedder.input_name
-        images = _readable(items)
+        images = _readable(items, embedder.input_size)
         if not images:
             raise RetrievalError("none of the calibration images could be read; check the run's training data")
         batch = min(CALIBRATION_BATCH, len(images))
@@ -192,12 +192,12 @@ class _Calibration:
         return None if batch is None else {self.name: batch}
 
 
-def _readable(items: Sequence[Item]) -> list:
-    """The items' images that decode (the others are left out)."""
+def _readable(items: Sequence[Item], size: int) -> list:
+    """The items' images that decode (the others are left out), for an input of size pixels (as indexing decodes)."""
     images = []
     for item in items:
         try:
-            images.append(load_image(item.path))
+            images.append(load_image(item.path, size))
         except ImageError:
             continue
     return images
@@ -205,7 +205,7 @@ def _readable(items: Sequence[Item]) -> list:
 
 def _gate(float32: OnnxEmbedder, int8: OnnxEmbedder, items: Sequence[Item], method: str, calibrated: int) -> Int8Report:
     """Embeds the held-out items with both models: top-10 overlap and leave-one-out recall@1 of each."""
-    pairs = [(image, item.label) for item in items for image in _readable([item])]
+    pairs = [(image, item.label) for item in items for image in _readable([item], float32.input_size)]
     images, labels = [image for image, _ in pairs], [label for _, label in pairs]
     reference, quantised = float32.embed(images), int8.embed(images)
     k = min(NEIGHBOURS, len(images) - 1)
