@@ -103,3 +103,22 @@ def test_protocol_mistakes_are_explained(demo_run: RunDir, tmp_path: Path, capsy
     arguments = [str(tmp_path) if argument == "IMAGES" else argument for argument in arguments]
     assert main(["evaluate", str(demo_run.root), *arguments]) == 2
     assert message in capsys.readouterr().err.replace("\n", "")
+
+
+def test_evaluating_the_images_a_run_trained_on_says_the_figures_flatter_it(demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """recall@1 1.000 on a run's own training images was printed like any other figure; held-out images say
+    nothing more, and an evaluation with nothing to confuse says so in one line (it was an empty table)."""
+    from retrieval.commands.output import confusion_table
+    from retrieval.data import load_collection
+    from retrieval.runs import read_json
+
+    run = tmp_path / "run"
+    shutil.copytree(demo_run.root, run)
+    trained_on = read_json(RunDir(run).model_card)["trained_on"]
+    assert main(["evaluate", str(run), trained_on]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    total = len(load_collection(trained_on).items)
+    assert f"note: {total} of the {total} images evaluated are images {run} trained on ({trained_on})" in out
+    assert main(["evaluate", str(run), str(run / "demo-test.csv")]) == 0
+    assert "note:" not in capsys.readouterr().out
+    assert confusion_table([]) == "most confused classes: none (every query's top-1 hit has its own label)"

@@ -164,6 +164,7 @@ def _evaluate(
     name += (f"-{reranker.method}" if reranker.active else "") + ("-int8" if model == "int8" else "")
     compared = (lambda: _score(compare, sources, ks, split_classes, seed, reranker, model).metrics) if compare else None
     _report(RunDir(run), name, evaluation, compare, compared)
+    _say_if_trained_on(RunDir(run), [source for source in sources if source is not None])
 
 
 def _report(
@@ -189,23 +190,51 @@ def _report(
     console.print(f"wrote {saved} (also as {run_dir.metrics}){also} and the plots in {run_dir.plots}", soft_wrap=True)
 
 
+def _trained(run: RunDir, collections: list[Collection]) -> tuple[str, list[int]] | None:
+    """The training data the run's model card names, and how many images of each collection are in it; None where the
+    card names none or the data is no longer where it was."""
+    from retrieval.data import load_collection
+
+    trained_on = read_json(run.model_card).get("trained_on") if run.model_card.is_file() else None
+    if not trained_on or not Path(trained_on).exists():
+        return None
+    try:
+        seen = {item.path.resolve() for item in load_collection(Path(trained_on)).items}
+    except RetrievalError:  # moved or changed since: nothing to say about it
+        return None
+    return trained_on, [sum(item.path.resolve() in seen for item in collection.items) for collection in collections]
+
+
 def _require_held_out(run: RunDir, collections: list[Collection]) -> None:
     """Refuses to calibrate on images the run trained on (its hits there are over-confident), when its training data
     is still where it was."""
-    from retrieval.data import load_collection
-
-    trained_on = read_json(run.model_card).get("trained_on")
-    if not trained_on or not Path(trained_on).exists():
+    trained = _trained(run, collections)
+    if trained is None:
         return
-    seen = {item.path.resolve() for item in load_collection(Path(trained_on)).items}
-    for collection in collections:
-        shared = sum(item.path.resolve() in seen for item in collection.items)
+    data, counts = trained
+    for collection, shared in zip(collections, counts, strict=True):
         if shared:
             raise RetrievalError(
                 f"--calibrate: {shared} of the {len(collection.items)} images of {collection.source} are in "
-                f"{trained_on}, which {run.root} trained on, where its hits are over-confident; give labeled images it "
+                f"{data}, which {run.root} trained on, where its hits are over-confident; give labeled images it "
                 "did not train on"
             )
+
+
+def _say_if_trained_on(run: RunDir, collections: list[Collection]) -> None:
+    """One line where the images evaluated include the run's training images: figures there flatter the model."""
+    trained = _trained(run, collections)
+    if trained is None or not sum(trained[1]):
+        return
+    data, counts = trained
+    total = sum(len(collection.items) for collection in collections)
+    console.print(
+        f"note: {sum(counts)} of the {total} images evaluated are images {run.root} trained on ({data}): "
+        "its figures there flatter it; evaluate images it did not train on (e.g. held-out classes) for what it "
+        "does on new ones",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def _match(run: RunDir, evaluation: Evaluation, name: str, rerank: Rerank, target: float | None) -> None:

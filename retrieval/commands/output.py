@@ -75,8 +75,11 @@ def metrics_table(columns: dict[str, dict]) -> Table:
     return table
 
 
-def confusion_table(confusions: list[dict], shown: int = 10) -> Table:
-    """The class pairs most often confused (retrieval.mistakes): queries of a class whose top-1 hit has another."""
+def confusion_table(confusions: list[dict], shown: int = 10) -> Table | str:
+    """The class pairs most often confused (retrieval.mistakes): queries of a class whose top-1 hit has another; one
+    line where there is none."""
+    if not confusions:
+        return "most confused classes: none (every query's top-1 hit has its own label)"
     table = Table(title="most confused classes (a query's top-1 hit has the other label)")
     for column, justify in (("label", "left"), ("top-1 label", "left"), ("queries", "right"), ("share", "right")):
         table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
