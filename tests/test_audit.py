@@ -354,6 +354,17 @@ def test_audit_prints_tables_and_json_and_writes_csvs(
     assert len(written["labels.csv"]) == len(found["labels"])
 
 
+def test_an_audit_of_the_images_the_run_trained_on_points_to_folds(demo_run: RunDir, capsys: pytest.CaptureFixture[str]) -> None:
+    """On its own training images a model has learnt the wrong labels too: the audit said nothing of it."""
+    trained_on = json.loads(demo_run.model_card.read_text())["trained_on"]
+    assert main(["audit", str(demo_run.root), trained_on]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"images {demo_run.root} trained on ({trained_on}): its model has learnt their labels" in err
+    assert "give --folds K" in err
+    assert main(["audit", str(demo_run.root), trained_on, "--json"]) == 0
+    assert "note:" not in capsys.readouterr().err  # a script's --json is left quiet
+
+
 def test_audit_against_another_split_lists_its_copies(
     demo_run: RunDir, audited_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

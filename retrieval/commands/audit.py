@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from retrieval.commands.output import ModelOption, RunArg, console
+from retrieval.commands.output import ModelOption, RunArg, console, errors, trained_share
 from retrieval.data import COLLECTION_HINT, Collection, load_collection, require_source
 from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir, writable_folder
@@ -62,6 +62,8 @@ def audit(
         writable_folder(csv_dir, "--csv")
     if folds:
         _check_folds(collection, folds, fold_epochs)
+    elif not as_json:  # a script's --json is left quiet
+        _say_if_trained_on(run_dir, collection)
     from retrieval.audit import audit as run_audit
     from retrieval.audit import write_csvs
     from retrieval.embedders import OnnxEmbedder
@@ -93,6 +95,20 @@ def _collection(source: Path, option: str = "") -> Collection:
     if not collection.items:
         raise RetrievalError(f"{option + ' ' if option else ''}{source}: no image in it; give {COLLECTION_HINT}")
     return collection
+
+
+def _say_if_trained_on(run: RunDir, collection: Collection) -> None:
+    """One line (on stderr, beside the progress) where DATA holds the run's training images: there its model has learnt
+    their labels, wrong ones too, which --folds is for."""
+    trained = trained_share(run, [collection])
+    if trained is not None and trained[1][0]:
+        errors.print(
+            f"note: {trained[1][0]} of the {len(collection.items)} images are images {run.root} trained on "
+            f"({trained[0]}): its model has learnt their labels, wrong ones too, so wrong ones hide among them; "
+            "give --folds K to judge each image by a model that did not train on it (docs/trust.md)",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def _same(first: Collection, second: Collection) -> bool:

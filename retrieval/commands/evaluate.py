@@ -21,6 +21,7 @@ from retrieval.commands.output import (
     metrics_table,
     parse_ks,
     report_skipped,
+    trained_share,
 )
 from retrieval.data import Collection
 from retrieval.errors import RetrievalError
@@ -190,25 +191,10 @@ def _report(
     console.print(f"wrote {saved} (also as {run_dir.metrics}){also} and the plots in {run_dir.plots}", soft_wrap=True)
 
 
-def _trained(run: RunDir, collections: list[Collection]) -> tuple[str, list[int]] | None:
-    """The training data the run's model card names, and how many images of each collection are in it; None where the
-    card names none or the data is no longer where it was."""
-    from retrieval.data import load_collection
-
-    trained_on = read_json(run.model_card).get("trained_on") if run.model_card.is_file() else None
-    if not trained_on or not Path(trained_on).exists():
-        return None
-    try:
-        seen = {item.path.resolve() for item in load_collection(Path(trained_on)).items}
-    except RetrievalError:  # moved or changed since: nothing to say about it
-        return None
-    return trained_on, [sum(item.path.resolve() in seen for item in collection.items) for collection in collections]
-
-
 def _require_held_out(run: RunDir, collections: list[Collection]) -> None:
     """Refuses to calibrate on images the run trained on (its hits there are over-confident), when its training data
     is still where it was."""
-    trained = _trained(run, collections)
+    trained = trained_share(run, collections)
     if trained is None:
         return
     data, counts = trained
@@ -223,7 +209,7 @@ def _require_held_out(run: RunDir, collections: list[Collection]) -> None:
 
 def _say_if_trained_on(run: RunDir, collections: list[Collection]) -> None:
     """One line where the images evaluated include the run's training images: figures there flatter the model."""
-    trained = _trained(run, collections)
+    trained = trained_share(run, collections)
     if trained is None or not sum(trained[1]):
         return
     data, counts = trained

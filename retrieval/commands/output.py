@@ -9,11 +9,25 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from retrieval.data import Skipped
+from retrieval.data import Collection, Skipped, load_collection
 from retrieval.errors import RetrievalError
+from retrieval.runs import RunDir, read_json
 
 console = Console(soft_wrap=True)  # lines of text keep their paths whole; tables still fit the width
 errors = Console(stderr=True, soft_wrap=True)
+
+
+def trained_share(run: RunDir, collections: list[Collection]) -> tuple[str, list[int]] | None:
+    """The training data the run's model card names, and how many images of each collection are in it; None where the
+    card names none or the data is no longer where it was."""
+    trained_on = read_json(run.model_card).get("trained_on") if run.model_card.is_file() else None
+    if not trained_on or not Path(trained_on).exists():
+        return None
+    try:
+        seen = {item.path.resolve() for item in load_collection(Path(trained_on)).items}
+    except RetrievalError:  # moved or changed since: nothing to say about it
+        return None
+    return trained_on, [sum(item.path.resolve() in seen for item in collection.items) for collection in collections]
 
 
 def stopped_by_ctrl_c(line: str) -> NoReturn:
