@@ -101,10 +101,10 @@ def _say_if_trained_on(run: RunDir, collection: Collection) -> None:
     """One line (on stderr, beside the progress) where DATA holds the run's training images: there its model has learnt
     their labels, wrong ones too, which --folds is for."""
     trained = trained_share(run, [collection])
-    if trained is not None and trained[1][0]:
+    if trained is not None and trained.counts[0]:
         errors.print(
-            f"note: {trained[1][0]} of the {len(collection.items)} images are images {run.root} trained on "
-            f"({trained[0]}): its model has learnt their labels, wrong ones too, so wrong ones hide among them; "
+            f"note: {trained.counts[0]} of the {len(collection.items)} images are images {run.root} trained on "
+            f"({trained.data}): its model has learnt their labels, wrong ones too, so wrong ones hide among them; "
             "give --folds K to judge each image by a model that did not train on it (docs/trust.md)",
             highlight=False,
             soft_wrap=True,

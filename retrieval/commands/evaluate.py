@@ -197,25 +197,24 @@ def _require_held_out(run: RunDir, collections: list[Collection]) -> None:
     trained = trained_share(run, collections)
     if trained is None:
         return
-    data, counts = trained
-    for collection, shared in zip(collections, counts, strict=True):
+    for collection, shared in zip(collections, trained.counts, strict=True):
         if shared:
             raise RetrievalError(
                 f"--calibrate: {shared} of the {len(collection.items)} images of {collection.source} are in "
-                f"{data}, which {run.root} trained on, where its hits are over-confident; give labeled images it "
-                "did not train on"
+                f"{trained.data}, which {run.root} trained on, where its hits are over-confident; give labeled "
+                "images it did not train on"
             )
 
 
 def _say_if_trained_on(run: RunDir, collections: list[Collection]) -> None:
     """One line where the images evaluated include the run's training images: figures there flatter the model."""
     trained = trained_share(run, collections)
-    if trained is None or not sum(trained[1]):
+    if trained is None or not sum(trained.counts):
         return
-    data, counts = trained
     total = sum(len(collection.items) for collection in collections)
     console.print(
-        f"note: {sum(counts)} of the {total} images evaluated are images {run.root} trained on ({data}): "
+        f"note: {sum(trained.counts)} of the {total} images evaluated are images {run.root} trained on "
+        f"({trained.data}): "
         "its figures there flatter it; evaluate images it did not train on (e.g. held-out classes) for what it "
         "does on new ones",
         highlight=False,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -17,9 +18,17 @@ console = Console(soft_wrap=True)  # lines of text keep their paths whole; table
 errors = Console(stderr=True, soft_wrap=True)
 
 
-def trained_share(run: RunDir, collections: list[Collection]) -> tuple[str, list[int]] | None:
-    """The training data the run's model card names, and how many images of each collection are in it; None where the
-    card names none or the data is no longer where it was."""
+@dataclass(frozen=True)
+class TrainedOn:
+    """The training data a run's model card names, and how many images of each collection given are in it."""
+
+    data: str
+    counts: list[int]
+
+
+def trained_share(run: RunDir, collections: list[Collection]) -> TrainedOn | None:
+    """What of collections the run trained on; None where its card names no training data or the data is no longer
+    where it was."""
     trained_on = read_json(run.model_card).get("trained_on") if run.model_card.is_file() else None
     if not trained_on or not Path(trained_on).exists():
         return None
@@ -27,7 +36,7 @@ def trained_share(run: RunDir, collections: list[Collection]) -> tuple[str, list
         seen = {item.path.resolve() for item in load_collection(Path(trained_on)).items}
     except RetrievalError:  # moved or changed since: nothing to say about it
         return None
-    return trained_on, [sum(item.path.resolve() in seen for item in collection.items) for collection in collections]
+    return TrainedOn(trained_on, [sum(item.path.resolve() in seen for item in c.items) for c in collections])
 
 
 def stopped_by_ctrl_c(line: str) -> NoReturn:
