@@ -21,7 +21,7 @@ DECODED_SIDES = 4  # JPEGs are decoded at the reduced DCT scale that keeps both 
 
 def decoded(item: Item, preprocessing: Preprocessing) -> Image.Image:
     """A training image decoded (a large JPEG at a reduced scale that the augmentation's crops do not miss: a
-    12-megapixel photo decodes in a quarter of the time, and its crops are resized from an eighth of the pixels)."""
+    12-megapixel photo decodes in a quarter of the time, and its crops are resized from a 64th of the pixels)."""
     return load_image(item.path, DECODED_SIDES * preprocessing.image_size)
 
 
