@@ -213,3 +213,19 @@ def test_a_large_jpeg_is_decoded_for_training_at_the_reduced_scale_its_crops_sti
     assert decoded(Item(tmp_path / "photo.png", "a"), preprocessing).size == (2048, 1536)
     views = AugmentedImages([Item(tmp_path / "photo.jpg", "a")], ["a"], preprocessing, "crop")
     assert tuple(views[0][0].shape) == (3, 64, 64)
+
+
+def test_the_check_before_training_decodes_as_training_does_and_still_skips_a_truncated_jpeg(tmp_path: Path) -> None:
+    """The check decoded every photo at full size once more before the first epoch (60 photos: 2.9 s, now 0.6 s)."""
+    from PIL import Image
+
+    from retrieval.data import Item
+    from training.inputs import readable_items
+
+    Image.radial_gradient("L").convert("RGB").resize((2048, 1536)).save(tmp_path / "whole.jpg", quality=90)
+    data = (tmp_path / "whole.jpg").read_bytes()
+    (tmp_path / "cut.jpg").write_bytes(data[: len(data) // 2])
+    items = [Item(tmp_path / "whole.jpg", "a"), Item(tmp_path / "cut.jpg", "a")]
+    good, skipped, _ = readable_items(items, progress=False, min_size=256)
+    assert good == items[:1] and [entry.path for entry in skipped] == [tmp_path / "cut.jpg"]
+    assert "truncated" in skipped[0].reason

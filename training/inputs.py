@@ -33,6 +33,7 @@ from retrieval.progress import say
 from retrieval.runs import RunDir, write_json
 from training.config import ADAPTED, PARTLY_LABELED, SELF_SUPERVISED, SUPERVISED, TrainConfig
 from training.distributed import Ranks, broadcast_object
+from training.images import DECODED_SIDES
 from training.model import weights_cached
 
 PHOTO_SIDE = 256  # a collection whose images' median shorter side is this or more is taken for photos
@@ -52,15 +53,18 @@ class TrainingData:
     pool: list[Item] = field(default_factory=list)  # the self-supervised loss's images (instance = position)
 
 
-def readable_items(items: Sequence[Item], progress: bool = True) -> tuple[list[Item], list[Skipped], set[str]]:
-    """Splits items into those that decode and those skipped (with the reason); also the sha256 of the readable."""
+def readable_items(
+    items: Sequence[Item], progress: bool = True, min_size: int = 0
+) -> tuple[list[Item], list[Skipped], set[str]]:
+    """Splits items into those that decode (at min_size, as training decodes them) and those skipped (with the
+    reason); also the sha256 of the readable."""
     good: list[Item] = []
     skipped: list[Skipped] = []
     digests: set[str] = set()
     for item in progress_bar(items, desc="checking images", unit="img", enabled=progress):
         try:
             data, digest = read_image_bytes(item.path)
-            decode_image(data, item.path)
+            decode_image(data, item.path, min_size)
         except ImageError as error:
             skipped.append(Skipped(item.path, error.reason))
             continue
@@ -76,7 +80,8 @@ def prepare_data(config: TrainConfig, run: RunDir, progress: bool, ranks: Ranks)
     gallery = _gallery(config.adapt)
     listed = collection.items + [Item(item.path, "") for item in gallery.items]
     # process 0 decodes every image once; the others take its verdict rather than decoding them again
-    checked = readable_items(listed, progress) if ranks.is_main else None
+    sides = DECODED_SIDES * config.image_size
+    checked = readable_items(listed, progress, sides) if ranks.is_main else None
     readable, skipped, digests = broadcast_object(checked)  # type: ignore[misc]
     skipped = collection.skipped + gallery.skipped + skipped
     seen = {item.path for item in gallery.items}
