@@ -52,7 +52,7 @@ def fold_models(
         data = write_collection_csv(work / f"fold-{number}.csv", kept)
         config = replace(recipe, data=str(data), epochs=epochs, val_classes=0.0, patience=0, adapt=None)
         config = replace(config, checkpoint_every=0, tensorboard=False)
-        said(f"fold {number + 1}/{int(fold.max()) + 1}: training on {len(kept)} images for {epochs} epochs")
+        said(f"fold {number + 1}/{int(fold.max()) + 1}: training on {len(kept)} images for {epochs} epoch(s)")
         target = RunDir(work / f"fold-{number}")
         train(config, target, progress=False)
         export(target)
