@@ -31,13 +31,14 @@ from index.stats import exact_and_deployed
 from index.types import MANIFEST, GalleryBackend, Hit
 from retrieval.calibration import match_similarity
 from retrieval.copies import CopyEvaluation, copy_figures
-from retrieval.data import Item, Skipped, decode_image, read_image_bytes
+from retrieval.data import Collection, Item, Skipped, decode_image, read_image_bytes
 from retrieval.embedders import AUTO, OnnxEmbedder
 from retrieval.errors import Failure, ImageError, RetrievalError
-from retrieval.evaluation import Evaluation, write_plots
+from retrieval.evaluation import Evaluation, trained_share, write_plots
 from retrieval.rerank import NO_RERANK, Rerank
 from retrieval.runs import RunDir, read_json, write_atomic
 
+TRAINED_ON = "gallery images the run trained on"  # the Evaluate button's row where there are any
 THUMBNAIL = 256  # longest side of the thumbnails the app serves, in pixels
 BROWSE_LIMIT = 200  # thumbnails shown for one label
 EXACT_SHOWN = ("recall@1", "recall@5", "map@r")  # "evaluate now" shows these of exact search beside the index's
@@ -289,6 +290,10 @@ class SearchService:
         exact, deployed = exact_and_deployed(index, self.rerank)
         for key in EXACT_SHOWN:
             deployed.metrics[f"{key} (exact search)"] = exact.metrics[key]
+        gallery = Collection(self.index_dir, list(snapshot.items.values()))
+        trained = trained_share(self.run, [gallery])
+        if trained is not None and trained.counts[0]:  # the figures of a gallery of training images flatter the model
+            deployed.metrics[TRAINED_ON] = f"{trained.counts[0]} of {len(gallery.items)}: these figures flatter it"
         progress(0.8, "drawing the plots")
         folder = self.cache / "evaluations" / str(time.time_ns())
         return deployed, write_plots(exact, folder)

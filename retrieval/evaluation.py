@@ -12,14 +12,36 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.data import Collection, Item, Skipped, split_by_class
+from retrieval.data import Collection, Item, Skipped, load_collection, split_by_class
 from retrieval.embedders import Embedder, embed_items
 from retrieval.errors import RetrievalError
 from retrieval.metrics import QueryScores, Ranking, clustering_metrics, embedding_diagnostics, score_queries
 from retrieval.mistakes import mistakes
 from retrieval.rerank import NO_RERANK, Rerank
+from retrieval.runs import RunDir, read_json
 
 WORST_CLASSES = 10  # classes listed in metrics.json, lowest recall@1 first
+
+
+@dataclass(frozen=True)
+class TrainedOn:
+    """The training data a run's model card names, and how many images of each collection given are in it."""
+
+    data: str
+    counts: list[int]
+
+
+def trained_share(run: RunDir, collections: list[Collection]) -> TrainedOn | None:
+    """What of collections the run trained on; None where its card names no training data or the data is no longer
+    where it was."""
+    trained_on = read_json(run.model_card).get("trained_on") if run.model_card.is_file() else None
+    if not trained_on or not Path(trained_on).exists():
+        return None
+    try:
+        seen = {item.path.resolve() for item in load_collection(Path(trained_on)).items}
+    except RetrievalError:  # moved or changed since: nothing to say about it
+        return None
+    return TrainedOn(trained_on, [sum(item.path.resolve() in seen for item in c.items) for c in collections])
 
 
 @dataclass

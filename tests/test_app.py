@@ -3,6 +3,7 @@ the files it serves, authentication, batching of concurrent queries, and add/rem
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -22,7 +23,7 @@ from PIL import Image
 
 from app.handlers import metrics_rows, parse_ids
 from app.server import launch, loopback, parse_auth
-from app.service import SearchService, project_2d
+from app.service import TRAINED_ON, SearchService, project_2d
 from index.build import build_index
 from index.disk import writer_lock
 from retrieval.data import load_collection
@@ -136,6 +137,26 @@ def test_evaluate_now_scores_the_index_items(service: SearchService, demo_run: R
     assert len(steps) == 2 and all(path.is_relative_to(service.cache) for path in plots)
     assert evaluation.metrics["recall@1 (exact search)"] == evaluation.metrics["recall@1"]  # a Flat index is exact
     assert evaluation.metrics["search"] == "Flat"
+    assert TRAINED_ON not in evaluation.metrics  # the gallery is the test classes: nothing to say
+
+
+def test_evaluate_now_on_a_gallery_of_the_training_images_says_they_flatter_it(demo_run: RunDir, tmp_path: Path) -> None:
+    """The Evaluate button's recall@1 on a gallery of the run's own training images read like any other."""
+    from index.build import build_index
+    from retrieval.data import load_collection
+    from retrieval.embedders import OnnxEmbedder
+
+    run = RunDir(tmp_path / "run")
+    shutil.copytree(demo_run.root, run.root, ignore=shutil.ignore_patterns("index"))
+    trained_on = load_collection(json.loads(run.model_card.read_text())["trained_on"])
+    build_index(OnnxEmbedder.from_run(run), trained_on, run.index, progress=False)
+    service = SearchService(run)
+    try:
+        evaluation, _ = service.evaluate_now()
+    finally:
+        service.close()
+    count = len(trained_on.items)
+    assert evaluation.metrics[TRAINED_ON] == f"{count} of {count}: these figures flatter it"
 
 
 def test_embedding_map_picks_the_point_clicked(service: SearchService) -> None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from retrieval.commands.output import ModelOption, RunArg, console, errors, trained_share
+from retrieval.commands.output import ModelOption, RunArg, console, errors
 from retrieval.data import COLLECTION_HINT, Collection, load_collection, require_source
 from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir, writable_folder
@@ -100,6 +100,8 @@ def _collection(source: Path, option: str = "") -> Collection:
 def _say_if_trained_on(run: RunDir, collection: Collection) -> None:
     """One line (on stderr, beside the progress) where DATA holds the run's training images: there its model has learnt
     their labels, wrong ones too, which --folds is for."""
+    from retrieval.evaluation import trained_share
+
     trained = trained_share(run, [collection])
     if trained is not None and trained.counts[0]:
         errors.print(

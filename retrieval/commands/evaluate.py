@@ -21,7 +21,6 @@ from retrieval.commands.output import (
     metrics_table,
     parse_ks,
     report_skipped,
-    trained_share,
 )
 from retrieval.data import Collection
 from retrieval.errors import RetrievalError
@@ -194,6 +193,8 @@ def _report(
 def _require_held_out(run: RunDir, collections: list[Collection]) -> None:
     """Refuses to calibrate on images the run trained on (its hits there are over-confident), when its training data
     is still where it was."""
+    from retrieval.evaluation import trained_share
+
     trained = trained_share(run, collections)
     if trained is None:
         return
@@ -208,6 +209,8 @@ def _require_held_out(run: RunDir, collections: list[Collection]) -> None:
 
 def _say_if_trained_on(run: RunDir, collections: list[Collection]) -> None:
     """One line where the images evaluated include the run's training images: figures there flatter the model."""
+    from retrieval.evaluation import trained_share
+
     trained = trained_share(run, collections)
     if trained is None or not sum(trained.counts):
         return

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -10,33 +9,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from retrieval.data import Collection, Skipped, load_collection
+from retrieval.data import Skipped
 from retrieval.errors import RetrievalError
-from retrieval.runs import RunDir, read_json
 
 console = Console(soft_wrap=True)  # lines of text keep their paths whole; tables still fit the width
 errors = Console(stderr=True, soft_wrap=True)
-
-
-@dataclass(frozen=True)
-class TrainedOn:
-    """The training data a run's model card names, and how many images of each collection given are in it."""
-
-    data: str
-    counts: list[int]
-
-
-def trained_share(run: RunDir, collections: list[Collection]) -> TrainedOn | None:
-    """What of collections the run trained on; None where its card names no training data or the data is no longer
-    where it was."""
-    trained_on = read_json(run.model_card).get("trained_on") if run.model_card.is_file() else None
-    if not trained_on or not Path(trained_on).exists():
-        return None
-    try:
-        seen = {item.path.resolve() for item in load_collection(Path(trained_on)).items}
-    except RetrievalError:  # moved or changed since: nothing to say about it
-        return None
-    return TrainedOn(trained_on, [sum(item.path.resolve() in seen for item in c.items) for c in collections])
 
 
 def stopped_by_ctrl_c(line: str) -> NoReturn:
