@@ -11,6 +11,7 @@ import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,11 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from retrieval.errors import ImageError, RetrievalError
 from retrieval.runs import write_json
 
-IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+IMAGE_SUFFIXES = frozenset(
+    {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".avif", ".heic", ".heif"}
+)
+HEIF_BRANDS = frozenset({b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx"})  # ISO-BMFF brands of HEIC photos
+HEIF_ADVICE = "a HEIC/HEIF photo: install pillow-heif to read it (pip install pillow-heif), or convert it to JPEG"
 # Refuse decompression bombs: 64 megapixels is far above any retrieval input size.
 MAX_PIXELS = 64_000_000
 
@@ -242,6 +247,17 @@ class Decoded:
     animated: bool
 
 
+@lru_cache(maxsize=1)
+def _heif_opener() -> bool:
+    """Registers pillow-heif's HEIC/HEIF opener with Pillow, once, where it is installed; whether it is."""
+    try:
+        import pillow_heif
+    except ImportError:
+        return False
+    pillow_heif.register_heif_opener()
+    return True
+
+
 def decode(data: bytes, name: str | Path = "image", min_size: int = 0) -> Decoded:
     """Decodes bytes into an RGB image: EXIF orientation applied, transparency composited over white.
 
@@ -251,6 +267,8 @@ def decode(data: bytes, name: str | Path = "image", min_size: int = 0) -> Decode
     """
     if not data:
         raise ImageError(name, "empty file")
+    if data[4:8] == b"ftyp" and data[8:12] in HEIF_BRANDS and not _heif_opener():  # an iPhone's photos, for one
+        raise ImageError(name, HEIF_ADVICE)
     try:
         with warnings.catch_warnings():
             # Pillow's notes on damaged metadata: the image is used or refused anyway

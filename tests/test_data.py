@@ -185,3 +185,31 @@ def test_a_large_jpeg_is_decoded_at_a_reduced_scale_that_covers_the_input(tmp_pa
     full = Preprocessing(image_size=64)([data.decode_image(jpeg)])
     drafted = Preprocessing(image_size=64)([data.decode_image(jpeg, "photo.jpg", 64)])
     assert np.abs(full - drafted).mean() < 0.05  # the same picture the encoder sees, within a few grey levels
+
+
+def test_heic_and_avif_photos_are_listed_and_read(tmp_path: Path) -> None:
+    """A phone's HEIC photos and AVIF files were skipped as "not an image file type" (Pillow reads AVIF itself,
+    HEIC with pillow-heif, which the test dependencies hold)."""
+    pillow_heif = pytest.importorskip("pillow_heif")
+    picture = Image.radial_gradient("L").convert("RGB").resize((300, 200))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    pillow_heif.from_pillow(picture).save(tmp_path / "a" / "IMG_0001.HEIC", quality=90)
+    picture.save(tmp_path / "b" / "photo.avif", quality=90)
+    collection = load_collection(tmp_path)
+    assert [(item.path.name, item.label) for item in collection.items] == [("IMG_0001.HEIC", "a"), ("photo.avif", "b")]
+    for item in collection.items:
+        image = load_image(item.path)
+        assert image.size == (300, 200) and abs(int(np.asarray(image)[100, 150, 0]) - int(np.asarray(picture)[100, 150, 0])) < 16
+
+
+def test_a_heic_photo_without_pillow_heif_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pillow_heif = pytest.importorskip("pillow_heif")
+    pillow_heif.from_pillow(Image.new("RGB", (40, 30), (200, 30, 30))).save(tmp_path / "IMG_0002.heic")
+    monkeypatch.setitem(__import__("sys").modules, "pillow_heif", None)  # as where it is not installed
+    data._heif_opener.cache_clear()
+    try:
+        with pytest.raises(ImageError, match=r"IMG_0002.heic: a HEIC/HEIF photo: install pillow-heif to read it \(pip install pillow-heif\)"):
+            load_image(tmp_path / "IMG_0002.heic")
+    finally:
+        data._heif_opener.cache_clear()  # registered again on the next HEIC, with the module back
