@@ -249,7 +249,8 @@ class Decoded:
 
 @lru_cache(maxsize=1)
 def _heif_opener() -> bool:
-    """Registers pillow-heif's HEIC/HEIF opener with Pillow, once, where it is installed; whether it is."""
+    """Registers pillow-heif's HEIC/HEIF opener with Pillow, once, where it is installed (a dependency; an install
+    without it says what to install); whether it is."""
     try:
         import pillow_heif
     except ImportError:

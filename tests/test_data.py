@@ -189,7 +189,7 @@ def test_a_large_jpeg_is_decoded_at_a_reduced_scale_that_covers_the_input(tmp_pa
 
 def test_heic_and_avif_photos_are_listed_and_read(tmp_path: Path) -> None:
     """A phone's HEIC photos and AVIF files were skipped as "not an image file type" (Pillow reads AVIF itself,
-    HEIC with pillow-heif, which the test dependencies hold)."""
+    HEIC with pillow-heif, a dependency)."""
     pillow_heif = pytest.importorskip("pillow_heif")
     picture = Image.radial_gradient("L").convert("RGB").resize((300, 200))
     (tmp_path / "a").mkdir()
