@@ -244,6 +244,18 @@ SWEEP_COLUMNS = (
 SWEEP_KEYS = ("loss_uniformity", "loss_tolerance", "uniformity", "tolerance", "recall@1", "map@r")
 
 
+def _require_sweep_classes(data: Path) -> None:
+    """Refuses data that is not there, or has fewer labeled classes than a sweep trains and measures on."""
+    require_source(data)
+    classes = len(load_collection(data).class_counts())
+    if classes < SWEEP_CLASSES:
+        found = f"{classes} labeled class(es)" if classes else "no labeled image"
+        raise RetrievalError(
+            f"{data}: {found}; the sweep trains on some classes and measures uniformity and tolerance on two or more "
+            f"others (with --self-supervised too), so it needs {SWEEP_CLASSES} or more: give {DATA_LABELED}"
+        )
+
+
 def analyze(
     data: Annotated[Path, typer.Argument(help=ANALYZE_DATA_HELP, show_default=False)],
     out: Annotated[
@@ -280,14 +292,7 @@ def analyze(
     names self-supervised methods, default simclr,hard); the labels only pick the held-out classes on
     which uniformity and tolerance are measured.
     """
-    require_source(data)  # a mistyped path is said before torch is loaded (seconds)
-    classes = len(load_collection(data).class_counts())
-    if classes < SWEEP_CLASSES:
-        found = f"{classes} labeled class(es)" if classes else "no labeled image"
-        raise RetrievalError(
-            f"{data}: {found}; the sweep trains on some classes and measures uniformity and tolerance on two or more "
-            f"others (with --self-supervised too), so it needs {SWEEP_CLASSES} or more: give {DATA_LABELED}"
-        )
+    _require_sweep_classes(data)  # a mistyped path or too few classes is said before torch is loaded (seconds)
     require("torch", "train")
     from training.analyze import temperature_sweep
     from training.config import TrainConfig
