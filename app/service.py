@@ -244,9 +244,8 @@ class SearchService:
         target = self.cache / "thumbnails" / f"{digest}.jpg"
         if not target.is_file():
             try:
-                image = decode_image(
-                    read_image_bytes(Path(path))[0], path, THUMBNAIL
-                )  # a large JPEG at a reduced scale
+                data = read_image_bytes(Path(path))[0]
+                image = decode_image(data, path, THUMBNAIL)  # a large JPEG at the reduced scale a thumbnail needs
             except ImageError:
                 image = Image.new("RGB", (THUMBNAIL, THUMBNAIL), (200, 200, 200))
             image.thumbnail((THUMBNAIL, THUMBNAIL))

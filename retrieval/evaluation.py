@@ -37,11 +37,11 @@ def trained_share(run: RunDir, collections: list[Collection]) -> TrainedOn | Non
     trained_on = read_json(run.model_card).get("trained_on") if run.model_card.is_file() else None
     if not trained_on or not Path(trained_on).exists():
         return None
-    try:
-        seen = {item.path.resolve() for item in load_collection(Path(trained_on)).items}
+    try:  # load_collection's paths are resolved: compared as they are, no system call per image
+        seen = {item.path for item in load_collection(Path(trained_on)).items}
     except RetrievalError:  # moved or changed since: nothing to say about it
         return None
-    return TrainedOn(trained_on, [sum(item.path.resolve() in seen for item in c.items) for c in collections])
+    return TrainedOn(trained_on, [sum(item.path in seen for item in c.items) for c in collections])
 
 
 @dataclass
