@@ -180,12 +180,12 @@ def _print(found: Audit, shown: int, leaks: bool) -> None:
          lambda s: [short(s.path), s.label, s.suggested, f"{s.score:.3f}"]),
         ("copies", ["images", "kind", "score"], found.duplicates,
          lambda d: ["\n".join(short(p) for p in d.paths), d.kind.value, f"{d.score:.3f}"]),
-        ("leaks (copies in --against)", ["path", "copy of", "kind", "score"], found.leaks,
-         lambda leak: [short(leak.path), str(leak.other), leak.kind.value, f"{leak.score:.3f}"]),
+        *([("leaks (copies in --against)", ["path", "copy of", "kind", "score"], found.leaks,
+            lambda leak: [short(leak.path), str(leak.other), leak.kind.value, f"{leak.score:.3f}"])] if leaks else []),
         ("outliers", ["path", "why", "closeness"], found.outliers,
          lambda o: [short(o.path), o.reason or o.kind.value, "" if o.score is None else f"{o.score:.3f}"]),
     ]  # fmt: skip
-    for title, columns, rows, cells in tables if leaks else tables[:2] + tables[3:]:
+    for title, columns, rows, cells in tables:
         if not rows:
             console.print(f"{title}: none")
             continue

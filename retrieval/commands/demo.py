@@ -139,10 +139,7 @@ def _reindexed(run: RunDir, outcome: DemoOutcome, settings: dict) -> DemoOutcome
     test_source = _split(icons() / "test", settings["classes"], run.root / "demo-test.csv")
     test = load_collection(test_source)
     build_index(embedder, test, run.index, rebuild=True)
-    evaluation = evaluate_collection(embedder, test)
-    run.save_metrics(f"icons-{Path(test_source).stem}", evaluation.metrics)
-    write_plots(evaluation, run.plots)
-    outcome = replace(outcome, model_metrics=evaluation.metrics)
+    outcome = replace(outcome, model_metrics=_scored(run, embedder, test, test_source, progress=True))
     write_json(run.root / "demo.json", {"settings": settings, "outcome": asdict(outcome)})
     return outcome
 
@@ -176,19 +173,25 @@ def run_demo(
     step(f"index the {len(test.items)} test images (classes never seen in training)", 3, steps)
     build_index(embedder, test, run.index, rebuild=True, progress=progress)
     step("evaluate leave-one-out on the test classes, and a raw-pixel baseline", 4, steps)
-    evaluation = evaluate_collection(embedder, test, progress=progress)
-    run.save_metrics(f"icons-{Path(test_source).stem}", evaluation.metrics)
-    write_plots(evaluation, run.plots)
+    metrics = _scored(run, embedder, test, test_source, progress)
     baseline = evaluate_collection(PixelEmbedder(16), test, progress=progress).metrics
     write_json(run.root / "baseline_metrics.json", baseline)
     step(f"self-supervised: {SSL_EPOCHS if epochs is None else epochs} epochs without labels, the same test", 5, steps)
     ssl_started = time.perf_counter()
     ssl = self_supervised(run, train_source, test, epochs, progress)
-    outcome = DemoOutcome(evaluation.metrics, baseline, train_seconds, time.perf_counter() - started)
+    outcome = DemoOutcome(metrics, baseline, train_seconds, time.perf_counter() - started)
     outcome.self_supervised_metrics, outcome.self_supervised_seconds = ssl, time.perf_counter() - ssl_started
     outcome.self_supervised_epochs = epochs or SSL_EPOCHS
     write_json(run.root / "demo.json", {"settings": {"epochs": epochs, "classes": classes}, "outcome": asdict(outcome)})
     return outcome
+
+
+def _scored(run: RunDir, embedder: OnnxEmbedder, test: Collection, source: Path, progress: bool) -> dict:
+    """The metrics of the test images, leave-one-out, saved as the run's metric set with their plots."""
+    evaluation = evaluate_collection(embedder, test, progress=progress)
+    run.save_metrics(f"icons-{Path(source).stem}", evaluation.metrics)
+    write_plots(evaluation, run.plots)
+    return evaluation.metrics
 
 
 def _train_demo(config: TrainConfig, run: RunDir, settings: dict, progress: bool) -> None:
