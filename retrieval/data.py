@@ -27,6 +27,7 @@ HEIF_BRANDS = frozenset({b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx"}) 
 HEIF_ADVICE = "a HEIC/HEIF photo: install pillow-heif to read it (pip install pillow-heif), or convert it to JPEG"
 # Refuse decompression bombs: 64 megapixels is far above any retrieval input size.
 MAX_PIXELS = 64_000_000
+CSV_SEPARATORS = ",;\t"  # a spreadsheet's CSV: commas, semicolons where the comma is the decimal mark, or tabs
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,10 @@ def load_collection(source: str | Path) -> Collection:
         ) from None
     if not collection.items:
         found = f"no images found (looked for {', '.join(sorted(IMAGE_SUFFIXES))})"
+        if not source.is_dir():
+            found = (
+                "lists no images (no row below its header)" if source.suffix.lower() == ".csv" else "lists no images"
+            )
         if collection.skipped:  # every file it names was refused: say why, not only that none is left
             first = collection.skipped[0]
             found = f"no usable images ({len(collection.skipped)} skipped; the first, {first.path}: {first.reason})"
@@ -157,6 +162,32 @@ def file_problem(path: Path) -> str | None:
     return "not a regular file (a folder link, a pipe or a device); only image files are read"
 
 
+def _csv_columns(csv_path: Path, header: str) -> tuple[str, list[str]]:
+    """The separator of a labels CSV and its column names (stripped, in lower case), from its header line: a
+    spreadsheet's "Path; Label" is read as path,label. Raises RetrievalError, saying what the header lacks, where
+    there is no column path, or where other columns stand beside it but no label (the labels would be dropped)."""
+    for separator in CSV_SEPARATORS:
+        columns = [name.strip().casefold() for name in next(csv.reader([header], delimiter=separator), [])]
+        if "path" in columns:
+            break
+    else:
+        first = (next(csv.reader([header]), None) or [""])[0].strip()
+        if not header.strip():
+            problem = "it is empty; its first line must be the header path,label, then a row per image"
+        elif Path(first).suffix.lower() in IMAGE_SUFFIXES:
+            problem = f"its first line is a row ({first}), not a header; add the line path,label above it"
+        else:
+            problem = f"no column path (its header: {header.strip()}); the header must name path,label"
+        raise RetrievalError(f"{csv_path}: {problem} (or path alone: unlabeled images)")
+    if "label" not in columns and len([name for name in columns if name]) > 1:
+        others = ", ".join(name for name in columns if name and name != "path")
+        raise RetrievalError(
+            f"{csv_path}: no column label beside path (its other columns: {others}); name the labels' column label, "
+            "or keep path alone for unlabeled images"
+        )
+    return separator, columns
+
+
 def _load_csv(csv_path: Path) -> Collection:
     if csv_path.suffix.lower() != ".csv":
         raise RetrievalError(
@@ -167,12 +198,8 @@ def _load_csv(csv_path: Path) -> Collection:
     skipped: list[Skipped] = []
     seen: set[Path] = set()
     with csv_path.open(newline="", encoding="utf-8-sig") as handle:  # -sig: the BOM of Excel's "CSV UTF-8"
-        reader = csv.DictReader(handle)
-        if "path" not in (reader.fieldnames or []):
-            raise RetrievalError(
-                f"{csv_path}: missing column path; the header must name path,label (or path alone: unlabeled images)"
-            )
-        for row in reader:
+        separator, columns = _csv_columns(csv_path, handle.readline())
+        for row in csv.DictReader(handle, fieldnames=columns, delimiter=separator):
             raw = (row.get("path") or "").strip()
             if not raw:
                 continue

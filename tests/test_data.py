@@ -40,11 +40,37 @@ def test_csv_paths_are_relative_to_the_csv(tmp_path: Path) -> None:
     assert "not found" in collection.skipped[0].reason
 
 
-def test_csv_without_the_columns_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("file,class\na.png,x\n", r"no column path \(its header: file,class\); the header must name path,label"),
+        ("a.png,x\n", r"its first line is a row \(a.png\), not a header; add the line path,label above it"),
+        ("path,class\na.png,x\n", r"no column label beside path \(its other columns: class\); name the labels' column"),
+        ("", r"it is empty; its first line must be the header path,label"),
+        ("path,label\n", r"lists no images \(no row below its header\)"),
+    ],
+    ids=["other-names", "no-header", "labels-named-otherwise", "empty", "header-only"],
+)
+def test_csv_without_the_columns_is_refused_saying_what_its_header_lacks(tmp_path: Path, text: str, message: str) -> None:
+    """A header naming the labels otherwise (path,class) loaded every image unlabeled, without a word."""
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
     listing = tmp_path / "list.csv"
-    listing.write_text("file,class\na.png,x\n")
-    with pytest.raises(RetrievalError, match="missing column.*label.*path"):
+    listing.write_text(text)
+    with pytest.raises(RetrievalError, match=f"list.csv: {message}"):
         load_collection(listing)
+
+
+@pytest.mark.parametrize(
+    "header", ["path,label", "Path,Label", "path, label", " PATH ;  label", "path\tlabel", "path,label,split"]
+)
+def test_a_spreadsheets_header_and_separator_are_read(tmp_path: Path, header: str) -> None:
+    """A header with a space after its comma ("path, label") loaded every image unlabeled, and one with capitals or a
+    semicolon (a spreadsheet's CSV where the comma is the decimal mark) was refused: "missing column path"."""
+    Image.new("RGB", (8, 8)).save(tmp_path / "one.png")
+    separator = ";" if ";" in header else "\t" if "\t" in header else ","
+    listing = tmp_path / "list.csv"
+    listing.write_text(f"{header}\n" + separator.join(["one.png", " cup", "train"][: header.count(separator) + 1]) + "\n")
+    assert [(item.path.name, item.label) for item in load_collection(listing).items] == [("one.png", "cup")]
 
 
 @pytest.mark.parametrize("name", ["list.csv", "list.txt"])
