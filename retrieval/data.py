@@ -27,6 +27,9 @@ HEIF_BRANDS = frozenset({b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx"}) 
 HEIF_ADVICE = "a HEIC/HEIF photo: install pillow-heif to read it (pip install pillow-heif), or convert it to JPEG"
 # Refuse decompression bombs: 64 megapixels is far above any retrieval input size.
 MAX_PIXELS = 64_000_000
+SPLIT_NAMES = frozenset(
+    {"train", "training", "test", "testing", "val", "valid", "validation", "dev", "query", "gallery"}
+)
 CSV_SEPARATORS = ",;\t"  # a spreadsheet's CSV: commas, semicolons where the comma is the decimal mark, or tabs
 
 
@@ -127,7 +130,21 @@ def _load_folder(root: Path) -> Collection:
             continue
         label = relative.parts[0] if len(relative.parts) > 1 else ""
         items.append(Item(path.resolve(), label))
+    _refuse_split_labels(root, {item.label for item in items})
     return Collection(root.resolve(), items, skipped)
+
+
+def _refuse_split_labels(root: Path, labels: set[str]) -> None:
+    """Raises RetrievalError where a folder's labels would be its splits (ROOT/train/<label>/<image>, ROOT/test/...):
+    every image labeled train or test, which trains and scores a model of the wrong classes without a word."""
+    if "" in labels or not labels or not {label.casefold() for label in labels} <= SPLIT_NAMES:
+        return
+    splits = sorted(labels, key=lambda label: (not label.casefold().startswith("train"), label))  # train/ first
+    raise RetrievalError(
+        f"{root}: its folders {', '.join(f'{label}/' for label in splits)} are splits, not labels (every image would "
+        f"be labeled by its split); give one of them, e.g. {root / splits[0]}, whose folders are the labels, or a CSV "
+        "path,label of several"
+    )
 
 
 def _walk(root: Path) -> list[Path]:

@@ -239,3 +239,22 @@ def test_a_heic_photo_without_pillow_heif_says_what_to_install(tmp_path: Path, m
             load_image(tmp_path / "IMG_0002.heic")
     finally:
         data._heif_opener.cache_clear()  # registered again on the next HEIC, with the module back
+
+
+@pytest.mark.parametrize("layout", ["train/cat/a.png,test/dog/b.png", "Train/a.png", "val/cat/a.png"])
+def test_a_folder_of_splits_is_refused_naming_one_to_give(tmp_path: Path, layout: str) -> None:
+    """The folder above train/ and test/ loaded every image labeled by its split: 2 classes, train and test."""
+    for relative in layout.split(","):
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / relative)
+    first = layout.split("/")[0]
+    with pytest.raises(RetrievalError, match=rf"are splits, not labels .* e\.g\. {tmp_path / first}, whose folders"):
+        load_collection(tmp_path)
+    assert load_collection(tmp_path / first).items
+
+
+def test_a_class_named_like_a_split_beside_others_is_a_label(tmp_path: Path) -> None:
+    for relative in ["test/a.png", "printer/b.png"]:
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / relative)
+    assert sorted(item.label for item in load_collection(tmp_path).items) == ["printer", "test"]
