@@ -116,6 +116,16 @@ def test_search_refuses_what_finds_nothing(demo_run: RunDir, options: list[str],
         assert "id column of `retrieval search`" in err
 
 
+def test_search_of_a_web_address_says_to_download_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A URL as the query read "https:/example.com/cat.jpg: cannot be read (No such file or directory)"."""
+    from retrieval.commands import main
+
+    assert main(["search", str(tmp_path), "https://example.com/cat.jpg"]) == 2
+    assert capsys.readouterr().err == (
+        "error: https://example.com/cat.jpg: a web address; search reads image files on this machine: download it first\n"
+    )
+
+
 def test_help_shows_flags_bare_and_paragraphs_whole(capsys: pytest.CaptureFixture[str]) -> None:
     from retrieval.commands import main
 

@@ -59,6 +59,9 @@ def search(
 
     if (image is None) == (item_id is None):
         raise RetrievalError("give a query IMAGE or --id of an indexed item (one of the two)")
+    if image is not None and not image.exists() and str(image).partition(":/")[0].lower() in ("http", "https"):
+        address = str(image).replace(":/", "://", 1)  # the path has lost one slash of the address
+        raise RetrievalError(f"{address}: a web address; search reads image files on this machine: download it first")
     require_threshold(threshold)
     run_dir = RunDir(run)
     directory = index_dir or run_dir.index
