@@ -134,7 +134,7 @@ def test_careless_thresholds_are_one_line_each(
     train = read_json(calibrated.model_card)["trained_on"]  # the demo's run directory, where the copy came from
     cases = {
         ("search", str(calibrated.root), query, "--threshold", "2"): "--threshold 2.0: give a cosine similarity",
-        ("evaluate", str(calibrated.root), train, "--calibrate"): "which " + str(calibrated.root) + " trained on",
+        ("evaluate", str(calibrated.root), train, "--calibrate"): f"--calibrate: {train} is what {calibrated.root} trained on,",
         ("evaluate", str(calibrated.root), train, "--calibrate", "--target-precision", "1.5"): "between 0 and 1",
         ("evaluate", str(tmp_path / "nowhere"), train, "--calibrate"): "no such run directory",
     }

@@ -199,12 +199,15 @@ def _require_held_out(run: RunDir, collections: list[Collection]) -> None:
     if trained is None:
         return
     for collection, shared in zip(collections, trained.counts, strict=True):
-        if shared:
-            raise RetrievalError(
-                f"--calibrate: {shared} of the {len(collection.items)} images of {collection.source} are in "
-                f"{trained.data}, which {run.root} trained on, where its hits are over-confident; give labeled "
-                "images it did not train on"
-            )
+        if not shared:
+            continue
+        which = f"{shared} of the {len(collection.items)} images of {collection.source} are in {trained.data}, which"
+        if Path(trained.data).resolve() == collection.source:
+            which = f"{collection.source} is what"
+        raise RetrievalError(
+            f"--calibrate: {which} {run.root} trained on, where its hits are over-confident; give labeled images it "
+            "did not train on"
+        )
 
 
 def _say_if_trained_on(run: RunDir, collections: list[Collection]) -> None:
