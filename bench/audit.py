@@ -198,13 +198,17 @@ def outliers_setting(name: str, run: Path, items: list[Item], strangers: list[Pa
 def separation(own: np.ndarray, foreign: np.ndarray, trained_on: np.ndarray) -> dict:
     """How well two scores tell the strangers (the first 20 noise, then glyphs) from the collection, all together, as
     AUROC (1: every stranger scores as more out of place than every image; 0.5: chance): the audit's closeness, and
-    the Mahalanobis distance to the run's training images' embeddings (covariance shrunk by a tenth to its mean)."""
+    the Mahalanobis distance to the run's training images' embeddings (covariance shrunk by a tenth to its mean), and
+    the similarity to the closest of them (k-NN out-of-distribution detection, Sun et al. 2022, k = 1)."""
     from sklearn.covariance import ShrunkCovariance
     from sklearn.metrics import roc_auc_score
 
     vectors = np.concatenate([own, foreign])
     distance = ShrunkCovariance(shrinkage=0.1).fit(trained_on).mahalanobis(vectors)
-    scores = {"audit closeness": -audit_module.closeness(vectors), "Mahalanobis to the training images": distance}
+    scores = {
+        "audit closeness": -audit_module.closeness(vectors), "Mahalanobis to the training images": distance,
+        "closest training image": -(vectors @ trained_on.T).max(axis=1),
+    }  # fmt: skip
     strangers = {"noise": np.arange(len(own), len(own) + 20), "glyphs": np.arange(len(own) + 20, len(vectors))}
     return {
         name: [round(float(roc_auc_score(np.r_[np.zeros(len(own)), np.ones(len(rows))], np.r_[score[: len(own)], score[rows]])), 3) for rows in strangers.values()]
