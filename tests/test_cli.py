@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -138,3 +139,16 @@ def test_every_training_option_is_a_config_field_stated_once() -> None:
 
     parameters = inspect.signature(train).parameters
     assert list(parameters)[:4] == ["data", "run", "resume", "overwrite"] and set(names) <= set(parameters)
+
+
+@pytest.mark.parametrize("given", [None, "1"])
+def test_the_command_line_keeps_numpy_in_small_pages_unless_told(monkeypatch: pytest.MonkeyPatch, given: str | None) -> None:
+    """First touches of huge pages cost these VMs 10x those of small ones (docs/benchmarks.md); a value set is kept."""
+    from retrieval.commands import main
+
+    if given is None:
+        monkeypatch.delenv("NUMPY_MADVISE_HUGEPAGE", raising=False)
+    else:
+        monkeypatch.setenv("NUMPY_MADVISE_HUGEPAGE", given)
+    assert main(["--version"]) == 0
+    assert os.environ["NUMPY_MADVISE_HUGEPAGE"] == (given or "0")
