@@ -140,10 +140,13 @@ def _refuse_split_labels(root: Path, labels: set[str]) -> None:
     if "" in labels or not labels or not {label.casefold() for label in labels} <= SPLIT_NAMES:
         return
     splits = sorted(labels, key=lambda label: (not label.casefold().startswith("train"), label))  # train/ first
+    named, pair = {label.casefold(): label for label in labels}, ""
+    if {"query", "gallery"} <= set(named):
+        pair = f" (`retrieval evaluate RUN --query {root / named['query']} --gallery {root / named['gallery']}`)"
     raise RetrievalError(
         f"{root}: its folders {', '.join(f'{label}/' for label in splits)} are splits, not labels (every image would "
         f"be labeled by its split); give one of them, e.g. {root / splits[0]}, whose folders are the labels, or a CSV "
-        "path,label of several"
+        f"path,label of several{pair}"
     )
 
 

@@ -253,6 +253,14 @@ def test_a_folder_of_splits_is_refused_naming_one_to_give(tmp_path: Path, layout
     assert load_collection(tmp_path / first).items
 
 
+def test_a_folder_of_query_and_gallery_names_the_options_to_give(tmp_path: Path) -> None:
+    for relative in ["query/cat/a.png", "gallery/cat/b.png"]:
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / relative)
+    with pytest.raises(RetrievalError, match=rf"--query {tmp_path / 'query'} --gallery {tmp_path / 'gallery'}`\)$"):
+        load_collection(tmp_path)
+
+
 def test_a_class_named_like_a_split_beside_others_is_a_label(tmp_path: Path) -> None:
     for relative in ["test/a.png", "printer/b.png"]:
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
