@@ -5,7 +5,7 @@ Candidate pairs come from two cheap searches, so that no pair of images is compa
 image's nearest neighbours by embedding, and by a perceptual hash (the signs of the 8 x 8 lowest
 frequencies of a 32 x 32 grey DCT, searched by Hamming distance with FAISS) — the hash finds the
 grey copies a colour-trained embedding puts apart. Each candidate pair is then checked on the
-pictures themselves (the thumbnails kept while embedding): first all at once at 12 px in grey (most
+pictures themselves (the thumbnails kept while embedding): first in blocks of COARSE_BLOCK pairs at 12 px in grey (most
 pairs stop there), then one picture is aligned on the other over crops of 90-100 % of each side,
 roughly at 24 px (a pixel's shift forgiven; each picture's crops drawn once, ROUGH_BLOCK pairs compared
 in one array operation) and finely at 32 px around the best crop (FINE_BLOCK pairs at once; pairs still far
@@ -41,7 +41,7 @@ PIXEL_CUT = 0.1  # a pixel differs when a channel moves by more than this (of 1.
 COPY_DIFFERENCE = 0.009  # the share of drawn pixels up to which two pictures are copies (bench/audit.py)
 CANDIDATES = 10  # neighbours by embedding and by hash checked per image
 HASH_BITS = 20  # hash neighbours farther than this many of 64 bits are not checked
-COARSE = 12  # pixels a side of the first check of every candidate pair: grey, all pairs at once
+COARSE = 12  # pixels a side of the first check of every candidate pair, in grey
 COARSE_CUT = 0.15  # a coarse pixel differs when it is this far outside its neighbours' range in the other picture
 COARSE_BOUND = 0.02  # pairs whose coarse pictures differ in more of their drawn pixels are not copies (bench/audit.py)
 COARSE_BLOCK = 4096  # pairs given the coarse check at once (all 136,000 of 10,000 pictures at once: 11x the time)
@@ -56,9 +56,7 @@ CONFIRM_BOUND = 0.05  # pairs farther apart after the fine search are not copies
 GREY_CUT = 0.05  # PIXEL_CUT of a grey picture against a colour one: greying is exact, so its luma must match closely
 CHROMA = np.array([[0.299, 0.587, 0.114], [-0.169, -0.331, 0.5], [0.5, -0.419, -0.081]], np.float32)  # JPEG's YCbCr
 PAIR_BLOCK = 256  # pictures judged grey at once
-VIEW_BLOCK = (
-    16  # pictures whose rough crops are drawn at once (their 51 crops' row products, 1.3 MB, stay in the cache)
-)
+VIEW_BLOCK = 16  # pictures whose rough crops are drawn at once (their row products, 1.3 MB, stay in the cache)
 ROUGH_BLOCK = 8  # pairs given the rough check at once: their crops (1 MB) stay in the core's cache (256: 1.7x the time)
 BLUR_PLANES = 128  # chroma planes blurred at once (about 0.6 MB)
 FINE_BLOCK = 8  # pairs given the fine search at once (larger blocks fall out of the cache: slower, measured)
