@@ -102,11 +102,12 @@ def _small_pages() -> None:
     if "NUMPY_MADVISE_HUGEPAGE" in os.environ:
         return
     os.environ["NUMPY_MADVISE_HUGEPAGE"] = "0"  # read by numpy where it is imported: the processes started from here
-    try:
-        from numpy._core.multiarray import _set_madvise_hugepage
-    except ImportError:  # numpy 1.x
-        from numpy.core.multiarray import _set_madvise_hugepage
-    _set_madvise_hugepage(False)  # this process, whose numpy is imported already
+    import numpy
+
+    core = getattr(numpy, "_core", None) or numpy.core  # numpy 2, numpy 1
+    setting = getattr(getattr(core, "multiarray", None), "_set_madvise_hugepage", None)
+    if setting is not None:  # this process, whose numpy is imported already (a numpy without it: left as it is)
+        setting(False)
 
 
 def main(argv: list[str] | None = None) -> int:
