@@ -397,7 +397,7 @@ def test_careless_audits_are_one_line_each(
         "empty folder": ([str(demo_run.root), str(tmp_path / "empty")], "no image"),
         "the same folder": (
             [str(demo_run.root), str(audited_folder), "--against", str(audited_folder)],
-            "the same images",
+            f"the same images as DATA ({audited_folder}); give another collection, e.g. the training images",
         ),
         "too many folds": ([str(demo_run.root), str(audited_folder), "--folds", "50"], "--folds 50"),
         "missing files": ([str(demo_run.root), str(listed)], "not there"),

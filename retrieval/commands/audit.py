@@ -55,7 +55,10 @@ def audit(
     collection = _collection(data)
     other = _collection(against, "--against") if against is not None else None
     if other is not None and _same(collection, other):
-        raise RetrievalError(f"--against {against}: the same images as DATA; give the other split (e.g. test/)")
+        raise RetrievalError(
+            f"--against {against}: the same images as DATA ({data}); give another collection, e.g. the training "
+            "images when DATA is a test split"
+        )
     run_dir = RunDir(run)
     run_dir.require_model()
     if csv_dir is not None:  # said before the audit runs, not after
