@@ -93,8 +93,16 @@ class RunDir:
     def index(self) -> Path:
         return self.root / "index"
 
+    def _require_not_a_file(self) -> None:
+        """Says so where the run given is a file (a CSV, an image): no command can make a run there."""
+        if self.root.exists() and not self.root.is_dir():
+            raise RetrievalError(
+                f"{self.root}: a file, not a run directory; give the folder `retrieval train DATA --run RUN` made"
+            )
+
     def require_checkpoint(self) -> Path:
         """Returns the best checkpoint (when training validated) or the last one, or says to train first."""
+        self._require_not_a_file()
         if self.best_checkpoint.is_file():
             return self.best_checkpoint
         if not self.last_checkpoint.is_file():
@@ -106,6 +114,7 @@ class RunDir:
 
     def require_model(self) -> Path:
         """Returns the exported ONNX model, or says to export first."""
+        self._require_not_a_file()
         if not self.root.is_dir():
             raise RetrievalError(
                 f"{self.root}: no such run directory; "

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from retrieval.commands import main
 from retrieval.runs import RunDir
@@ -152,3 +153,15 @@ def test_the_command_line_keeps_numpy_in_small_pages_unless_told(monkeypatch: py
         monkeypatch.setenv("NUMPY_MADVISE_HUGEPAGE", given)
     assert main(["--version"]) == 0
     assert os.environ["NUMPY_MADVISE_HUGEPAGE"] == (given or "0")
+
+
+@pytest.mark.parametrize("command", [["serve"], ["export"], ["evaluate", "IMAGES"], ["search", "IMAGE"], ["index", "IMAGES"]])
+def test_a_file_given_as_the_run_is_one_line_saying_so(tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]) -> None:
+    """A labels CSV given as RUN said "no such run directory; train one with `retrieval train DATA --run labels.csv`"."""
+    labels = tmp_path / "labels.csv"
+    labels.write_text("path,label\n")
+    (tmp_path / "images" / "cat").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(tmp_path / "images" / "cat" / "a.png")
+    given = {"IMAGE": tmp_path / "images" / "cat" / "a.png", "IMAGES": tmp_path / "images"}
+    rest = [str(given.get(word, word)) for word in command[1:]]
+    expect_error([command[0], str(labels), *rest], capsys, f"{labels}: a file, not a run directory; give the folder")
