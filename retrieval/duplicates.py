@@ -5,8 +5,8 @@ Candidate pairs come from two cheap searches, so that no pair of images is compa
 image's nearest neighbours by embedding, and by a perceptual hash (the signs of the 8 x 8 lowest
 frequencies of a 32 x 32 grey DCT, searched by Hamming distance with FAISS) — the hash finds the
 grey copies a colour-trained embedding puts apart. Each candidate pair is then checked on the
-pictures themselves (the thumbnails kept while embedding): first in blocks of COARSE_BLOCK pairs at 12 px in grey (most
-pairs stop there), then one picture is aligned on the other over crops of 90-100 % of each side,
+pictures themselves (the thumbnails kept while embedding): first at 12 px in grey, COARSE_BLOCK pairs at
+once (most pairs stop there), then one picture is aligned on the other over crops of 90-100 % of each side,
 roughly at 24 px (a pixel's shift forgiven; each picture's crops drawn once, ROUGH_BLOCK pairs compared
 in one array operation) and finely at 32 px around the best crop (FINE_BLOCK pairs at once; pairs still far
 apart after two rounds stop there), and
