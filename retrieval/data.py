@@ -83,14 +83,13 @@ def load_collection(source: str | Path) -> Collection:
             "save it as a UTF-8 CSV with columns path,label, or a UTF-8 list of paths"
         ) from None
     if not collection.items:
-        found = f"no images found (looked for {', '.join(sorted(IMAGE_SUFFIXES))})"
-        if not source.is_dir():
-            found = (
-                "lists no images (no row below its header)" if source.suffix.lower() == ".csv" else "lists no images"
-            )
         if collection.skipped:  # every file it names was refused: say why, not only that none is left
             first = collection.skipped[0]
             found = f"no usable images ({len(collection.skipped)} skipped; the first, {first.path}: {first.reason})"
+        elif source.is_dir():
+            found = f"no images found (looked for {', '.join(sorted(IMAGE_SUFFIXES))})"
+        else:
+            found = "lists no images" + (" (no row below its header)" if source.suffix.lower() == ".csv" else "")
         raise RetrievalError(
             f"{source}: {found}; put images in ROOT/<label>/<image> or list them in a CSV with columns path,label"
         )
@@ -105,7 +104,11 @@ def require_source(source: str | Path, option: str = "", hint: str = COLLECTION_
     names the command-line option that gave it, hint what to give instead."""
     source = Path(source).expanduser()
     if not source.exists():
-        raise RetrievalError(f"{option + ' ' if option else ''}{source}: no such file or folder; give {hint}")
+        given = option + " " if option else ""
+        if str(source).partition(":/")[0].lower() in ("http", "https"):  # a path has lost one slash of the address
+            address = str(source).replace(":/", "://", 1)
+            raise RetrievalError(f"{given}{address}: a web address; files on this machine are read: download it first")
+        raise RetrievalError(f"{given}{source}: no such file or folder; give {hint}")
     return source
 
 

@@ -122,7 +122,7 @@ def test_search_of_a_web_address_says_to_download_it(tmp_path: Path, capsys: pyt
 
     assert main(["search", str(tmp_path), "https://example.com/cat.jpg"]) == 2
     assert capsys.readouterr().err == (
-        "error: https://example.com/cat.jpg: a web address; search reads image files on this machine: download it first\n"
+        "error: https://example.com/cat.jpg: a web address; files on this machine are read: download it first\n"
     )
 
 

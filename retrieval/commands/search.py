@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 
 from retrieval.commands.output import AutoModelOption, IndexOption, RunArg, console, require_threshold
+from retrieval.data import require_source
 from retrieval.errors import RetrievalError
 from retrieval.rerank import SPEC_HELP as RERANK_HELP
 from retrieval.rerank import parse_rerank
@@ -59,9 +60,8 @@ def search(
 
     if (image is None) == (item_id is None):
         raise RetrievalError("give a query IMAGE or --id of an indexed item (one of the two)")
-    if image is not None and not image.exists() and str(image).partition(":/")[0].lower() in ("http", "https"):
-        address = str(image).replace(":/", "://", 1)  # the path has lost one slash of the address
-        raise RetrievalError(f"{address}: a web address; search reads image files on this machine: download it first")
+    if image is not None:
+        require_source(image, hint="an image file")
     require_threshold(threshold)
     run_dir = RunDir(run)
     directory = index_dir or run_dir.index
