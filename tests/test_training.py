@@ -114,6 +114,17 @@ def test_memory_queue_is_first_in_first_out_and_follows_the_encoder() -> None:
         ({"optimizer": "lamb"}, "--optimizer must be one of"),
         ({"warmup": 1.5}, "--warmup is a fraction"),
         ({"momentum": 1.0}, "--momentum must be in"),
+        ({"learning_rate": -1.0}, "--learning-rate must be positive, got -1.0"),
+        ({"learning_rate": 0.0}, "--learning-rate must be positive, got 0.0"),
+        ({"weight_decay": -1.0}, "--weight-decay must not be negative, got -1.0"),
+        ({"workers": -1}, "--workers must not be negative, got -1"),
+        ({"seed": -1}, "--seed must not be negative, got -1"),
+        ({"patience": -1}, "--patience must not be negative, got -1"),
+        ({"proximal": -0.5}, "--proximal must not be negative, got -0.5"),
+        ({"val_classes": 1.5}, r"--val-classes is a fraction of the classes in \[0, 1\), got 1.5"),
+        ({"image_size": 100000}, "--image-size must be from 32 to 1024 pixels"),
+        ({"loss": "arcface"}, "--loss: unknown loss 'arcface'; choose one of hard, hcl, infonce, instdisc, moco, npair, simclr, supcon$"),
+        ({"ssl_loss": "foo"}, "--ssl-loss: unknown loss 'foo'; choose one of hard, hcl, instdisc, joint, moco, simclr$"),
     ],
 )
 def test_bad_training_options_are_refused(changes: dict, message: str) -> None:

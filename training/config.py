@@ -14,6 +14,18 @@ from training.model import POOLINGS, STEMS, Architecture, parse_layers, weights_
 from training.selfsup import BESIDE_LABELS, JOINT, SSL_LOSSES, SSL_TEMPERATURES
 
 OPTIMIZERS = ("adamw", "sgd")
+MAX_IMAGE_SIZE = 1024  # pixels a side: a batch of larger inputs does not fit in memory
+NOT_NEGATIVE = (
+    "clip_grad",
+    "queue_size",
+    "checkpoint_every",
+    "nce_negatives",
+    "proximal",
+    "weight_decay",
+    "patience",
+    "workers",
+    "seed",
+)  # options whose range starts at 0
 # The default recipe, by whether ImageNet weights are used (docs/recipe.md): from scratch, small inputs and long
 # training; from pretrained weights, larger inputs and a short fine-tuning (the weights' own 224 px on a GPU).
 # Self-supervised runs see two views of each image, so their epochs cost twice as much: fewer of them.
@@ -152,10 +164,12 @@ def _resolve_losses(config: TrainConfig, mode: str) -> None:
     if mode not in MODES:
         raise RetrievalError(f"unknown training mode {mode!r}; one of {', '.join(MODES)}")
     strict = config.mode is not None
-    for name in (config.loss, config.ssl_loss):
+    for option, name, known in (
+        ("--loss", config.loss, {*LOSSES, *SSL_LOSSES}),
+        ("--ssl-loss", config.ssl_loss, BESIDE_LABELS),
+    ):
         if name is not None and name not in LOSSES and name not in BESIDE_LABELS:
-            known = ", ".join(sorted({*LOSSES, *BESIDE_LABELS}))
-            raise RetrievalError(f"unknown loss {name!r}; choose one of {known}")
+            raise RetrievalError(f"{option}: unknown loss {name!r}; choose one of {', '.join(sorted(known))}")
     if mode == SELF_SUPERVISED:
         if config.loss is not None and config.ssl_loss is not None and config.loss != config.ssl_loss:
             given = f"--loss {config.loss} and --ssl-loss {config.ssl_loss}"
@@ -208,8 +222,11 @@ def _check(config: TrainConfig) -> None:
     for name in ("epochs", "batch_size", "image_size", "embedding_dim", "ssl_batch"):
         if getattr(config, name) is not None and getattr(config, name) < 1:
             raise RetrievalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
-    if int(config.image_size or 0) < 32:
-        raise RetrievalError(f"--image-size must be at least 32 pixels, got {config.image_size}")
+    if not 32 <= int(config.image_size or 0) <= MAX_IMAGE_SIZE:
+        raise RetrievalError(
+            f"--image-size must be from 32 to {MAX_IMAGE_SIZE} pixels (each image is resized to it), "
+            f"got {config.image_size}"
+        )
     _one_of("optimizer", config.optimizer, OPTIMIZERS)
     _one_of("precision", config.precision, PRECISIONS)
     _one_of("stem", config.stem, STEMS)
@@ -219,9 +236,13 @@ def _check(config: TrainConfig) -> None:
             raise RetrievalError(f"--{name.replace('_', '-')} must be positive, got {getattr(config, name)}")
     if not 0 <= config.warmup < 1:
         raise RetrievalError(f"--warmup is a fraction of the training steps in [0, 1), got {config.warmup}")
-    negative = [name for name in ("clip_grad", "queue_size", "checkpoint_every", "nce_negatives", "proximal")]
-    if any(getattr(config, name) < 0 for name in negative):
-        raise RetrievalError(f"{', '.join('--' + name.replace('_', '-') for name in negative)} must not be negative")
+    if config.learning_rate <= 0:
+        raise RetrievalError(f"--learning-rate must be positive, got {config.learning_rate}")
+    for name in NOT_NEGATIVE:
+        if getattr(config, name) < 0:
+            raise RetrievalError(f"--{name.replace('_', '-')} must not be negative, got {getattr(config, name)}")
+    if not 0 <= config.val_classes < 1:
+        raise RetrievalError(f"--val-classes is a fraction of the classes in [0, 1), got {config.val_classes}")
     queued = "moco" in (config.ssl_method, config.loss) or config.loss in QUEUE_LOSSES
     if config.queue_size and not queued:
         raise RetrievalError(f"--queue-size works with the {' and '.join(QUEUE_LOSSES)} losses and moco")

@@ -136,6 +136,12 @@ def _split(
 
 def _refuse(config: TrainConfig, data: TrainingData, distinct: int) -> None:
     """One line for what cannot train: too few classes or images, identical images, too few held-out classes."""
+    held = {item.label for item in data.validation}
+    if config.mode != SELF_SUPERVISED and len(data.classes) < 2 and held:
+        raise RetrievalError(
+            f"--val-classes {config.val_classes} holds out {len(held)} of the {len(held) + len(data.classes)} classes, "
+            f"leaving {len(data.classes)} to train on; training needs at least two: lower it"
+        )
     if config.mode != SELF_SUPERVISED and len(data.classes) < 2:
         found = f"only class {data.classes[0]!r} is labeled" if data.classes else "no readable labeled image"
         remedy = "label images of a second class, or train --self-supervised" if data.pool else "(ROOT/<label>/<image>)"
@@ -150,7 +156,7 @@ def _refuse(config: TrainConfig, data: TrainingData, distinct: int) -> None:
             f"{config.data}: every image has the same content; self-supervised training tells images apart, "
             "so it needs different ones"
         )
-    if config.val_classes > 0 and len({item.label for item in data.validation}) < 2:
+    if config.val_classes > 0 and len(held) < 2:
         total = len({item.label for item in data.items + data.validation})
         raise RetrievalError(
             f"--val-classes {config.val_classes} holds out fewer than two of the {total} classes; raise it or use 0"
