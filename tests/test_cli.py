@@ -167,3 +167,19 @@ def test_a_file_given_as_the_run_is_one_line_saying_so(tmp_path: Path, capsys: p
     given = {"IMAGE": tmp_path / "images" / "cat" / "a.png", "IMAGES": tmp_path / "images"}
     rest = [str(given.get(word, word)) for word in command[1:]]
     expect_error([command[0], str(labels), *rest], capsys, f"{labels}: a file, not a run directory; give the folder")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["index-stats", "RUN", "--sample", "0"], "Invalid value for '--sample': Input should be greater than or equal to 1"),
+        (["evaluate", "RUN", "IMAGES", "--split-classes", "0.5", "--seed", "-1"], "Invalid value for '--seed': Input should be greater than or equal to 0"),
+    ],
+)
+def test_option_values_out_of_range_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    """index-stats --sample 0 ended in ZeroDivisionError, evaluate --seed -1 in numpy's 'expected non-negative integer'."""
+    from retrieval.commands import main
+
+    assert main([str(tmp_path) if word in ("RUN", "IMAGES") else word for word in argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

@@ -67,7 +67,7 @@ def evaluate(
     ] = None,
     gallery: Annotated[Path | None, typer.Option("--gallery", help="Gallery images for --query.")] = None,
     split_classes: Annotated[float, typer.Option(help=SPLIT_HELP)] = 0.0,
-    seed: Annotated[int, typer.Option(help="Seed of --split-classes.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of --split-classes.", min=0)] = 0,
     benchmark: BenchmarkOption = None,
     compare: Annotated[Path | None, typer.Option("--compare", help=COMPARE_HELP, show_default=False)] = None,
     rerank: Annotated[str, typer.Option(help=RERANK_HELP)] = "none",

@@ -147,7 +147,7 @@ def index_stats(
         Path, typer.Argument(help="An index directory, or a run directory holding index/.", show_default=False)
     ],
     sample: Annotated[
-        int, typer.Option(help="Own vectors used as queries to measure recall@10 against exact search.")
+        int, typer.Option(help="Own vectors used as queries to measure recall@10 against exact search.", min=1)
     ] = 1000,
     mmap: Annotated[bool, typer.Option("--mmap", help="Open the index memory-mapped.")] = False,
 ) -> None:
