@@ -209,7 +209,7 @@ class Handlers:
         return self.service.batcher.submit(image, query)
 
     def _shown(self, result: QueryResult, label: str) -> Searched:
-        worded_result = worded(result, label)
+        worded_result = worded(result, label, self.service.snapshot.labels)
         tiles, shown = result_tiles(self.service, worded_result)
         return tiles, worded_result.summary, as_data(shown), marks(shown)
 

@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,16 @@ from PIL import Image
 from app.batching import Batcher
 from index.backends import built_with, open_index
 from index.edit import add_images, remove_items
-from index.search import ImageQuery, Query, QueryResult, search_image_bytes, search_images, search_item, unknown_id
+from index.search import (
+    ImageQuery,
+    Query,
+    QueryResult,
+    closest_labels,
+    search_image_bytes,
+    search_images,
+    search_item,
+    unknown_id,
+)
 from index.stats import exact_and_deployed
 from index.types import MANIFEST, GalleryBackend, Hit
 from retrieval.calibration import match_similarity
@@ -72,6 +82,11 @@ class Snapshot:
     index: GalleryBackend
     items: dict[int, Item]
     stamp: tuple[int, int]
+
+    @cached_property
+    def labels(self) -> frozenset[str]:
+        """The labels of the items (read once per version, when a search first asks)."""
+        return frozenset(item.label for item in self.items.values())
 
 
 @dataclass
@@ -197,7 +212,7 @@ class SearchService:
         only = list(only) if only is not None else [None] * len(paths)
         queries = [self.query(int(k), depth, label) for k, depth, label in zip(ks, depths, only)]
         found = search_images(self.snapshot.index, self.embedder, paths, queries)
-        return [worded(result, label) for result, label in zip(found, labels)]
+        return [worded(result, label, self.snapshot.labels) for result, label in zip(found, labels)]
 
     def answer(self, images: Sequence[ImageQuery | Failure], queries: Sequence[Query]) -> list[QueryResult]:
         """A batch of image queries on the current index (what the batcher calls)."""
@@ -348,10 +363,16 @@ def project_2d(vectors: np.ndarray, method: str = "pca") -> np.ndarray:
     return (centred @ components[:2].T).astype(np.float32)
 
 
-def worded(result: QueryResult, label: str) -> SearchResult:
-    """A search result for people: its hits and one line (the failure, or the count, time and hits of the label)."""
+def worded(result: QueryResult, label: str, known: frozenset[str] | None = None) -> SearchResult:
+    """A search result for people: its hits and one line (the failure, or the count, time and hits of the label).
+    known: the gallery's labels; a label outside them marks nothing (every hit would be a miss) and says so."""
     if result.error is not None:
         return SearchResult([], f"⚠️ {result.error.message}", label, result.error)
+    notes = list(result.notes)
+    if label and known is not None and label not in known:
+        closest = closest_labels(label, known)
+        notes.append(f"no gallery item has the label {label!r}, so hits are not marked; closest: {closest}")
+        label = ""
     unsure = bool(result.hits) and result.hits[0].match is False
     summary = f"{len(result.hits)} results in {result.seconds * 1000:.0f} ms" + (
         f" (a batch of {result.batch} queries)" if result.batch > 1 else ""
@@ -359,12 +380,10 @@ def worded(result: QueryResult, label: str) -> SearchResult:
     if unsure:
         summary = f"**{NO_MATCH}**: the best hit is below the match threshold · {summary}"
     if label:
-        first = next((str(rank) for rank, hit in enumerate(result.hits, 1) if hit.label == label), "none")
-        summary += (
-            f" · label **{label}**: {sum(hit.label == label for hit in result.hits)}/{len(result.hits)} "
-            f"hits, first hit at rank {first}"
-        )
-    return SearchResult(result.hits, summary + "".join(f" ({note})" for note in result.notes), label)
+        first = next((rank for rank, hit in enumerate(result.hits, 1) if hit.label == label), None)
+        hits = f"{sum(hit.label == label for hit in result.hits)}/{len(result.hits)} hits"
+        summary += f" · label **{label}**: {hits}" + (f", first hit at rank {first}" if first else "")
+    return SearchResult(result.hits, summary + "".join(f" ({note})" for note in notes), label)
 
 
 def _folder_safe(label: str | None) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -268,9 +268,14 @@ def explain_empty(index: GalleryBackend, results: Sequence[QueryResult], queries
     labels = sorted({row.label for row in index.rows().values()})
     for result, query in empty:
         if query.label is not None and query.label not in labels:
-            closest = ", ".join(difflib.get_close_matches(query.label, labels, n=3, cutoff=0.0))
+            closest = closest_labels(query.label, labels)
             message = f"no item of {index.directory} has the label {query.label!r}; the closest labels are {closest}"
             result.error = Failure(ErrorKind.UNKNOWN_LABEL, message)
+
+
+def closest_labels(label: str, labels: Iterable[str]) -> str:
+    """The three labels nearest to a label that none has (a typo's likely meaning), for a message."""
+    return ", ".join(difflib.get_close_matches(label, sorted(labels), n=3, cutoff=0.0))
 
 
 def _groups(queries: Sequence[Query]) -> dict[tuple[int | None, str | None, Rerank], list[int]]:

@@ -97,6 +97,19 @@ def test_search_leaves_the_query_out_and_marks_hits(service: SearchService, tmp_
     assert [hit.id for hit in by_id.hits] == [hit.id for hit in result.hits]  # same neighbours from the stored vector
 
 
+def test_a_query_label_no_gallery_item_has_marks_nothing_and_names_the_closest(service: SearchService, tmp_path: Path) -> None:
+    """A typo in the query label marked all ten hits 'miss' with '0/10 hits, first hit at rank none'."""
+    item = next(iter(service.items.values()))
+    typo = item.label[:-1] + "#"
+    result = service.search(item.path, k=5, query_label=typo)
+    assert len(result.hits) == 5 and result.label == "" and "hits" not in result.summary.split("(")[0]
+    assert f"no gallery item has the label '{typo}', so hits are not marked; closest: {item.label}" in result.summary
+    first = service.search(item.path, k=1).hits[0].label
+    missed = next(label for label in sorted({item.label for item in service.items.values()}) if label != first)
+    known = service.search(item.path, k=1, query_label=missed)  # a gallery label the one hit does not have
+    assert known.label == missed and known.summary.endswith(f"label **{missed}**: 0/1 hits")
+
+
 def test_a_batch_with_bad_images_fails_only_their_queries(service: SearchService, tmp_path: Path) -> None:
     bad = write_bad_files(tmp_path / "bad")
     good = next(iter(service.items.values())).path
