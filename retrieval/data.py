@@ -219,7 +219,7 @@ def _load_csv(csv_path: Path) -> Collection:
     base = csv_path.resolve().parent
     items: list[Item] = []
     skipped: list[Skipped] = []
-    seen: set[Path] = set()
+    seen: dict[Path, str] = {}  # the label of each image's first row
     with csv_path.open(newline="", encoding="utf-8-sig") as handle:  # -sig: the BOM of Excel's "CSV UTF-8"
         separator, columns = _csv_columns(csv_path, handle.readline())
         for row in csv.DictReader(handle, fieldnames=columns, delimiter=separator):
@@ -230,16 +230,21 @@ def _load_csv(csv_path: Path) -> Collection:
             if not path.exists() and not path.is_symlink():
                 skipped.append(Skipped(path, "listed in the CSV but not found"))
                 continue
-            resolved = path.resolve()  # once: a resolve is a system call per part of the path
-            problem = file_problem(path) or (
-                "listed in the CSV more than once (the first row is used)" if resolved in seen else None
-            )
+            resolved, label = path.resolve(), (row.get("label") or "").strip()  # one resolve: a call per part
+            problem = file_problem(path) or (_listed_again(label, seen[resolved]) if resolved in seen else None)
             if problem:
                 skipped.append(Skipped(path, problem))
                 continue
-            seen.add(resolved)
-            items.append(Item(resolved, (row.get("label") or "").strip()))
+            seen[resolved] = label
+            items.append(Item(resolved, label))
     return Collection(csv_path.resolve(), items, skipped)
+
+
+def _listed_again(label: str, first: str) -> str:
+    """Why a CSV row of an image listed before is skipped: a second row, or a second label (a conflict to resolve)."""
+    if label == first:
+        return "listed in the CSV more than once (the first row is used)"
+    return f"listed in the CSV again with the label {label!r}; the first row's {first!r} is used"
 
 
 def write_collection_csv(path: Path, items: Sequence[Item]) -> Path:

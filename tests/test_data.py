@@ -40,6 +40,19 @@ def test_csv_paths_are_relative_to_the_csv(tmp_path: Path) -> None:
     assert "not found" in collection.skipped[0].reason
 
 
+def test_an_image_listed_twice_is_kept_once_and_a_second_label_is_named(tmp_path: Path) -> None:
+    """A second row with another label was reported as 'listed in the CSV more than once', the conflict unsaid."""
+    Image.new("RGB", (8, 8)).save(tmp_path / "one.png")
+    listing = tmp_path / "list.csv"
+    listing.write_text("path,label\none.png,cat\none.png,cat\none.png,dog\n")
+    collection = load_collection(listing)
+    assert [item.label for item in collection.items] == ["cat"]
+    assert [entry.reason for entry in collection.skipped] == [
+        "listed in the CSV more than once (the first row is used)",
+        "listed in the CSV again with the label 'dog'; the first row's 'cat' is used",
+    ]
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
