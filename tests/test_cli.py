@@ -118,7 +118,7 @@ def test_validation_on_held_out_classes_picks_the_best_epoch(icons_root: Path, t
 
 
 def test_too_few_validation_classes_is_an_error(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    expect_error(["train", str(small_folder), "--run", str(tmp_path / "r"), "--val-classes", "0.1"], capsys, "--val-classes 0.1", "fewer than two of the 4 classes")
+    expect_error(["train", str(small_folder), "--run", str(tmp_path / "r"), "--val-classes", "0.1"], capsys, "--val-classes 0.1", "fewer than two of the 4 classes; give at least 0.38 (two classes)")
     too_many = ["train", str(small_folder), "--run", str(tmp_path / "r"), "--val-classes", "0.8"]
     expect_error(too_many, capsys, "--val-classes 0.8 holds out 3 of the 4 classes, leaving 1 to train on", "lower it")
 

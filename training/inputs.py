@@ -10,6 +10,7 @@ supervised, self-supervised, partly labeled or adapted. Classes held out for val
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,7 +160,8 @@ def _refuse(config: TrainConfig, data: TrainingData, distinct: int) -> None:
     if config.val_classes > 0 and len(held) < 2:
         total = len({item.label for item in data.items + data.validation})
         raise RetrievalError(
-            f"--val-classes {config.val_classes} holds out fewer than two of the {total} classes; raise it or use 0"
+            f"--val-classes {config.val_classes} holds out fewer than two of the {total} classes; give at least "
+            f"{math.ceil(150 / total) / 100} (two classes)"
         )
 
 
