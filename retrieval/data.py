@@ -115,8 +115,8 @@ def require_source(source: str | Path, option: str = "", hint: str = COLLECTION_
 def _load_folder(root: Path) -> Collection:
     items: list[Item] = []
     skipped: list[Skipped] = []
-    for path in sorted(_walk(root)):
-        relative = path.relative_to(root)
+    for path in sorted(_walk(root.absolute())):  # absolute: skipped files are reported as every image is
+        relative = path.relative_to(root.absolute())
         if any(part.startswith(".") for part in relative.parts):
             continue
         if path.is_symlink() and path.is_dir():

@@ -354,6 +354,21 @@ def test_audit_prints_tables_and_json_and_writes_csvs(
     assert len(written["labels.csv"]) == len(found["labels"])
 
 
+def test_a_folder_given_relative_with_a_file_of_another_type_prints_its_tables_with_absolute_paths(
+    demo_run: RunDir, icons_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`audit RUN pics` with pics/movie.mp4 ended in commonpath's "Can't mix absolute and relative paths": the files
+    a folder's walk skipped kept the relative path given."""
+    root = copy_classes(icons_root, tmp_path / "pics", 2, "test")
+    (root / "movie.mp4").write_bytes(b"not a picture")
+    monkeypatch.chdir(tmp_path)
+    assert main(["audit", str(demo_run.root), "pics"]) == 0
+    assert "movie.mp4" in capsys.readouterr().out
+    assert main(["audit", str(demo_run.root), "pics", "--json"]) == 0
+    unreadable = [row for row in json.loads(capsys.readouterr().out)["outliers"] if row["kind"] == "unreadable"]
+    assert [row["path"] for row in unreadable] == [str(root.resolve() / "movie.mp4")]
+
+
 def test_an_audit_of_the_images_the_run_trained_on_points_to_folds(demo_run: RunDir, capsys: pytest.CaptureFixture[str]) -> None:
     """On its own training images a model has learnt the wrong labels too: the audit said nothing of it."""
     trained_on = json.loads(demo_run.model_card.read_text())["trained_on"]
