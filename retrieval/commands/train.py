@@ -79,7 +79,7 @@ OPTIONS = (
     Option("images_per_class", int, "Images of each class in a batch."),
     Option("backbone", str, BACKBONE_HELP),
     Option("pretrained", bool, PRETRAINED_HELP, ("--pretrained/--scratch",)),
-    Option("image_size", int, "Input size in pixels, square (default 64; pretrained: 128, or 224 on GPUs)."),
+    Option("image_size", int, "Square input, 32 to 1024 px (default 64; pretrained: 128, or 224 on GPUs)."),
     Option("stem", str, "imagenet, or small: a ResNet's first convolution 3x3 stride 1, for small inputs."),
     Option("augment", str, AUGMENT_HELP),
     Option("embedding_dim", int, "Embedding dimension (default: the backbone's width, e.g. 512 for resnet18)."),
