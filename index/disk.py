@@ -9,7 +9,6 @@ read-modify-write, across processes; readers need no lock.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import shutil
 import sqlite3
 import time
@@ -21,36 +20,19 @@ import numpy as np
 
 from index.types import FORMAT_VERSION, MANIFEST, RAW, Manifest, index_command, rebuild_advice
 from retrieval.errors import RetrievalError
-from retrieval.runs import fsync_dir, read_json, writable_folder
+from retrieval.runs import folder_lock, fsync_dir, read_json, writable_folder
 
 
 @contextmanager
 def writer_lock(directory: Path, timeout: float = 600.0) -> Iterator[None]:
     """Holds the index's writer lock (one writer at a time, across processes), waiting up to timeout s."""
     directory = writable_folder(directory, "index", make=False)  # a file there is refused, not replaced
-    path = directory.with_name(f".{directory.name}.lock")
-    deadline = time.monotonic() + timeout
-    try:
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path, "a")  # closed by the with below, after the lock is released
-    except OSError as error:
-        raise RetrievalError(f"index {directory}: its folder cannot be written ({error.strerror or error})") from None
-    with handle:
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise RetrievalError(
-                        f"{directory}: another writer (a `retrieval index` job, or an app started with --allow-write) "
-                        f"has held {path.name} for over {timeout:.0f} s; try again when it has finished"
-                    ) from None
-                time.sleep(0.05)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    busy = (
+        f"{directory}: another writer (a `retrieval index` job, or an app started with --allow-write) "
+        f"has held .{directory.name}.lock for over {timeout:.0f} s; try again when it has finished"
+    )
+    with folder_lock(directory, "index", busy, timeout):
+        yield
 
 
 def staging_directory(directory: Path) -> Path:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shlex
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,6 +164,33 @@ def writable_folder(path: Path, what: str, make: bool = True) -> Path:
     except OSError as error:
         raise refused(error.strerror or error) from None
     return path
+
+
+@contextmanager
+def folder_lock(directory: Path, what: str, busy: str, wait: float = 0.0) -> Iterator[None]:
+    """Holds an exclusive lock on directory for one process at a time (an flock on the sibling file .NAME.lock, so
+    that the folder itself may be swapped or not yet exist), waiting up to wait s for another holder; then one line:
+    busy. what names the folder in the line said when the lock file cannot be made."""
+    path = directory.with_name(f".{directory.name}.lock")
+    deadline = time.monotonic() + wait
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")  # closed by the with below, after the lock is released
+    except OSError as error:
+        raise RetrievalError(f"{what} {directory}: its folder cannot be written ({error.strerror or error})") from None
+    with handle:
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise RetrievalError(busy) from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:

@@ -240,3 +240,19 @@ def test_the_check_before_training_decodes_as_training_does_and_still_skips_a_tr
     good, skipped, _ = readable_items(items, progress=False, min_size=256)
     assert good == items[:1] and [entry.path for entry in skipped] == [tmp_path / "cut.jpg"]
     assert "truncated" in skipped[0].reason
+
+
+def test_a_second_trainer_of_a_run_that_is_training_is_one_line(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A --resume (or a second `make demo`) while the run trained went on beside it: every epoch logged twice."""
+    from training.loop import training_lock
+
+    run = RunDir(tmp_path / "run")
+    argv = ["train", str(small_folder), "--run", str(run.root), "--epochs", "1", "--batch-size", "8", "--image-size", "32"]
+    with training_lock(run):  # another process's, as flock sees it: a lock of another open file
+        assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"error: {run.root}: another process is training this run; wait for it to end, or stop it (Ctrl+C there) "
+        f"and continue with `retrieval train --run {run.root} --resume`\n"
+    )
+    assert not run.root.exists()  # refused before anything was written
+    assert main(argv) == 0 and len(run.train_log.read_text().splitlines()) == 1

@@ -30,7 +30,7 @@ from retrieval.extras import require
 from retrieval.plots import plot_training_log
 from retrieval.progress import progress as progress_bar
 from retrieval.progress import say
-from retrieval.runs import RunDir, shell_path, write_atomic
+from retrieval.runs import RunDir, folder_lock, shell_path, write_atomic
 from training.checkpoints import Progress, TrainerState, save_checkpoint
 from training.config import SELF_SUPERVISED, TrainConfig
 from training.distributed import Ranks, broadcast_object, gather_rows, start, stop
@@ -137,11 +137,22 @@ def train(config: TrainConfig, run: RunDir, progress: bool = True, resume: bool 
     """
     ranks, device = start(config.device)
     try:
-        data = prepare_data(config, run, progress and ranks.is_main, ranks)
-        trainer = Trainer(data.config, run, data, ranks, device, progress and ranks.is_main)
-        return trainer.fit(resume)
+        with training_lock(run) if ranks.is_main else contextlib.nullcontext():
+            data = prepare_data(config, run, progress and ranks.is_main, ranks)
+            trainer = Trainer(data.config, run, data, ranks, device, progress and ranks.is_main)
+            return trainer.fit(resume)
     finally:
         stop()
+
+
+def training_lock(run: RunDir) -> contextlib.AbstractContextManager[None]:
+    """One trainer per run directory: a second (a `make demo` in another terminal, a --resume while the run trains)
+    would write the same checkpoints and log every epoch twice."""
+    busy = (
+        f"{run.root}: another process is training this run; wait for it to end, or stop it (Ctrl+C there) and "
+        f"continue with `retrieval train --run {shell_path(run.root)} --resume`"
+    )
+    return folder_lock(run.root, "--run", busy)
 
 
 def make_batches(config: TrainConfig, data: TrainingData, ranks: Ranks, pin_memory: bool) -> tuple[Batches, DataLoader]:
