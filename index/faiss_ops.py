@@ -22,6 +22,7 @@ faiss = require("faiss", "cpu")  # or the gpu extra: faiss-gpu provides the same
 
 TRAIN_PER_LIST = 40  # IVF training vectors per inverted list (FAISS warns below 39)
 PQ_TRAIN = 16_384  # at least 64 vectors for each of PQ's 256 centroids
+SMALLEST = {"HNSW": 2, "NSG": 8, "IVF": 1}  # links or lists below which FAISS aborts, segfaults or hangs (measured)
 EF_CONSTRUCTION = 80  # HNSW's candidates while linking a new vector (FAISS: 40); a better graph for 2x the build
 
 
@@ -34,6 +35,12 @@ def parsed_factory(factory: str, dim: int, gallery: int | None = None) -> faiss.
     """An empty index of the factory type (inner product), or one line saying why FAISS cannot build it; given the
     gallery's size, also when the type needs more vectors to train on than it has (checked before the gallery is
     embedded, and again when the index is made)."""
+    for part, size in re.findall(r"(HNSW|NSG|IVF)(\d+)", factory):
+        if int(size) < SMALLEST[part]:
+            raise RetrievalError(
+                f"--faiss {factory!r}: {part}{size} is below {part}{SMALLEST[part]}, where FAISS fails, crashes or "
+                f"never finishes; give {part}{SMALLEST[part]} or more (e.g. HNSW32, IVF4096,Flat)"
+            )
     try:
         index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
     except RuntimeError as error:
