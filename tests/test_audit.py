@@ -367,6 +367,10 @@ def test_a_folder_given_relative_with_a_file_of_another_type_prints_its_tables_w
     assert main(["audit", str(demo_run.root), "pics", "--json"]) == 0
     unreadable = [row for row in json.loads(capsys.readouterr().out)["outliers"] if row["kind"] == "unreadable"]
     assert [row["path"] for row in unreadable] == [str(root.resolve() / "movie.mp4")]
+    inside = sorted(path for path in root.iterdir() if path.is_dir())[0]  # --against a part of DATA: leaks of themselves
+    assert main(["audit", str(demo_run.root), "pics", "--against", str(inside.relative_to(tmp_path))]) == 0
+    count = len(list(inside.iterdir()))
+    assert f"note: {count} file(s) are in DATA and in --against alike (e.g. {inside.resolve()}/" in capsys.readouterr().err
 
 
 def test_an_audit_of_the_images_the_run_trained_on_points_to_folds(demo_run: RunDir, capsys: pytest.CaptureFixture[str]) -> None:

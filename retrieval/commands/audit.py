@@ -54,7 +54,8 @@ def audit(
     """
     collection = _collection(data)
     other = _collection(against, "--against") if against is not None else None
-    if other is not None and _same(collection, other):
+    shared = _shared(collection, other) if other is not None else []
+    if other is not None and len(shared) == len(collection.items) == len(other.items):
         raise RetrievalError(
             f"--against {against}: the same images as DATA ({data}); give another collection, e.g. the training "
             "images when DATA is a test split"
@@ -67,6 +68,13 @@ def audit(
         _check_folds(collection, folds, fold_epochs)
     elif not as_json:  # a script's --json is left quiet
         _say_if_trained_on(run_dir, collection)
+    if shared and not as_json:
+        errors.print(
+            f"note: {len(shared)} file(s) are in DATA and in --against alike (e.g. {shared[0]}): each is listed as "
+            "a leak of itself; a file belongs in one split",
+            highlight=False,
+            soft_wrap=True,
+        )
     from retrieval.audit import audit as run_audit
     from retrieval.audit import write_csvs
     from retrieval.embedders import OnnxEmbedder
@@ -116,8 +124,10 @@ def _say_if_trained_on(run: RunDir, collection: Collection) -> None:
         )
 
 
-def _same(first: Collection, second: Collection) -> bool:
-    return {item.path for item in first.items} == {item.path for item in second.items}
+def _shared(first: Collection, second: Collection) -> list[Path]:
+    """The files both collections hold (their paths are resolved), in first's order."""
+    theirs = {item.path for item in second.items}
+    return [item.path for item in first.items if item.path in theirs]
 
 
 def _check_folds(collection: Collection, folds: int, epochs: int) -> None:
