@@ -35,6 +35,21 @@ def writer_lock(directory: Path, timeout: float = 600.0) -> Iterator[None]:
         yield
 
 
+def _other_encoder_advice(directory: Path, built_with: str, given: str) -> str:
+    """What to do about an index another model built: where it is RUN/index, RUN's own model built it and the model
+    given is none of RUN's, another run's model is in use (use RUN, or index the images with the model given into a
+    folder of its own); else the other precision of the run's model, or a rebuild."""
+    card = directory.parent / "model.json"
+    card_values = read_json(card) if directory.name == "index" and card.is_file() else {}
+    models = {card_values.get("sha256"), card_values.get("int8", {}).get("sha256")}
+    if built_with in models and given not in models:
+        return (
+            f"it is {directory.parent}'s own index, built by that run's model: use {directory.parent}, or index the "
+            "images with this model into a folder of its own (`retrieval index RUN IMAGES --index NEW`)"
+        )
+    return f"use the model it was built with (--model float32 or int8), or {rebuild_advice(directory)}"
+
+
 def staging_directory(directory: Path) -> Path:
     """A new, empty temporary sibling of directory, after removing those a killed writer left behind."""
     for leftover in [
@@ -118,8 +133,7 @@ def read_manifest(directory: Path, encoder_sha256: str | None = None, dim: int |
     if encoder_sha256 is not None and manifest.encoder_sha256 != encoder_sha256:
         raise RetrievalError(
             f"{directory}: built with encoder {manifest.encoder_sha256[:12]}…, not with this model "
-            f"({encoder_sha256[:12]}…); use the model it was built with (--model float32 or int8), "
-            f"or {rebuild_advice(directory)}"
+            f"({encoder_sha256[:12]}…); {_other_encoder_advice(directory, manifest.encoder_sha256, encoder_sha256)}"
         )
     if dim is not None and manifest.dim != dim:
         raise RetrievalError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,11 @@ def test_mismatched_encoder_and_dimension_are_refused(tmp_path: Path) -> None:
         open_index(tmp_path / "index", "enc-b")  # the run's own path in the command, not RUN
     with pytest.raises(RetrievalError, match="8-dimensional vectors, the encoder makes 16"):
         open_index(tmp_path / "index", "enc-a", 16)
+    (tmp_path / "model.json").write_text(json.dumps({"sha256": "enc-a", "int8": {"sha256": "enc-a8"}}))
+    with pytest.raises(RetrievalError, match=f"it is {tmp_path}'s own index, built by that run's model: use {tmp_path}, or index"):
+        open_index(tmp_path / "index", "enc-b")  # another run's model given: rebuilding this run's index would not help
+    with pytest.raises(RetrievalError, match=r"use the model it was built with \(--model float32 or int8\)"):
+        open_index(tmp_path / "index", "enc-a8")  # the run's own int8 model: the other precision
 
 
 @pytest.mark.parametrize("damage", ["truncate-vectors", "drop-items", "garble-manifest", "no-manifest"])
