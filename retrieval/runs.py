@@ -177,7 +177,10 @@ def folder_lock(directory: Path, what: str, busy: str, wait: float = 0.0) -> Ite
         directory.parent.mkdir(parents=True, exist_ok=True)
         handle = open(path, "a")  # closed by the with below, after the lock is released
     except OSError as error:
-        raise RetrievalError(f"{what} {directory}: its folder cannot be written ({error.strerror or error})") from None
+        raise RetrievalError(
+            f"{what} {directory}: its lock file {path} cannot be made ({error.strerror or error}); give a folder "
+            "inside one you can write in"
+        ) from None
     with handle:
         while True:
             try:

@@ -256,3 +256,12 @@ def test_a_second_trainer_of_a_run_that_is_training_is_one_line(small_folder: Pa
     )
     assert not run.root.exists()  # refused before anything was written
     assert main(argv) == 0 and len(run.train_log.read_text().splitlines()) == 1
+
+
+def test_a_lock_file_that_cannot_be_made_is_one_line_naming_it(tmp_path: Path) -> None:
+    from retrieval.runs import folder_lock
+
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(RetrievalError, match=r"--run .*/a-file/run: its lock file .*/a-file/\.run\.lock cannot be made \(.*\); give a folder inside one you can write in"):
+        with folder_lock(tmp_path / "a-file" / "run", "--run", "busy"):
+            pass
