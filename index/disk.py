@@ -40,8 +40,13 @@ def _other_encoder_advice(directory: Path, built_with: str, given: str) -> str:
     given is none of RUN's, another run's model is in use (use RUN, or index the images with the model given into a
     folder of its own); else the other precision of the run's model, or a rebuild."""
     card = directory.parent / "model.json"
-    card_values = read_json(card) if directory.name == "index" and card.is_file() else {}
-    models = {card_values.get("sha256"), card_values.get("int8", {}).get("sha256")}
+    try:
+        card_values = read_json(card) if directory.name == "index" and card.is_file() else {}
+    except RetrievalError:  # a damaged card says nothing about whose index this is
+        card_values = {}
+    card_values = card_values if isinstance(card_values, dict) else {}
+    int8 = card_values.get("int8")
+    models = {card_values.get("sha256"), int8.get("sha256") if isinstance(int8, dict) else None}
     if built_with in models and given not in models:
         return (
             f"it is {directory.parent}'s own index, built by that run's model: use {directory.parent}, or index the "

@@ -115,8 +115,9 @@ def require_source(source: str | Path, option: str = "", hint: str = COLLECTION_
 def _load_folder(root: Path) -> Collection:
     items: list[Item] = []
     skipped: list[Skipped] = []
-    for path in sorted(_walk(root.absolute())):  # absolute: skipped files are reported as every image is
-        relative = path.relative_to(root.absolute())
+    base = root.absolute()  # skipped files are reported with absolute paths, as every image is
+    for path in sorted(_walk(base)):
+        relative = path.relative_to(base)
         if any(part.startswith(".") for part in relative.parts):
             continue
         if path.is_symlink() and path.is_dir():

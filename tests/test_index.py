@@ -51,6 +51,9 @@ def test_mismatched_encoder_and_dimension_are_refused(tmp_path: Path) -> None:
         open_index(tmp_path / "index", "enc-b")  # another run's model given: rebuilding this run's index would not help
     with pytest.raises(RetrievalError, match=r"use the model it was built with \(--model float32 or int8\)"):
         open_index(tmp_path / "index", "enc-a8")  # the run's own int8 model: the other precision
+    (tmp_path / "model.json").write_text("{")  # a damaged card: the advice of an index of no known run
+    with pytest.raises(RetrievalError, match="built with encoder enc-a.*rebuild the index with"):
+        open_index(tmp_path / "index", "enc-b")
 
 
 @pytest.mark.parametrize("damage", ["truncate-vectors", "drop-items", "garble-manifest", "no-manifest"])
