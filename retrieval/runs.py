@@ -171,10 +171,13 @@ def folder_lock(directory: Path, what: str, busy: str, wait: float = 0.0) -> Ite
     """Holds an exclusive lock on directory for one process at a time (an flock on the sibling file .NAME.lock, so
     that the folder itself may be swapped or not yet exist), waiting up to wait s for another holder; then one line:
     busy. what names the folder in the line said when the lock file cannot be made."""
-    path = directory.with_name(f".{directory.name}.lock")
+    folder = Path(os.path.abspath(directory))  # `--run .` and `runs/x/..` name their folder too
+    if not folder.name:
+        raise RetrievalError(f"{what} {directory}: the file system's root; give a folder inside it")
+    path = folder.with_name(f".{folder.name}.lock")
     deadline = time.monotonic() + wait
     try:
-        directory.parent.mkdir(parents=True, exist_ok=True)
+        folder.parent.mkdir(parents=True, exist_ok=True)
         handle = open(path, "a")  # closed by the with below, after the lock is released
     except OSError as error:
         raise RetrievalError(

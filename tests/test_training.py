@@ -265,3 +265,16 @@ def test_a_lock_file_that_cannot_be_made_is_one_line_naming_it(tmp_path: Path) -
     with pytest.raises(RetrievalError, match=r"--run .*/a-file/run: its lock file .*/a-file/\.run\.lock cannot be made \(.*\); give a folder inside one you can write in"):
         with folder_lock(tmp_path / "a-file" / "run", "--run", "busy"):
             pass
+
+
+def test_the_lock_of_a_folder_given_as_dot_lies_beside_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`retrieval train --run .` (in the run's folder) ended in pathlib's "PosixPath('.') has an empty name"."""
+    from retrieval.runs import folder_lock
+
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    with folder_lock(Path("."), "--run", "busy"):
+        assert (tmp_path / ".run.lock").is_file()
+    with pytest.raises(RetrievalError, match="--run /: the file system's root; give a folder inside it"):
+        with folder_lock(Path("/"), "--run", "busy"):
+            pass
