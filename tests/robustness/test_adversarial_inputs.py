@@ -152,7 +152,7 @@ def test_a_csv_with_duplicates_and_labels_with_commas_and_quotes(corpus: Corpus,
         writer.writerows([[images[0], 'gear, "large"'], [images[1], "plain"], [images[0], "again"], [images[2], "plain"], [images[3], 'say "hi"']])
     collection = load_collection(listing)
     assert [item.label for item in collection.items] == ['gear, "large"', "plain", "plain", 'say "hi"']
-    assert [s.reason for s in collection.skipped] == ["listed in the CSV more than once (the first row is used)"]
+    assert [s.reason for s in collection.skipped] == ["listed in the CSV again with the label 'again'; the first row's 'gear, \"large\"' is used"]
     assert main(["index", str(demo_run.root), str(listing), "--index", str(tmp_path / "index")]) == 0
     labels = sorted(label for _, label, _ in open_index(tmp_path / "index").rows().values())
     assert labels == sorted(['gear, "large"', "plain", "plain", 'say "hi"'])
