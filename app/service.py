@@ -211,8 +211,9 @@ class SearchService:
         """Answers a batch of image queries with one embedding call (index.search.search_images); labels mark hits."""
         only = list(only) if only is not None else [None] * len(paths)
         queries = [self.query(int(k), depth, label) for k, depth, label in zip(ks, depths, only)]
-        found = search_images(self.snapshot.index, self.embedder, paths, queries)
-        return [worded(result, label, self.snapshot.labels) for result, label in zip(found, labels)]
+        snapshot = self.snapshot  # one version for the search and its wording (each look is a stat of the index)
+        found = search_images(snapshot.index, self.embedder, paths, queries)
+        return [worded(result, label, snapshot.labels) for result, label in zip(found, labels)]
 
     def answer(self, images: Sequence[ImageQuery | Failure], queries: Sequence[Query]) -> list[QueryResult]:
         """A batch of image queries on the current index (what the batcher calls)."""

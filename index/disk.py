@@ -20,7 +20,7 @@ import numpy as np
 
 from index.types import FORMAT_VERSION, MANIFEST, RAW, Manifest, index_command, rebuild_advice
 from retrieval.errors import RetrievalError
-from retrieval.runs import folder_lock, fsync_dir, read_json, writable_folder
+from retrieval.runs import RunDir, folder_lock, fsync_dir, read_json, writable_folder
 
 
 @contextmanager
@@ -39,14 +39,10 @@ def _other_encoder_advice(directory: Path, built_with: str, given: str) -> str:
     """What to do about an index another model built: where it is RUN/index, RUN's own model built it and the model
     given is none of RUN's, another run's model is in use (use RUN, or index the images with the model given into a
     folder of its own); else the other precision of the run's model, or a rebuild."""
-    card = directory.parent / "model.json"
     try:
-        card_values = read_json(card) if directory.name == "index" and card.is_file() else {}
-    except RetrievalError:  # a damaged card says nothing about whose index this is
-        card_values = {}
-    card_values = card_values if isinstance(card_values, dict) else {}
-    int8 = card_values.get("int8")
-    models = {card_values.get("sha256"), int8.get("sha256") if isinstance(int8, dict) else None}
+        models = set(RunDir(directory.parent).fingerprints().values()) if directory.name == "index" else set()
+    except RetrievalError:  # no card, or a damaged one: nothing to say about whose index this is
+        models = set()
     if built_with in models and given not in models:
         return (
             f"it is {directory.parent}'s own index, built by that run's model: use {directory.parent}, or index the "

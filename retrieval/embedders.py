@@ -71,7 +71,7 @@ def chosen_model(run: RunDir, model: str, built_with: str | None = None) -> str:
     if model != AUTO:
         return model
     run.require_model()
-    int8 = read_json(run.model_card).get("int8", {}).get("sha256")
+    int8 = run.fingerprints().get("int8")
     if built_with is not None:
         return "int8" if built_with == int8 else "float32"
     return "int8" if int8 and run.int8_model.is_file() else "float32"

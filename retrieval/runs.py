@@ -97,6 +97,14 @@ class RunDir:
     def index(self) -> Path:
         return self.root / "index"
 
+    def fingerprints(self) -> dict[str, str]:
+        """The sha256 of each exported model its card names, by precision (float32, and int8 where exported)."""
+        card = read_json(self.model_card)
+        card = card if isinstance(card, dict) else {}
+        int8 = card.get("int8") if isinstance(card.get("int8"), dict) else {}
+        found = {"float32": card.get("sha256"), "int8": int8.get("sha256")}
+        return {precision: str(digest) for precision, digest in found.items() if digest}
+
     def _require_not_a_file(self) -> None:
         """Says so where the run given is a file (a CSV, an image): no command can make a run there."""
         if self.root.exists() and not self.root.is_dir():
