@@ -138,9 +138,10 @@ def _split(
 def _refuse(config: TrainConfig, data: TrainingData, distinct: int) -> None:
     """One line for what cannot train: too few classes or images, identical images, too few held-out classes."""
     held = {item.label for item in data.validation}
+    total = len(held) + len(data.classes)
     if config.mode != SELF_SUPERVISED and len(data.classes) < 2 and held:
         raise RetrievalError(
-            f"--val-classes {config.val_classes} holds out {len(held)} of the {len(held) + len(data.classes)} classes, "
+            f"--val-classes {config.val_classes} holds out {len(held)} of the {total} classes, "
             f"leaving {len(data.classes)} to train on; training needs at least two: lower it"
         )
     if config.mode != SELF_SUPERVISED and len(data.classes) < 2:
@@ -158,10 +159,10 @@ def _refuse(config: TrainConfig, data: TrainingData, distinct: int) -> None:
             "so it needs different ones"
         )
     if config.val_classes > 0 and len(held) < 2:
-        total = len({item.label for item in data.items + data.validation})
+        least = math.ceil(150 / total) / 100  # split_by_class holds out round(total * f): 2 from f = 1.5 / total
         raise RetrievalError(
             f"--val-classes {config.val_classes} holds out fewer than two of the {total} classes; give at least "
-            f"{math.ceil(150 / total) / 100} (two classes)"
+            f"{least} (two classes)"
         )
 
 
