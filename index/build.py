@@ -13,7 +13,7 @@ from index.faiss_ops import parsed_factory
 from index.journal import Journal
 from index.milvus import MilvusIndex, MilvusOptions
 from index.ray_engine import RayOptions, iter_embedded_ray
-from index.types import MANIFEST, Additions, GalleryBackend
+from index.types import MANIFEST, SKIP_REPORT, Additions, GalleryBackend
 from retrieval.data import Collection, Item, Skipped, write_skip_report
 from retrieval.embedders import EmbeddedBatch, Embedder, OnnxEmbedder, iter_embedded
 from retrieval.errors import RetrievalError
@@ -131,7 +131,7 @@ def _build_index(
     else:
         index = commit_changes(base, additions, remove)
     journal.discard()
-    write_skip_report(directory / "skipped.json", skipped)
+    write_skip_report(directory / SKIP_REPORT, skipped)
     resumed = len(scan.from_journal)
     return IndexReport(index, embedded, resumed, unchanged_count - resumed, len(remove), skipped)
 

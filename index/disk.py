@@ -9,6 +9,7 @@ read-modify-write, across processes; readers need no lock.
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import sqlite3
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from index.types import FORMAT_VERSION, MANIFEST, RAW, Manifest, index_command, rebuild_advice
+from index.types import FORMAT_VERSION, INDEX_FILES, MANIFEST, RAW, Manifest, index_command, rebuild_advice
 from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir, folder_lock, fsync_dir, read_json, writable_folder
 
@@ -27,12 +28,32 @@ from retrieval.runs import RunDir, folder_lock, fsync_dir, read_json, writable_f
 def writer_lock(directory: Path, timeout: float = 600.0) -> Iterator[None]:
     """Holds the index's writer lock (one writer at a time, across processes), waiting up to timeout s."""
     directory = writable_folder(directory, "index", make=False)  # a file there is refused, not replaced
+    _refuse_foreign_folder(directory)
     busy = (
         f"{directory}: another writer (a `retrieval index` job, or an app started with --allow-write) "
         f"has held .{directory.name}.lock for over {timeout:.0f} s; try again when it has finished"
     )
     with folder_lock(directory, "index", busy, timeout):
         yield
+
+
+def _refuse_foreign_folder(directory: Path) -> None:
+    """A save replaces the index's folder as a whole: a folder of other files (a gallery, a home folder) would be
+    deleted with them, and the folder this process works in would be moved away from under it; both are refused."""
+    folder, here = os.path.abspath(directory), os.getcwd()
+    if os.path.commonpath([folder, here]) == folder:
+        raise RetrievalError(
+            f"index {directory}: the folder you are in (or one above it); an index replaces its folder whole: "
+            "give a folder of its own, e.g. index"
+        )
+    if not directory.is_dir() or (directory / MANIFEST).is_file():
+        return  # a new folder, or an index (a damaged one without its manifest holds only INDEX_FILES)
+    other = sorted(path.name for path in directory.iterdir() if path.name not in INDEX_FILES)
+    if other:
+        raise RetrievalError(
+            f"index {directory}: holds files that are not an index's ({', '.join(other[:3])}"
+            f"{', ...' if len(other) > 3 else ''}), which building it there would delete; give a new or empty folder"
+        )
 
 
 def _other_encoder_advice(directory: Path, built_with: str, given: str) -> str:

@@ -22,7 +22,9 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 VECTORS = "vectors.faiss"
 ITEMS = "items.sqlite"
+SKIP_REPORT = "skipped.json"  # the files the last indexing job skipped, and why
 RAW = "raw.f32"  # compressed types only: the exact float32 vectors, row id - 1, read memory-mapped to re-rank
+INDEX_FILES = {MANIFEST, VECTORS, ITEMS, SKIP_REPORT, RAW}  # what an index's folder holds
 
 
 def index_command(directory: Path, rebuild: bool = False) -> str:

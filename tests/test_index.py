@@ -10,6 +10,7 @@ import pytest
 
 from index.backends import open_index
 from index.store import GalleryIndex
+from index.types import MANIFEST
 from retrieval.data import Item
 from retrieval.embedders import l2_normalise
 from retrieval.errors import RetrievalError
@@ -99,3 +100,29 @@ def test_batch_arrays_agree_with_the_hits(tmp_path: Path, monkeypatch: pytest.Mo
     assert set(only.labels[only.ids >= 0].tolist()) == {"label1"} and (only.paths[only.ids < 0] == "").all()
     none = index.search_arrays(vectors[:2], k=3, label="no such label")
     assert none.ids.shape == (2, 0) and none.hits() == [[], []]
+
+
+def test_a_folder_of_other_files_or_the_one_worked_in_is_never_an_index_swapped_away(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`retrieval index RUN IMAGES --index photos` replaced the folder photos whole: its files were deleted. With
+    `--index .` it would have swapped away the folder the command ran in."""
+    from index.disk import writer_lock
+
+    mine = tmp_path / "photos"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("kept")
+    with pytest.raises(RetrievalError, match=r"holds files that are not an index's \(notes.txt\), which building it there would delete"):
+        with writer_lock(mine):
+            pass
+    assert (mine / "notes.txt").read_text() == "kept"
+    monkeypatch.chdir(mine)
+    for given in (Path("."), Path(".."), tmp_path):
+        with pytest.raises(RetrievalError, match="the folder you are in \\(or one above it\\); an index replaces its folder whole"):
+            with writer_lock(given):
+                pass
+    build(tmp_path / "index")
+    (tmp_path / "index" / MANIFEST).unlink()  # a damaged index: rebuilding it in place is what its error advises
+    with writer_lock(tmp_path / "index"):
+        pass
+    (tmp_path / "empty").mkdir()
+    with writer_lock(tmp_path / "empty"):
+        pass
