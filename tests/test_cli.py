@@ -174,10 +174,13 @@ def test_a_file_given_as_the_run_is_one_line_saying_so(tmp_path: Path, capsys: p
     [
         (["index-stats", "RUN", "--sample", "0"], "Invalid value for '--sample': Input should be greater than or equal to 1"),
         (["evaluate", "RUN", "IMAGES", "--split-classes", "0.5", "--seed", "-1"], "Invalid value for '--seed': Input should be greater than or equal to 0"),
+        (["evaluate", "RUN", "IMAGES", "--split-classes", "1.5"], "--split-classes 1.5: give a fraction of the classes from 0"),
+        (["evaluate", "RUN", "IMAGES", "--split-classes", "-0.2"], "--split-classes -0.2: give a fraction of the classes from 0"),
     ],
 )
 def test_option_values_out_of_range_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
-    """index-stats --sample 0 ended in ZeroDivisionError, evaluate --seed -1 in numpy's 'expected non-negative integer'."""
+    """index-stats --sample 0 ended in ZeroDivisionError, evaluate --seed -1 in numpy's 'expected non-negative integer';
+    --split-classes 1.5 did not name the option."""
     from retrieval.commands import main
 
     assert main([str(tmp_path) if word in ("RUN", "IMAGES") else word for word in argv]) == 2

@@ -130,6 +130,10 @@ def _evaluate(
     """What `retrieval evaluate` does with its parsed options."""
     ks = parse_ks(k)
     reranker = parse_rerank(rerank)
+    if not 0.0 <= split_classes < 1.0:
+        raise RetrievalError(
+            f"--split-classes {split_classes:g}: give a fraction of the classes from 0 (all) to below 1, e.g. 0.5"
+        )
     if compare is not None:  # said before this run's images are embedded
         RunDir(compare).require_model()
     if calibrate:
