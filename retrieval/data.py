@@ -18,7 +18,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from retrieval.errors import ImageError, RetrievalError
-from retrieval.runs import write_json
+from retrieval.runs import RunDir, write_json
 
 IMAGE_SUFFIXES = frozenset(
     {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".avif", ".heic", ".heif"}
@@ -125,6 +125,9 @@ def _load_folder(root: Path) -> Collection:
                 Skipped(path, "a link to a folder: not followed (it could loop, or lead out of the collection)")
             )
             continue
+        if path.is_dir():  # a run kept among the images: its plots would be read as a class of its own
+            skipped.append(Skipped(path, "a run directory (its plots and checkpoints are not images): not read"))
+            continue
         if path.suffix.lower() not in IMAGE_SUFFIXES:
             skipped.append(Skipped(path, f"not an image file type ({path.suffix or 'no suffix'})"))
             continue
@@ -155,12 +158,17 @@ def _refuse_split_labels(root: Path, labels: set[str]) -> None:
 
 
 def _walk(root: Path) -> list[Path]:
-    """Every non-folder entry under root; symlinked folders are not entered (no loops, nothing outside root)."""
+    """Every non-folder entry under root, and the folders not entered: symlinked ones (no loops, nothing outside
+    root) and run directories (`train photos --run photos/run`: the run's plots are not photos)."""
+    if RunDir(root).holds_run():
+        raise RetrievalError(f"{root}: a run directory, not a collection of images; give the folder of images")
     found: list[Path] = []
     for folder, folders, files in os.walk(root):
         base = Path(folder)
         found.extend(base / name for name in files)
-        found.extend(base / name for name in folders if (base / name).is_symlink())  # reported, not walked
+        unwalked = [name for name in folders if (base / name).is_symlink() or RunDir(base / name).holds_run()]
+        found.extend(base / name for name in unwalked)  # reported, not walked
+        folders[:] = [name for name in folders if name not in unwalked]
     return found
 
 

@@ -105,6 +105,15 @@ class RunDir:
         found = {"float32": card.get("sha256"), "int8": int8.get("sha256")}
         return {precision: str(digest) for precision, digest in found.items() if digest}
 
+    def holds_run(self) -> bool:
+        """Whether the folder holds a run (its training log, a checkpoint or an exported model): its plots and
+        pictures are not images of a collection, wherever the run was put."""
+        return (
+            self.train_log.is_file()
+            or self.last_checkpoint.is_file()
+            or (self.model.is_file() and self.model_card.is_file())
+        )
+
     def _require_not_a_file(self) -> None:
         """Says so where the run given is a file (a CSV, an image): no command can make a run there."""
         if self.root.exists() and not self.root.is_dir():

@@ -29,6 +29,26 @@ def test_folder_labels_come_from_the_first_folder_level(tmp_path: Path) -> None:
     assert [s.path.name for s in collection.skipped] == ["readme.txt"]
 
 
+def test_a_run_kept_among_the_images_is_not_read_as_a_class(tmp_path: Path) -> None:
+    """`retrieval train photos --run photos/run` a second time trained on 'run', a class of the first run's loss
+    plot ("trained on 9 images of 3 classes"); an index of photos/ would have held the run's plots."""
+    for label in ("cat", "dog"):
+        (tmp_path / label).mkdir()
+        Image.new("RGB", (8, 8)).save(tmp_path / label / "a.png")
+    for run, marker in [("run", "train_log.jsonl"), ("exported/deep", "model.json"), ("saved", "checkpoints/last.safetensors")]:
+        (tmp_path / run / marker).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / run / marker).write_text("{}")
+        Image.new("RGB", (8, 8)).save(tmp_path / run / "train_loss.png")
+    (tmp_path / "exported" / "deep" / "model.onnx").write_bytes(b"")
+    collection = load_collection(tmp_path)
+    assert sorted(collection.class_counts()) == ["cat", "dog"]
+    skipped = {s.path: s.reason for s in collection.skipped}
+    assert sorted(skipped) == [tmp_path / "exported" / "deep", tmp_path / "run", tmp_path / "saved"]
+    assert all("a run directory" in reason for reason in skipped.values())
+    with pytest.raises(RetrievalError, match="a run directory, not a collection of images"):
+        load_collection(tmp_path / "run")
+
+
 def test_csv_paths_are_relative_to_the_csv(tmp_path: Path) -> None:
     (tmp_path / "imgs").mkdir()
     Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / "one.png")
