@@ -12,6 +12,7 @@ it stores (index.faiss_ops).
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import sqlite3
@@ -54,7 +55,7 @@ from index.types import (
 )
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
-from retrieval.runs import file_sha256, write_json
+from retrieval.runs import file_sha256, write_json, write_refused
 
 RERANK = 8  # compressed types re-score this many candidates per result exactly
 ID_CHUNK = 500  # ids per SQLite query (below its limit on bound parameters)
@@ -382,11 +383,8 @@ def commit(
         swap_into_place(staging, directory)
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(error, OSError):  # disk full, quota, read-only file system
-            reason = error.strerror or error
-            raise RetrievalError(
-                f"{directory}: the index cannot be written ({reason}); the previous version is kept"
-            ) from None
+        if isinstance(error, (OSError, sqlite3.OperationalError)):  # disk full, quota, read-only file system
+            raise write_refused(directory, error, "the index") from None
         raise
     return GalleryIndex(directory, manifest, draft.vectors)
 
@@ -483,9 +481,21 @@ class _Draft:
         self.held = []
 
 
+def _write_vectors(vectors: faiss.Index, staging: Path) -> None:
+    """Writes the FAISS index into the staging folder; a write FAISS could not finish (a full disk) is the OSError it
+    is, naming the folder the index goes to, not FAISS's C++ assertion."""
+    try:
+        faiss.write_index(vectors, str(staging / VECTORS))
+    except RuntimeError as error:
+        full = "No space left" in str(error) or "Disk quota" in str(error)
+        raise OSError(
+            errno.ENOSPC if full else errno.EIO, os.strerror(errno.ENOSPC) if full else str(error), str(staging.parent)
+        ) from None
+
+
 def _seal(staging: Path, draft: _Draft, now: str) -> Manifest:
     """Writes the vectors, fsyncs every file and writes the manifest with their sha256, sealed; returns it."""
-    faiss.write_index(draft.vectors, str(staging / VECTORS))
+    _write_vectors(draft.vectors, staging)
     stored = (VECTORS, ITEMS, *([RAW] if draft.manifest.rerank else []))
     for name in stored:
         with open(staging / name, "rb") as handle:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import re
 import shlex
+import sqlite3
 import tempfile
 import time
 from collections.abc import Iterator
@@ -216,6 +218,16 @@ def folder_lock(directory: Path, what: str, busy: str, wait: float = 0.0) -> Ite
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def write_refused(path: Path, error: OSError | sqlite3.Error, what: str = "") -> RetrievalError:
+    """The one line for a write the system refused (disk full, quota, a read-only file system; SQLite's "database or
+    disk is full"): what could not be written, why, that the previous version is kept, and on a full disk what to do."""
+    reason = getattr(error, "strerror", None) or str(error)
+    full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "disk is full" in reason
+    advice = "; free space on its disk (or give a folder on another one) and run it again" if full else ""
+    what = f"{what} " if what else ""
+    return RetrievalError(f"{path}: {what}cannot be written ({reason}); the previous version is kept{advice}")
+
+
 def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
     """Writes a file so that readers see the old or the new content, never a partial one.
 
@@ -225,9 +237,7 @@ def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as error:
-        raise RetrievalError(
-            f"{path}: cannot be written ({error.strerror or error}); the previous version is kept"
-        ) from None
+        raise write_refused(path, error) from None
     try:
         with os.fdopen(handle, "wb") as file:
             file.write(data)
@@ -240,9 +250,7 @@ def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
     except BaseException as error:
         Path(temporary).unlink(missing_ok=True)
         if isinstance(error, OSError):  # disk full, quota, read-only file system
-            raise RetrievalError(
-                f"{path}: cannot be written ({error.strerror or error}); the previous version is kept"
-            ) from None
+            raise write_refused(path, error) from None
         raise
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ def test_a_failed_write_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.M
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", disk_full)
-    with pytest.raises(RetrievalError, match="No space left on device.*previous version is kept"):
+    with pytest.raises(RetrievalError, match="No space left on device.*previous version is kept; free space on its disk"):
         write_atomic(target, b"new")
     assert target.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
@@ -33,13 +34,31 @@ def test_a_failed_index_save_keeps_the_old_index(tmp_path: Path, monkeypatch: py
     directory = tmp_path / "index"
     build(directory, n=7)
 
-    def crash(*args: object) -> None:
-        raise OSError(28, "No space left on device")
+    def crash(*args: object) -> None:  # FAISS's own words on a full disk (seen on a full tmpfs): a RuntimeError, no errno
+        raise RuntimeError(
+            "Error in void faiss::write_index(const Index*, IOWriter*, int) at index_write.cpp:499: Error: 'ret == (size * 4)' "
+            "failed: write error in /x/.index.tmp-1/vectors.faiss: 221102 != 1011712 (No space left on device)"
+        )
 
     monkeypatch.setattr(store.faiss, "write_index", crash)
-    with pytest.raises(RetrievalError, match="No space left on device"):
+    with pytest.raises(RetrievalError, match=r"index: the index cannot be written \(No space left on device\); the previous version is kept; free space"):
         build(directory, n=3)
     loaded = open_index(directory)
     assert len(loaded) == 7 and len(loaded.items()) == 7
     assert sorted(p.name for p in tmp_path.iterdir()) == ["index"]
     assert loaded.search(np.eye(8, dtype=np.float32)[:1], k=2)[0][0].id >= 1
+
+
+def test_a_full_disk_under_sqlite_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """SQLite's "database or disk is full" (the index's journal on a full disk) ended in a traceback: it is no OSError."""
+    from retrieval.commands import main
+    from retrieval.commands import search as search_command
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(search_command, "require_threshold", full)
+    (tmp_path / "q.png").write_bytes(b"")
+    assert main(["search", str(tmp_path), str(tmp_path / "q.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: database or disk is full") and "free space on its disk" in err and err.count("\n") == 1

@@ -7,8 +7,10 @@ stderr and exit status 2.
 
 from __future__ import annotations
 
+import errno
 import inspect
 import os
+import sqlite3
 import sys
 from typing import Annotated
 
@@ -110,6 +112,21 @@ def _small_pages() -> None:
         setting(False)
 
 
+def _refused(error: OSError | sqlite3.Error) -> str:
+    """One line for a write or read the system refused: a full disk says to free space (an index's SQLite files say
+    "database or disk is full"), anything else names the file and asks to check it."""
+    if isinstance(error, sqlite3.Error):
+        full = "full" in str(error)
+        return f"{error} (an index's SQLite database); " + (
+            "free space on its disk, or give a folder on another one" if full else "check its folder and permissions"
+        )
+    where = f"{error.filename}: " if error.filename else ""
+    reason = error.strerror or str(error)
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{where}{reason}; free space on that disk (or give a folder on another one) and run it again"
+    return f"{where}{reason}; check the path and its permissions"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line and returns its exit status; our own errors become one line on stderr and status 2."""
     _small_pages()
@@ -129,12 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(getattr(error, "exit_code", 2))
     except typer.Abort:  # end of input at a prompt
         return 130
-    except OSError as error:  # a file or folder the system refused where no command words it: still one line
-        where = f"{error.filename}: " if error.filename else ""
-        reason = error.strerror or str(error)
-        errors.print(
-            f"error: {where}{reason}; check the path and its permissions", highlight=False, soft_wrap=True, markup=False
-        )
+    except (OSError, sqlite3.Error) as error:  # what the system refused where no command words it: still one line
+        errors.print(f"error: {_refused(error)}", highlight=False, soft_wrap=True, markup=False)
         return 2
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
