@@ -13,7 +13,7 @@ import sqlite3
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -218,6 +218,10 @@ def folder_lock(directory: Path, what: str, busy: str, wait: float = 0.0) -> Ite
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+UMASK = os.umask(0o022)  # the process's file-creation mask, read once (reading it sets it; it is put back at once)
+os.umask(UMASK)
+
+
 def write_refused(path: Path, error: OSError | sqlite3.Error, what: str = "") -> RetrievalError:
     """The one line for a write the system refused (disk full, quota, a read-only file system; SQLite's "database or
     disk is full"): what could not be written, why, that the previous version is kept, and on a full disk what to do."""
@@ -239,6 +243,8 @@ def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
     except OSError as error:
         raise write_refused(path, error) from None
     try:
+        with suppress(OSError):  # the mode open() gives (mkstemp's 0600: a service user could not read the file)
+            os.fchmod(handle, 0o666 & ~UMASK)
         with os.fdopen(handle, "wb") as file:
             file.write(data)
             if durable:

@@ -62,3 +62,11 @@ def test_a_full_disk_under_sqlite_is_one_line(tmp_path: Path, monkeypatch: pytes
     assert main(["search", str(tmp_path), str(tmp_path / "q.png")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: database or disk is full") and "free space on its disk" in err and err.count("\n") == 1
+
+
+def test_written_files_get_the_mode_open_gives(tmp_path: Path) -> None:
+    """Atomic writes made 0600 files (mkstemp's mode): a model card or manifest that a service user could not read."""
+    write_atomic(tmp_path / "model.json", b"{}")
+    with open(tmp_path / "plain", "wb"):
+        pass
+    assert (tmp_path / "model.json").stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777
