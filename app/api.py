@@ -51,6 +51,8 @@ ROUTES = {  # each route's methods: any other method is a 405 (not a 404 from th
 }
 METHODS = {"GET", "POST", "PUT", "PATCH", "DELETE"}
 RERANK_HELP = "none, qe, dba or kreciprocal, with parameters; default: the server's --rerank."
+OPTIONS = frozenset({"k", "label", "depth", "rerank"})  # the search routes' query options
+FORM_FIELDS = 'the form takes only the image (field "image"); options go in the query string: /api/v1/search?k=5'
 
 
 class HitOut(BaseModel):
@@ -124,6 +126,7 @@ def _search_routes(api: FastAPI, service: SearchService, limit: int, allowed: li
         rerank: Annotated[str | None, Query(description=RERANK_HELP)] = None,
     ) -> JSONResponse:
         """The k nearest gallery items to an image: multipart field "image", or the image's bytes as the body."""
+        _known_options(request)
         image = await _upload(request, limit)
         query = service.query(k, depth, label, reranked(rerank))
         result: QueryResult = await asyncio.wrap_future(service.batcher.submit(image, query))
@@ -131,6 +134,7 @@ def _search_routes(api: FastAPI, service: SearchService, limit: int, allowed: li
 
     @api.get("/api/v1/items/{item_id}/neighbours", response_model=SearchOut, dependencies=allowed)
     def neighbours(
+        request: Request,
         item_id: int,
         k: Annotated[int, Query(ge=1, le=MAX_K)] = 10,
         label: Annotated[str | None, Query()] = None,
@@ -138,6 +142,7 @@ def _search_routes(api: FastAPI, service: SearchService, limit: int, allowed: li
         rerank: Annotated[str | None, Query(description=RERANK_HELP)] = None,
     ) -> JSONResponse:
         """The k nearest gallery items to an indexed item, itself left out (404 for an unknown id)."""
+        _known_options(request)
         return _answer(search_item(service.snapshot.index, item_id, service.query(k, depth, label, reranked(rerank))))
 
 
@@ -169,6 +174,15 @@ def _info_routes(api: FastAPI, service: SearchService, allowed: list) -> None:
             "match_threshold": service.query().threshold,
             "run": str(service.run.root),
         }
+
+
+def _known_options(request: Request) -> None:
+    """Refuses query options the search routes do not take (?K=5, ?top_k=5, ?threshold=0.8): they were ignored, and
+    the defaults answered as if they had been heard."""
+    unknown = sorted(set(request.query_params) - OPTIONS)
+    if unknown:
+        taken = ", ".join(sorted(OPTIONS))
+        raise HTTPException(422, f"{', '.join(unknown)}: not an option of {request.url.path}; it takes {taken}")
 
 
 def _not_allowed(methods: set[str]):  # noqa: ANN202  (a FastAPI endpoint)
@@ -205,9 +219,17 @@ async def _upload(request: Request, limit: int) -> ImageQuery:
         raise _too_large(limit)
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
         form = await request.form()
-        upload = form.get("image")
-        if upload is None or isinstance(upload, str):
-            raise HTTPException(422, 'send the image as the multipart field "image", or as the raw request body')
+        files = sorted({name for name, value in form.multi_items() if not isinstance(value, str)} - {"image"})
+        options = sorted({name for name, value in form.multi_items() if isinstance(value, str)})
+        uploads = form.getlist("image")
+        if files or len(uploads) != 1 or isinstance(uploads[0], str):
+            named = f" (not {', '.join(files)})" if files else ""
+            raise HTTPException(
+                422, f'send one image as the multipart field "image"{named}, or as the raw request body'
+            )
+        if options:  # curl -F k=5: the options are the query's (they were ignored)
+            raise HTTPException(422, f"{', '.join(options)}: {FORM_FIELDS}")
+        upload = uploads[0]
         name, data = upload.filename or "image", await upload.read()
     else:
         name, data = "image", await request.body()
