@@ -278,3 +278,15 @@ def test_the_lock_of_a_folder_given_as_dot_lies_beside_it(tmp_path: Path, monkey
     with pytest.raises(RetrievalError, match="--run /: the file system's root; give a folder inside it"):
         with folder_lock(Path("/"), "--run", "busy"):
             pass
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "images_per_class", "message"),
+    [(1, 4, "--batch-size 1: give at least 8, two classes of --images-per-class 4"), (8, 1, "--images-per-class 1: give at least 2")],
+)
+def test_batches_too_small_for_two_classes_name_the_option(batch_size: int, images_per_class: int, message: str) -> None:
+    """They said "batch size 1 must hold at least two classes of 4 images", without the option to change."""
+    from training.samplers import ClassBalancedBatchSampler
+
+    with pytest.raises(RetrievalError, match=message):
+        ClassBalancedBatchSampler(["a"] * 4 + ["b"] * 4, batch_size, images_per_class)

@@ -30,9 +30,12 @@ class ClassBalancedBatchSampler(Sampler[list[int]]):
         world_size: int = 1,
     ) -> None:
         if images_per_class < 2:
-            raise RetrievalError(f"images per class must be at least 2 for positive pairs, got {images_per_class}")
+            raise RetrievalError(f"--images-per-class {images_per_class}: give at least 2 (a positive pair per class)")
         if batch_size < 2 * images_per_class:
-            raise RetrievalError(f"batch size {batch_size} must hold at least two classes of {images_per_class} images")
+            raise RetrievalError(
+                f"--batch-size {batch_size}: give at least {2 * images_per_class}, two classes of "
+                f"--images-per-class {images_per_class}"
+            )
         by_class: dict[str, list[int]] = defaultdict(list)
         for index, label in enumerate(labels):
             by_class[label].append(index)
