@@ -76,9 +76,10 @@ class SearchOut(BaseModel):
 def parse_size(text: str) -> int:
     """'20MB' -> 20971520 (B, KB, MB, GB, as Gradio reads --max-upload)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?b)\s*", text.lower())
-    if not match:
+    size = int(float(match.group(1)) * UNITS[match.group(2)]) if match else 0
+    if size < 1:  # 0MB too: every upload would be refused
         raise RetrievalError(f"--max-upload: give a size such as 20MB or 500KB, got {text!r}")
-    return int(float(match.group(1)) * UNITS[match.group(2)])
+    return size
 
 
 def build_api(service: SearchService, credentials: tuple[str, str] | None, max_upload: str) -> FastAPI:

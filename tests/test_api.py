@@ -148,3 +148,14 @@ def test_the_docs_page_needs_nothing_from_outside(served: tuple[SearchService, s
     sources = re.findall(r'(?:src|href)="([^"]+)"', page)
     assert sources and all(source.startswith("/") for source in sources), sources
     assert all(httpx.get(f"{url}{source}").status_code == 200 for source in sources)
+
+
+@pytest.mark.parametrize("text", ["0MB", "0", "-5MB", "lots"])
+def test_an_upload_limit_of_nothing_is_refused(text: str) -> None:
+    """--max-upload 0MB served an app that refused every upload as over its limit of 0 bytes."""
+    from app.api import parse_size
+    from retrieval.errors import RetrievalError
+
+    with pytest.raises(RetrievalError, match=f"--max-upload: give a size such as 20MB or 500KB, got '{text}'"):
+        parse_size(text)
+    assert parse_size("1.5KB") == 1536
