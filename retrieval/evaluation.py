@@ -147,7 +147,8 @@ def evaluate_query_gallery(
     progress: bool = True,
     rerank: Rerank = NO_RERANK,
 ) -> Evaluation:
-    """Scores each query against a separate gallery (neither contains the other's items)."""
+    """Scores each query against a separate gallery (neither contains the other's items: refused)."""
+    _refuse_shared(queries, gallery)
     query_vectors, query_items, skipped = _embed_labeled(embedder, queries, progress)
     gallery_vectors, gallery_items, gallery_skipped = _embed_labeled(embedder, gallery, progress)
     scores = score_queries(
@@ -166,6 +167,19 @@ def evaluate_query_gallery(
         **seen_without_labels(embedder),
     }
     return _evaluation(scores, query_vectors, query_items, gallery_items, skipped + gallery_skipped, described)
+
+
+def _refuse_shared(queries: Collection, gallery: Collection) -> None:
+    """Raises RetrievalError where query images are gallery images too (the same folder given as both): each would
+    find itself at rank 1, and recall@1 read 1.000."""
+    queried = {item.path for item in queries.items if item.label}
+    shared = [item.path for item in gallery.items if item.label and item.path in queried]
+    if shared:
+        raise RetrievalError(
+            f"the queries ({queries.source}) and the gallery ({gallery.source}) share {len(shared)} of the "
+            f"{len(queried)} query images (e.g. {shared[0]}): each would find itself first; give the images once, "
+            "as IMAGES, for leave-one-out, or a gallery without the queries"
+        )
 
 
 SEEN = "seen without labels"  # the metrics' key naming the gallery an adapted model trained on

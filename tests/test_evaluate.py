@@ -54,6 +54,18 @@ def test_query_and_gallery_sets(demo_run: RunDir, icons_root: Path, tmp_path: Pa
     assert metrics["queries"] == str(queries) and metrics["gallery"] == str(gallery)
 
 
+def test_queries_that_are_gallery_images_are_refused(demo_run: RunDir, icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--query X --gallery X scored every query against itself: recall@1 1.000, written as the run's metrics."""
+    data = copy_classes(icons_root, tmp_path / "data", 3, split="test")
+    before = demo_run.metrics.read_bytes() if demo_run.metrics.is_file() else None
+    assert main(["evaluate", str(demo_run.root), "--query", str(data), "--gallery", str(data)]) == 2
+    err = capsys.readouterr().err
+    count = sum(len(list(folder.iterdir())) for folder in data.iterdir())
+    assert f"share {count} of the {count} query images" in err and "give the images once, as IMAGES" in err
+    assert err.count("\n") == 1
+    assert (demo_run.metrics.read_bytes() if demo_run.metrics.is_file() else None) == before
+
+
 def test_compare_scores_two_runs_on_the_same_protocol(demo_run: RunDir, icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = copy_classes(icons_root, tmp_path / "data", 5, split="test")
     other = tmp_path / "other"
