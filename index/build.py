@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 from index.backends import create_index, open_index
@@ -17,6 +18,8 @@ from index.types import MANIFEST, SKIP_REPORT, Additions, GalleryBackend
 from retrieval.data import Collection, Item, Skipped, write_skip_report
 from retrieval.embedders import EmbeddedBatch, Embedder, OnnxEmbedder, iter_embedded
 from retrieval.errors import RetrievalError
+
+SYNC_SAMPLE = 20  # indexed files looked for before --sync may empty an index for another folder
 
 
 @dataclass
@@ -110,6 +113,8 @@ def _build_index(
     if factory and milvus is None and base is None:
         parsed_factory(factory, embedder.dim, len(collection.items))  # said before the gallery is embedded
     indexed = {row.path: (item_id, row.sha256) for item_id, row in (base.rows() if base else {}).items()}
+    if sync:
+        _refuse_other_gallery(directory, collection, indexed)
     journal = Journal(journal_path(directory), embedder.fingerprint, embedder.dim)
     scan = _Scan({path: digest for path, (_, digest) in indexed.items()}, journal.hashes())
     skipped = list(collection.skipped)
@@ -134,6 +139,21 @@ def _build_index(
     write_skip_report(directory / SKIP_REPORT, skipped)
     resumed = len(scan.from_journal)
     return IndexReport(index, embedded, resumed, unchanged_count - resumed, len(remove), skipped)
+
+
+def _refuse_other_gallery(directory: Path, collection: Collection, indexed: dict[str, tuple[int, str]]) -> None:
+    """Raises RetrievalError where --sync would empty the index for another folder: none of IMAGES is indexed yet and
+    the indexed files are still there (a command from the shell's history, with another gallery): every entry would
+    go, and the gallery would be embedded again to get it back."""
+    if not indexed or any(str(item.path) in indexed for item in collection.items):
+        return
+    present = [path for path in islice(indexed, SYNC_SAMPLE) if Path(path).is_file()]
+    if present:
+        raise RetrievalError(
+            f"{directory}: --sync would remove all {len(indexed):,} entries, whose files are still there (e.g. "
+            f"{present[0]}) but not in {collection.source}; to index it alone add --rebuild (or give --index another "
+            "folder), to add it to this index leave out --sync"
+        )
 
 
 def _check_kept_type(

@@ -61,6 +61,23 @@ def test_incremental_runs_embed_only_new_or_changed_files(embedder: OnnxEmbedder
     assert not journal_path(directory).exists()
 
 
+def test_sync_with_another_gallery_is_refused_not_emptying_the_index(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:
+    """`index RUN other --sync` (a command from the history, another folder) removed every entry of the first
+    gallery, whose files were all still there; a gallery that was moved away still syncs."""
+    from retrieval.errors import RetrievalError
+
+    first = copy_classes(icons_root, tmp_path / "first", 2, split="test")
+    other = copy_classes(icons_root, tmp_path / "other", 1, split="train")
+    directory = tmp_path / "index"
+    count = len(build_index(embedder, load_collection(first), directory, progress=False).index)
+    with pytest.raises(RetrievalError, match=rf"--sync would remove all {count} entries, whose files are still there .* leave out --sync"):
+        build_index(embedder, load_collection(other), directory, sync=True, progress=False)
+    assert len(open_index(directory)) == count and not journal_path(directory).exists()
+    shutil.move(first, tmp_path / "moved")
+    moved = build_index(embedder, load_collection(tmp_path / "moved"), directory, sync=True, progress=False)
+    assert moved.removed == count and len(moved.index) == count
+
+
 def test_a_txt_list_indexes_unlabeled_images(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:
     files = sorted((icons_root / "test").rglob("*.png"))[:5]
     listing = tmp_path / "gallery.txt"
