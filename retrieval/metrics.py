@@ -140,7 +140,7 @@ def score_queries(
         np.ascontiguousarray(query_embeddings, np.float32),
         np.ascontiguousarray(query_embeddings if leave_one_out else gallery_embeddings, np.float32),
         *_encode_labels(query_labels, query_labels if gallery_labels is None else gallery_labels),
-        sorted(set(ks)),
+        sorted(set(ks) | {1}),  # recall@1 always: the per-class figures and the worst queries are of it
         leave_one_out,
     )
     if full_ranking is None:

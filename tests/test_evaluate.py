@@ -33,10 +33,11 @@ def test_leave_one_out_writes_the_metric_set_and_plots(demo_run: RunDir, icons_r
 
 def test_split_classes_scores_a_held_out_part(demo_run: RunDir, icons_root: Path, tmp_path: Path) -> None:
     data = copy_classes(icons_root, tmp_path / "data", 8, split="test")
-    assert main(["evaluate", str(demo_run.root), str(data), "--split-classes", "0.5", "--seed", "3"]) == 0
+    assert main(["evaluate", str(demo_run.root), str(data), "--split-classes", "0.5", "--seed", "3", "-k", "5"]) == 0
     metrics = json.loads(demo_run.metrics.read_text())
     images_in_four_classes = {len(list(folder.iterdir())) for folder in data.iterdir()}
     assert metrics["protocol"] == "leave-one-out on 0.5 of the classes (seed 3)"
+    assert "recall@5" in metrics and "recall@1" in metrics  # -k 5 without 1 ended in KeyError 'recall@1'
     assert metrics["num_queries"] <= 4 * max(images_in_four_classes)
     assert metrics["num_queries"] < sum(len(list(folder.iterdir())) for folder in data.iterdir())
 
