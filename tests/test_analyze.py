@@ -28,9 +28,10 @@ def test_temperature_sweep_writes_json_and_plot(icons_root: Path, tmp_path: Path
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (["--temperatures", "0.1,hot"], "give numbers separated by commas"),
-        (["--temperatures", "0.1,-1"], "--temperature must be positive"),
-        (["--losses", "supcon,triplet"], "unknown loss 'triplet'"),
+        (["--temperatures", "0.1,hot"], "--temperatures '0.1,hot': give positive numbers separated by commas"),
+        (["--temperatures", "0.1,-1"], "--temperatures '0.1,-1': give positive numbers"),  # it said --temperature
+        (["--losses", "supcon,triplet"], "--losses 'supcon,triplet': unknown loss 'triplet'"),
+        (["--losses", ","], "--losses ',': give losses separated by commas"),
         (["--val-classes", "0"], "measured on held-out classes"),
     ],
 )
@@ -51,3 +52,9 @@ def test_a_sweep_without_enough_labeled_classes_is_one_line(icons_root: Path, tm
     assert main(["analyze", str(data), "--out", str(tmp_path / "sweep")]) == 2
     err = capsys.readouterr().err
     assert f"{data}: {found}; the sweep trains on some classes" in err and err.count("\n") == 1
+
+
+def test_a_sweep_into_its_own_images_is_refused(small_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--out inside the images wrote temperature_sweep.png among them (read as an image by the next job)."""
+    assert main(["analyze", str(small_folder), "--out", str(small_folder / "sweep")]) == 2
+    assert "inside the images" in capsys.readouterr().err and not (small_folder / "sweep").exists()

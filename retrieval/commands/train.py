@@ -225,12 +225,39 @@ def _sweep_table(rows: list[dict]) -> Table:
     return table
 
 
+def _sweep_losses(losses: str | None, self_supervised: bool) -> list[str]:
+    """--losses "supcon,hard" -> the names (the mode's default when not given), or one line naming an unknown one."""
+    from training.config import LOSSES, SSL_LOSSES
+
+    names = [part.strip() for part in (losses or ("simclr,hard" if self_supervised else "supcon,hard")).split(",")]
+    unknown = [name for name in names if name and name not in LOSSES and name not in SSL_LOSSES]
+    choices = ", ".join(sorted({*LOSSES, *SSL_LOSSES}))
+    if unknown:
+        raise RetrievalError(f"--losses {losses!r}: unknown loss {unknown[0]!r}; choose from {choices}")
+    if not any(names):
+        raise RetrievalError(f"--losses {losses!r}: give losses separated by commas, from {choices}")
+    return [name for name in names if name]
+
+
+def _refuse_out_in_data(out: Path, data: Path) -> None:
+    """--out inside the images swept on (or the folder itself): the sweep's plot would be read as one of them."""
+    folder, images = out.expanduser().resolve(), data.expanduser().resolve()
+    if images.is_dir() and folder.is_relative_to(images):
+        raise RetrievalError(
+            f"--out {out}: inside the images ({data}), where its plot would be read as one of them; give a folder "
+            "outside them, e.g. runs/analyze"
+        )
+
+
 def _numbers(text: str) -> list[float]:
     """--temperatures "0.05,0.1" -> [0.05, 0.1], or one line saying what it takes."""
     try:
-        return [float(part) for part in text.split(",") if part.strip()]
+        values = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise RetrievalError(f"--temperatures {text!r}: give numbers separated by commas, e.g. 0.05,0.1,0.5") from None
+        values = []
+    if not values or min(values) <= 0:
+        raise RetrievalError(f"--temperatures {text!r}: give positive numbers separated by commas, e.g. 0.05,0.1,0.5")
+    return values
 
 
 SWEEP_COLUMNS = (
@@ -303,8 +330,8 @@ def analyze(
             f"tolerance are measured on held-out classes), got {val_classes}"
         )
     values = _numbers(temperatures)
-    names = [part.strip() for part in (losses or ("simclr,hard" if self_supervised else "supcon,hard")).split(",")]
-    names = [name for name in names if name]
+    names = _sweep_losses(losses, self_supervised)
+    _refuse_out_in_data(out, data)
     settings = {"epochs": epochs, "batch_size": batch_size, "image_size": image_size, "backbone": backbone}
     settings.update(device=device, seed=seed, self_supervised=self_supervised)
     base = TrainConfig(data=str(data.expanduser().resolve()), val_classes=val_classes, **settings)
