@@ -6,6 +6,7 @@ import csv
 import hashlib
 import io
 import os
+import re
 import stat
 import warnings
 from collections import Counter
@@ -30,6 +31,7 @@ MAX_PIXELS = 64_000_000
 SPLIT_NAMES = frozenset(
     {"train", "training", "test", "testing", "val", "valid", "validation", "dev", "query", "gallery"}
 )
+WINDOWS_DRIVE = re.compile(r"[A-Za-z]:[\\/]")  # C:\photos\a.png, D:/x.png
 CSV_SEPARATORS = ",;\t"  # a spreadsheet's CSV: commas, semicolons where the comma is the decimal mark, or tabs
 
 
@@ -235,9 +237,9 @@ def _load_csv(csv_path: Path) -> Collection:
             raw = (row.get("path") or "").strip()
             if not raw:
                 continue
-            path = base / raw
-            if not path.exists() and not path.is_symlink():
-                skipped.append(Skipped(path, "listed in the CSV but not found"))
+            path, missing = _listed(base, raw, "listed in the CSV but not found")
+            if missing:
+                skipped.append(Skipped(path, missing))
                 continue
             resolved, label = path.resolve(), (row.get("label") or "").strip()  # one resolve: a call per part
             problem = file_problem(path) or (_listed_again(label, seen[resolved]) if resolved in seen else None)
@@ -247,6 +249,20 @@ def _load_csv(csv_path: Path) -> Collection:
             seen[resolved] = label
             items.append(Item(resolved, label))
     return Collection(csv_path.resolve(), items, skipped)
+
+
+def _listed(base: Path, raw: str, not_found: str) -> tuple[Path, str | None]:
+    """The path a CSV or list names (relative to its folder), and why it cannot be read (None: it is there). A path
+    written on Windows (photos\\cat\\a.png) is read with / where only that form is there; a Windows drive's (C:\\...)
+    is named as one."""
+    path = base / raw
+    if path.exists() or path.is_symlink():
+        return path, None
+    if "\\" in raw and (base / raw.replace("\\", "/")).exists():
+        return base / raw.replace("\\", "/"), None
+    if WINDOWS_DRIVE.match(raw):
+        return path, f"{not_found}: a Windows path; list the images by paths on this machine (relative to the list)"
+    return path, not_found
 
 
 def _listed_again(label: str, first: str) -> str:
@@ -273,8 +289,8 @@ def _load_list(list_path: Path) -> Collection:
     for line in list_path.read_text(encoding="utf-8-sig").splitlines():
         if not line.strip() or line.lstrip().startswith("#"):
             continue
-        path = base / line.strip()
-        problem = "listed but not found" if not path.exists() and not path.is_symlink() else file_problem(path)
+        path, problem = _listed(base, line.strip(), "listed but not found")
+        problem = problem or file_problem(path)
         if problem:
             skipped.append(Skipped(path, problem))
         else:

@@ -49,6 +49,18 @@ def test_a_run_kept_among_the_images_is_not_read_as_a_class(tmp_path: Path) -> N
         load_collection(tmp_path / "run")
 
 
+def test_paths_written_on_windows_are_read_or_named(tmp_path: Path) -> None:
+    """A CSV made on Windows (photos\\cat\\a.png) skipped every row as "not found"; a drive's path said only that."""
+    (tmp_path / "photos" / "cat").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(tmp_path / "photos" / "cat" / "a.png")
+    (tmp_path / "list.csv").write_text("path,label\nphotos\\cat\\a.png,cat\nC:\\Users\\me\\b.png,cat\n")
+    (tmp_path / "list.txt").write_text("photos\\cat\\a.png\nD:/pictures/b.png\n")
+    for name in ("list.csv", "list.txt"):
+        collection = load_collection(tmp_path / name)
+        assert [item.path for item in collection.items] == [(tmp_path / "photos" / "cat" / "a.png").resolve()]
+        assert [s.reason.split(": ", 1)[1] for s in collection.skipped] == ["a Windows path; list the images by paths on this machine (relative to the list)"]
+
+
 def test_csv_paths_are_relative_to_the_csv(tmp_path: Path) -> None:
     (tmp_path / "imgs").mkdir()
     Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / "one.png")
