@@ -134,3 +134,18 @@ def test_whiten_dim_beyond_the_embedding_or_the_training_images_is_one_line() ->
         fit_whitening(vectors, 0.0, 33)
     with pytest.raises(RetrievalError, match="fitted on 20 training images, which vary along at most 19 directions; give at most 19"):
         fit_whitening(vectors, 0.0, 20)
+
+
+def test_an_export_over_an_indexed_run_says_the_index_needs_rebuilding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Re-exporting (another --whiten) left the index of the model before; only the next search said so."""
+    import index.backends
+    from retrieval.commands.export import _stale_index_note
+    from retrieval.runs import write_json
+
+    run = RunDir(tmp_path / "run")
+    write_json(run.model_card, {"sha256": "new"})
+    for built, said in (("old", True), ("new", False), (None, False)):
+        monkeypatch.setattr(index.backends, "built_with", lambda directory, built=built: built)
+        _stale_index_note(run)
+        out = capsys.readouterr().out.replace("\n", " ")
+        assert ("holds the vectors of the model exported before" in out and "--rebuild" in out) == said, out

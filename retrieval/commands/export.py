@@ -9,7 +9,7 @@ import typer
 from retrieval.commands.output import RunArg, console
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
-from retrieval.runs import RunDir
+from retrieval.runs import RunDir, shell_path
 
 FP16_HELP = "Export in float16 for GPUs (float32 inputs and outputs, normalisations kept in float32)."
 WHITEN_HELP = (
@@ -53,6 +53,23 @@ def export(
 
         report = export_int8(RunDir(run), calibration)
         console.print(f"wrote {RunDir(run).int8_model} (int8, {calibration} calibration; {report.describe()})")
+    _stale_index_note(RunDir(run))
+
+
+def _stale_index_note(run: RunDir) -> None:
+    """Says when the run's index holds the vectors of a model exported before: search refuses it until it is rebuilt
+    (a fingerprint check), so the user hears it here, where it happened, not at the next search."""
+    from index.backends import built_with
+
+    try:
+        built = built_with(run.index)
+    except RetrievalError:  # a damaged index says so itself where it is opened
+        return
+    if built and built not in run.fingerprints().values():
+        console.print(
+            f"note: {run.index} holds the vectors of the model exported before; rebuild it for this one: "
+            f"`retrieval index {shell_path(run.root)} IMAGES --rebuild`"
+        )
 
 
 def _shrinkage(text: str) -> float | None:
