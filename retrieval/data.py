@@ -116,19 +116,11 @@ def require_source(source: str | Path, option: str = "", hint: str = COLLECTION_
 
 def _load_folder(root: Path) -> Collection:
     items: list[Item] = []
-    skipped: list[Skipped] = []
     base = root.absolute()  # skipped files are reported with absolute paths, as every image is
-    for path in sorted(_walk(base)):
+    files, skipped = _walk(base)
+    for path in sorted(files):
         relative = path.relative_to(base)
         if any(part.startswith(".") for part in relative.parts):
-            continue
-        if path.is_symlink() and path.is_dir():
-            skipped.append(
-                Skipped(path, "a link to a folder: not followed (it could loop, or lead out of the collection)")
-            )
-            continue
-        if path.is_dir():  # a run kept among the images: its plots would be read as a class of its own
-            skipped.append(Skipped(path, "a run directory (its plots and checkpoints are not images): not read"))
             continue
         if path.suffix.lower() not in IMAGE_SUFFIXES:
             skipped.append(Skipped(path, f"not an image file type ({path.suffix or 'no suffix'})"))
@@ -140,7 +132,7 @@ def _load_folder(root: Path) -> Collection:
         label = relative.parts[0] if len(relative.parts) > 1 else ""
         items.append(Item(path.resolve(), label))
     _refuse_split_labels(root, {item.label for item in items})
-    return Collection(root.resolve(), items, skipped)
+    return Collection(root.resolve(), items, sorted(skipped, key=lambda entry: entry.path))
 
 
 def _refuse_split_labels(root: Path, labels: set[str]) -> None:
@@ -159,19 +151,37 @@ def _refuse_split_labels(root: Path, labels: set[str]) -> None:
     )
 
 
-def _walk(root: Path) -> list[Path]:
-    """Every non-folder entry under root, and the folders not entered: symlinked ones (no loops, nothing outside
-    root) and run directories (`train photos --run photos/run`: the run's plots are not photos)."""
+def _walk(root: Path) -> tuple[list[Path], list[Skipped]]:
+    """Every non-folder entry under root, and the folders not entered, with why: symlinked ones (no loops, nothing
+    outside root) and run directories (`train photos --run photos/run`: the run's plots are not photos); hidden
+    folders are not entered either (their files are left out, as hidden files are)."""
     if RunDir(root).holds_run():
         raise RetrievalError(f"{root}: a run directory, not a collection of images; give the folder of images")
     found: list[Path] = []
+    unwalked: list[Skipped] = []
     for folder, folders, files in os.walk(root):
         base = Path(folder)
         found.extend(base / name for name in files)
-        unwalked = [name for name in folders if (base / name).is_symlink() or RunDir(base / name).holds_run()]
-        found.extend(base / name for name in unwalked)  # reported, not walked
-        folders[:] = [name for name in folders if name not in unwalked]
-    return found
+        entered = []
+        for name in folders:
+            if name.startswith("."):
+                continue
+            reason = _not_entered(base / name)
+            if reason:
+                unwalked.append(Skipped(base / name, reason))
+            else:
+                entered.append(name)
+        folders[:] = entered
+    return found, unwalked
+
+
+def _not_entered(folder: Path) -> str | None:
+    """Why a folder of a collection is not walked (None: it is)."""
+    if folder.is_symlink():
+        return "a link to a folder: not followed (it could loop, or lead out of the collection)"
+    if RunDir(folder).holds_run():
+        return "a run directory (its plots and checkpoints are not images): not read"
+    return None
 
 
 def _name_problem(path: Path) -> str | None:
