@@ -483,14 +483,12 @@ class _Draft:
 
 def _write_vectors(vectors: faiss.Index, staging: Path) -> None:
     """Writes the FAISS index into the staging folder; a write FAISS could not finish (a full disk) is the OSError it
-    is, naming the folder the index goes to, not FAISS's C++ assertion."""
+    is (commit words it), not FAISS's C++ assertion."""
     try:
         faiss.write_index(vectors, str(staging / VECTORS))
     except RuntimeError as error:
         full = "No space left" in str(error) or "Disk quota" in str(error)
-        raise OSError(
-            errno.ENOSPC if full else errno.EIO, os.strerror(errno.ENOSPC) if full else str(error), str(staging.parent)
-        ) from None
+        raise (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if full else OSError(errno.EIO, str(error))) from None
 
 
 def _seal(staging: Path, draft: _Draft, now: str) -> Manifest:

@@ -222,12 +222,21 @@ UMASK = os.umask(0o022)  # the process's file-creation mask, read once (reading 
 os.umask(UMASK)
 
 
+FREE_SPACE = "free space on its disk (or give a folder on another one) and run it again"
+
+
+def disk_full(error: OSError | sqlite3.Error) -> bool:
+    """Whether a refused write ran out of room: ENOSPC or a quota, or SQLite's "database or disk is full"."""
+    if isinstance(error, sqlite3.Error):
+        return "disk is full" in str(error)
+    return error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 def write_refused(path: Path, error: OSError | sqlite3.Error, what: str = "") -> RetrievalError:
     """The one line for a write the system refused (disk full, quota, a read-only file system; SQLite's "database or
     disk is full"): what could not be written, why, that the previous version is kept, and on a full disk what to do."""
     reason = getattr(error, "strerror", None) or str(error)
-    full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "disk is full" in reason
-    advice = "; free space on its disk (or give a folder on another one) and run it again" if full else ""
+    advice = f"; {FREE_SPACE}" if disk_full(error) else ""
     what = f"{what} " if what else ""
     return RetrievalError(f"{path}: {what}cannot be written ({reason}); the previous version is kept{advice}")
 

@@ -7,7 +7,6 @@ stderr and exit status 2.
 
 from __future__ import annotations
 
-import errno
 import inspect
 import os
 import sqlite3
@@ -21,6 +20,7 @@ from retrieval import __version__
 from retrieval.commands import audit, demo, evaluate, export, indexing, search, serve, train
 from retrieval.commands.output import errors, stopped_by_ctrl_c
 from retrieval.errors import RetrievalError
+from retrieval.runs import FREE_SPACE, disk_full
 
 INTERRUPTED = "interrupted: stopped before it finished; run the same command again to do it whole"
 HELP = (
@@ -116,15 +116,10 @@ def _refused(error: OSError | sqlite3.Error) -> str:
     """One line for a write or read the system refused: a full disk says to free space (an index's SQLite files say
     "database or disk is full"), anything else names the file and asks to check it."""
     if isinstance(error, sqlite3.Error):
-        full = "full" in str(error)
-        return f"{error} (an index's SQLite database); " + (
-            "free space on its disk, or give a folder on another one" if full else "check its folder and permissions"
-        )
-    where = f"{error.filename}: " if error.filename else ""
-    reason = error.strerror or str(error)
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"{where}{reason}; free space on that disk (or give a folder on another one) and run it again"
-    return f"{where}{reason}; check the path and its permissions"
+        where, reason = "", f"{error} (an index's SQLite database)"
+    else:
+        where, reason = (f"{error.filename}: " if error.filename else ""), error.strerror or str(error)
+    return f"{where}{reason}; {FREE_SPACE if disk_full(error) else 'check the path and its permissions'}"
 
 
 def main(argv: list[str] | None = None) -> int:
