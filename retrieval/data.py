@@ -282,6 +282,13 @@ def _listed_again(label: str, first: str) -> str:
     return f"listed in the CSV again with the label {label!r}; the first row's {first!r} is used"
 
 
+def shared_paths(first: Sequence[Item], second: Sequence[Item]) -> list[Path]:
+    """The files both lists of items hold (items' paths are resolved), in first's order: the same images given as two
+    collections (audit --against, evaluate --query/--gallery)."""
+    theirs = {item.path for item in second}
+    return [item.path for item in first if item.path in theirs]
+
+
 def write_collection_csv(path: Path, items: Sequence[Item]) -> Path:
     """Writes items as a CSV with columns path,label (absolute paths), the form load_collection reads."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.data import Collection, Item, Skipped, load_collection, split_by_class
+from retrieval.data import Collection, Item, Skipped, load_collection, shared_paths, split_by_class
 from retrieval.embedders import Embedder, embed_items
 from retrieval.errors import RetrievalError
 from retrieval.metrics import QueryScores, Ranking, clustering_metrics, embedding_diagnostics, score_queries
@@ -172,8 +172,8 @@ def evaluate_query_gallery(
 def _refuse_shared(queries: Collection, gallery: Collection) -> None:
     """Raises RetrievalError where query images are gallery images too (the same folder given as both): each would
     find itself at rank 1, and recall@1 read 1.000."""
-    queried = {item.path for item in queries.items if item.label}
-    shared = [item.path for item in gallery.items if item.label and item.path in queried]
+    queried = [item for item in queries.items if item.label]  # the ones scored
+    shared = shared_paths(queried, [item for item in gallery.items if item.label])
     if shared:
         raise RetrievalError(
             f"the queries ({queries.source}) and the gallery ({gallery.source}) share {len(shared)} of the "

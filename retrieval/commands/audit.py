@@ -13,7 +13,7 @@ import typer
 from rich.table import Table
 
 from retrieval.commands.output import ModelOption, RunArg, console, errors
-from retrieval.data import COLLECTION_HINT, Collection, load_collection, require_source
+from retrieval.data import COLLECTION_HINT, Collection, load_collection, require_source, shared_paths
 from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir, writable_folder
 
@@ -54,7 +54,7 @@ def audit(
     """
     collection = _collection(data)
     other = _collection(against, "--against") if against is not None else None
-    shared = _shared(collection, other) if other is not None else []
+    shared = shared_paths(collection.items, other.items) if other is not None else []
     if other is not None and len(shared) == len(collection.items) == len(other.items):
         raise RetrievalError(
             f"--against {against}: the same images as DATA ({data}); give another collection, e.g. the training "
@@ -122,12 +122,6 @@ def _say_if_trained_on(run: RunDir, collection: Collection) -> None:
             highlight=False,
             soft_wrap=True,
         )
-
-
-def _shared(first: Collection, second: Collection) -> list[Path]:
-    """The files both collections hold (their paths are resolved), in first's order."""
-    theirs = {item.path for item in second.items}
-    return [item.path for item in first.items if item.path in theirs]
 
 
 def _check_folds(collection: Collection, folds: int, epochs: int) -> None:
