@@ -289,6 +289,30 @@ def shared_paths(first: Sequence[Item], second: Sequence[Item]) -> list[Path]:
     return [item.path for item in first if item.path in theirs]
 
 
+VARIANTS = "labels written alike but for case, spaces, - or _ are different classes"  # what label_variants finds
+
+
+def label_variants(items: Sequence[Item]) -> list[dict[str, int]]:
+    """Labels written alike but for case, spaces, - or _ (Cat and cat, golden-retriever and golden_retriever), each
+    group with its images' counts, most images first: they are different classes, which is rarely what was meant."""
+    counts = Counter(item.label for item in items if item.label)
+    groups: dict[str, dict[str, int]] = {}
+    for label, count in sorted(counts.items(), key=lambda entry: (-entry[1], entry[0])):
+        groups.setdefault(" ".join(re.split(r"[\s_-]+", label.casefold())).strip(), {})[label] = count
+    return [group for group in groups.values() if len(group) > 1]
+
+
+def describe_variants(groups: Sequence[dict[str, int]], shown: int = 3) -> str:
+    """The first groups of label_variants in words: 'Cat' (12 images) and 'cat' (3); ... and N more."""
+    words = []
+    for group in groups[:shown]:
+        (first, count), *rest = group.items()
+        named = [f"{first!r} ({count} image{'s' if count != 1 else ''})", *(f"{label!r} ({n})" for label, n in rest)]
+        words.append(" and ".join(named))
+    more = f"; and {len(groups) - shown} more" if len(groups) > shown else ""
+    return "; ".join(words) + more
+
+
 def write_collection_csv(path: Path, items: Sequence[Item]) -> Path:
     """Writes items as a CSV with columns path,label (absolute paths), the form load_collection reads."""
     path.parent.mkdir(parents=True, exist_ok=True)

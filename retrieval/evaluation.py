@@ -6,6 +6,7 @@ held-out part of it (split_classes), or a separate query set against a gallery (
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -60,6 +61,12 @@ class Evaluation:
     def labels(self) -> list[str]:
         """The query labels, in the order of vectors."""
         return [item.label for item in self.queries]
+
+    def unscored(self) -> Counter[str]:
+        """The labels of the queries not scored (no other image of their label where they were searched), with how
+        many queries each."""
+        rows = np.setdiff1d(np.arange(len(self.queries)), self.scores.queries)
+        return Counter(self.queries[row].label for row in rows)
 
     def class_recall(self) -> dict[str, tuple[float, int]]:
         """recall@1 of each query label, averaged over its scored queries, with their number."""

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 import retrieval.data as data
-from retrieval.data import decode_image, load_collection, load_image
+from retrieval.data import Item, decode_image, load_collection, load_image
 from retrieval.errors import ImageError, RetrievalError
 from retrieval.preprocess import Preprocessing, resize_and_crop
 from tests.conftest import write_bad_files
@@ -311,3 +311,14 @@ def test_a_class_named_like_a_split_beside_others_is_a_label(tmp_path: Path) -> 
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         Image.new("RGB", (8, 8)).save(tmp_path / relative)
     assert sorted(item.label for item in load_collection(tmp_path).items) == ["printer", "test"]
+
+
+def test_labels_written_alike_but_for_case_or_separators_are_grouped_and_described() -> None:
+    from retrieval.data import describe_variants, label_variants
+
+    labels = ["Cat"] * 3 + ["cat", "golden_retriever", "Golden Retriever", "golden-retriever", "dog", "", ""]
+    groups = label_variants([Item(Path(f"/{number}.png"), label) for number, label in enumerate(labels)])
+    assert groups == [{"Cat": 3, "cat": 1}, {"Golden Retriever": 1, "golden-retriever": 1, "golden_retriever": 1}]
+    assert describe_variants(groups) == "'Cat' (3 images) and 'cat' (1); 'Golden Retriever' (1 image) and 'golden-retriever' (1) and 'golden_retriever' (1)"
+    assert describe_variants(groups, shown=1).endswith("'cat' (1); and 1 more")
+    assert label_variants([Item(Path("/a.png"), "cat"), Item(Path("/b.png"), "dog")]) == []

@@ -135,3 +135,28 @@ def test_evaluating_the_images_a_run_trained_on_says_the_figures_flatter_it(demo
     assert main(["evaluate", str(run), str(run / "demo-test.csv")]) == 0
     assert "note:" not in capsys.readouterr().out
     assert confusion_table([]) == "most confused classes: none (every query's top-1 hit has its own label)"
+
+
+def test_unscored_queries_are_named_with_labels_that_differ_only_in_case(demo_run: RunDir, icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Queries labeled APPLE against a gallery labeled apple were left out of every figure without a word (only
+    num_skipped_queries in the table); all of them would be refused, some of them silently made the figures."""
+    gallery = copy_classes(icons_root, tmp_path / "gallery", 4, split="test")
+    classes = sorted(folder.name for folder in gallery.iterdir())
+    rows = ["path,label"]
+    for number, label in enumerate(classes):
+        first = sorted((gallery / label).iterdir())[0]
+        moved = tmp_path / "queries" / f"{label}.png"
+        moved.parent.mkdir(exist_ok=True)
+        shutil.move(first, moved)
+        rows.append(f"{moved},{label.upper() if number < 2 else label}")
+    (tmp_path / "queries.csv").write_text("\n".join(rows) + "\n")
+    assert main(["evaluate", str(demo_run.root), "--query", str(tmp_path / "queries.csv"), "--gallery", str(gallery)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    metrics = json.loads(demo_run.metrics.read_text())
+    assert (metrics["num_queries"], metrics["num_skipped_queries"]) == (2, 2)
+    assert f"note: 2 of the 4 queries are not scored, the gallery has no image of their label ('{classes[0].upper()}', '{classes[1].upper()}')" in out
+    assert "; labels written alike but for case, spaces, - or _ are different classes: " in out
+    for label in classes[:2]:
+        assert f"'{label}' ({len(list((gallery / label).iterdir()))} images) and '{label.upper()}' (1)" in out
+    assert main(["evaluate", str(demo_run.root), str(gallery)]) == 0  # every query scored: no note
+    assert "not scored" not in capsys.readouterr().out

@@ -290,3 +290,24 @@ def test_batches_too_small_for_two_classes_name_the_option(batch_size: int, imag
 
     with pytest.raises(RetrievalError, match=message):
         ClassBalancedBatchSampler(["a"] * 4 + ["b"] * 4, batch_size, images_per_class)
+
+
+def test_labels_that_differ_only_in_case_are_named_before_training(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Cat and cat in a CSV trained as two classes without a word."""
+    from training.distributed import Ranks
+    from training.inputs import prepare_data
+
+    first = sorted(small_folder.iterdir())[0].name
+    rows = ["path,label"]
+    for image in sorted(small_folder.glob("*/*")):
+        upper = image.parent.name == first and len(rows) < 3  # the first two images of the first class
+        rows.append(f"{image},{first.upper() if upper else image.parent.name}")
+    (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
+    config = TrainConfig(data=str(tmp_path / "labels.csv"), val_classes=0)
+    data = prepare_data(config, RunDir(tmp_path / "run"), progress=False, ranks=Ranks())
+    assert {first, first.upper()} <= set(data.classes)
+    out = " ".join(capsys.readouterr().out.split())
+    count = len(list((small_folder / first).iterdir())) - 2
+    assert f"note: labels written alike but for case, spaces, - or _ are different classes: '{first}' ({count} images) and '{first.upper()}' (2)" in out
+    prepare_data(TrainConfig(data=str(small_folder), val_classes=0), RunDir(tmp_path / "run2"), progress=False, ranks=Ranks())
+    assert "note:" not in capsys.readouterr().out

@@ -19,10 +19,13 @@ from PIL import Image
 
 from retrieval.benchmarks import load_training_data
 from retrieval.data import (
+    VARIANTS,
     Collection,
     Item,
     Skipped,
     decode_image,
+    describe_variants,
+    label_variants,
     load_collection,
     read_image_bytes,
     split_by_class,
@@ -96,6 +99,7 @@ def prepare_data(config: TrainConfig, run: RunDir, progress: bool, ranks: Ranks)
     if ranks.is_main:
         if progress:
             _hint(config, readable)
+        _say_variants(data.items + data.validation)
         run.root.mkdir(parents=True, exist_ok=True)
         write_json(run.config, config.to_dict(), sealed=True)
         write_skip_report(run.root / "skipped.json", skipped)
@@ -163,6 +167,16 @@ def _refuse(config: TrainConfig, data: TrainingData, distinct: int) -> None:
         raise RetrievalError(
             f"--val-classes {config.val_classes} holds out fewer than two of the {total} classes; give at least "
             f"{least} (two classes)"
+        )
+
+
+def _say_variants(labeled: list[Item]) -> None:
+    """One line where labels differ only in case or separators (Cat and cat): they train as different classes."""
+    groups = label_variants(labeled)
+    if groups:
+        say(
+            f"note: {VARIANTS}: {describe_variants(groups)}; write each class's label one way in DATA if they are one "
+            "class"
         )
 
 

@@ -168,6 +168,7 @@ def _evaluate(
     name += (f"-{reranker.method}" if reranker.active else "") + ("-int8" if model == "int8" else "")
     compared = (lambda: _score(compare, sources, ks, split_classes, seed, reranker, model).metrics) if compare else None
     _report(RunDir(run), name, evaluation, compare, compared)
+    _say_unscored(evaluation)
     _say_if_trained_on(RunDir(run), [source for source in sources if source is not None])
 
 
@@ -212,6 +213,25 @@ def _require_held_out(run: RunDir, collections: list[Collection]) -> None:
             f"--calibrate: {which} {run.root} trained on, where its hits are over-confident; give labeled images it "
             "did not train on"
         )
+
+
+def _say_unscored(evaluation: Evaluation) -> None:
+    """One line where queries were not scored, naming their labels; labels written alike but for case (APPLE in the
+    queries, apple in the gallery) are named, as the likely reason."""
+    from retrieval.data import VARIANTS, describe_variants, label_variants
+
+    unscored = evaluation.unscored()
+    if not unscored:
+        return
+    loo = evaluation.scores.leave_one_out
+    why = "no other image has their label" if loo else "the gallery has no image of their label"
+    labels = ", ".join(f"{label!r}" for label, _ in unscored.most_common(3)) + (", ..." if len(unscored) > 3 else "")
+    line = f"note: {unscored.total()} of the {len(evaluation.queries)} queries are not scored, {why} ({labels})"
+    images = evaluation.queries + ([] if loo else evaluation.gallery)
+    groups = [group for group in label_variants(images) if set(unscored) & set(group)]
+    if groups:
+        line += f"; {VARIANTS}: {describe_variants(groups)}"
+    console.print(line, highlight=False, soft_wrap=True)
 
 
 def _say_if_trained_on(run: RunDir, collections: list[Collection]) -> None:
