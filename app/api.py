@@ -71,6 +71,7 @@ class SearchOut(BaseModel):
     hits: list[HitOut]
     took_ms: float
     notes: list[str] = []
+    itself: int | None = None  # the id of the gallery item with the query image's bytes, left out of the hits
 
 
 def parse_size(text: str) -> int:
@@ -206,7 +207,9 @@ def _answer(result: QueryResult) -> JSONResponse:
         {"id": int(hit.id), "score": float(hit.score), "path": hit.path, "label": hit.label, "match": hit.match}
         for hit in result.hits
     ]
-    return JSONResponse({"hits": hits, "took_ms": round(result.seconds * 1000, 2), "notes": result.notes})
+    itself = result.itself.id if result.itself is not None else None
+    took = round(result.seconds * 1000, 2)
+    return JSONResponse({"hits": hits, "took_ms": took, "notes": result.notes, "itself": itself})
 
 
 def _too_large(limit: int) -> HTTPException:

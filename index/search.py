@@ -70,6 +70,7 @@ class QueryResult:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0  # the whole batch's time, decoding and embedding included
     batch: int = 1  # queries answered together with this one (one embedding call)
+    itself: Hit | None = None  # the gallery item with the query image's bytes, left out of the hits
 
 
 Itself = Callable[[Hit], bool]  # whether a hit is the query itself (its id, or its image's sha256)
@@ -86,21 +87,27 @@ def search_vectors(
     itself[i] tells query i's own gallery item, left out of its hits, and, when re-ranking, of its
     shortlist and of its candidates' augmentation, as evaluation leaves a query out.
     """
+    return _search(index, vectors, queries, itself)[0]
+
+
+def _search(
+    index: GalleryBackend, vectors: np.ndarray, queries: Sequence[Query], itself: Sequence[Itself | None] | None
+) -> tuple[list[list[Hit]], list[Hit | None]]:
+    """search_vectors's hits, and each query's own gallery item that was left out of them (None: not found)."""
     found: list[list[Hit]] = [[] for _ in queries]
+    left_out: list[Hit | None] = [None] * len(queries)
     vectors = np.atleast_2d(np.asarray(vectors, np.float32))
     itself = list(itself) if itself is not None else [None] * len(queries)
     for (depth, label, reranker), rows in _groups(queries).items():
         k = max(queries[row].k for row in rows) + any(itself[row] is not None for row in rows)
         own = [itself[row] for row in rows]
         if reranker.active:
-            hits_of = _reranked(index, vectors[rows], own, max(k, reranker.shortlist + 1), depth, label, reranker)
+            hits_of, owns = _reranked(index, vectors[rows], own, max(k, reranker.shortlist + 1), depth, label, reranker)
         else:
-            hits_of = [
-                _without(hits, mine)[0] for hits, mine in zip(index.search(vectors[rows], k, depth, label=label), own)
-            ]
-        for row, hits in zip(rows, hits_of):
-            found[row] = _marked(hits[: queries[row].k], queries[row].threshold)
-    return found
+            hits_of, owns = _split_off(index.search(vectors[rows], k, depth, label=label), own)
+        for row, hits, mine in zip(rows, hits_of, owns):
+            found[row], left_out[row] = _marked(hits[: queries[row].k], queries[row].threshold), mine
+    return found, left_out
 
 
 def _marked(hits: list[Hit], threshold: float | None) -> list[Hit]:
@@ -110,12 +117,15 @@ def _marked(hits: list[Hit], threshold: float | None) -> list[Hit]:
     return [replace(hit, match=hit.score >= threshold) for hit in hits]
 
 
-def _without(hits: list[Hit], itself: Itself | None) -> tuple[list[Hit], int]:
-    """The hits other than the query itself, and its id (the first, if its bytes are indexed twice; -2: not there)."""
-    if itself is None:
-        return hits, -2
-    own = next((hit.id for hit in hits if itself(hit)), -2)
-    return [hit for hit in hits if not itself(hit)], own
+def _split_off(lists: Sequence[list[Hit]], itself: Sequence[Itself | None]) -> tuple[list[list[Hit]], list[Hit | None]]:
+    """Each query's hits other than the query itself, and its own item among them (the first, if its bytes are indexed
+    twice; None: not there)."""
+    kept: list[list[Hit]] = []
+    own: list[Hit | None] = []
+    for hits, mine in zip(lists, itself):
+        own.append(next((hit for hit in hits if mine(hit)), None) if mine is not None else None)
+        kept.append([hit for hit in hits if not mine(hit)] if mine is not None else hits)
+    return kept, own
 
 
 def _reranked(
@@ -126,13 +136,11 @@ def _reranked(
     depth: int | None,
     label: str | None,
     spec: Rerank,
-) -> list[list[Hit]]:
-    """Each query's shortlist from the index, re-ranked by spec (database augmentation with the index's neighbours)."""
-    lists, own = [], []
-    for hits, mine in zip(index.search(vectors, shortlist, depth, label=label), itself):
-        kept, own_id = _without(hits, mine)
-        lists.append(kept)
-        own.append(own_id)
+) -> tuple[list[list[Hit]], list[Hit | None]]:
+    """Each query's shortlist from the index, re-ranked by spec (database augmentation with the index's neighbours),
+    and its own item left out of it."""
+    lists, owns = _split_off(index.search(vectors, shortlist, depth, label=label), itself)
+    own = [hit.id if hit is not None else -2 for hit in owns]  # -2: no own item (rerank's leave-out id)
     ids, scores = hit_arrays(lists, max((len(hits) for hits in lists), default=0))
 
     def neighbours(items: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -143,10 +151,11 @@ def _reranked(
 
     ids, scores = rerank(spec, vectors, ids, scores, stored, neighbours, np.asarray(own, np.int64))
     by_id = {hit.id: hit for hits in lists for hit in hits}
-    return [
+    reranked = [
         [replace(by_id[int(i)], score=float(s)) for i, s in zip(row_ids, row_scores) if i >= 0]
         for row_ids, row_scores in zip(ids, scores)
     ]
+    return reranked, owns
 
 
 def hit_arrays(
@@ -248,9 +257,11 @@ def search_image_bytes(
         good.append(position)
     if good:
         itself = [_same_bytes(digest) for digest in digests]
-        found = search_vectors(index, embedder.embed(decoded), [queries[p] for p in good], itself)
-        for position, hits in zip(good, found):
-            results[position].hits = hits
+        found, owns = _search(index, embedder.embed(decoded), [queries[p] for p in good], itself)
+        for position, hits, own in zip(good, found, owns):
+            results[position].hits, results[position].itself = hits, own
+            if own is not None:
+                results[position].notes.append(f"the query is gallery item {own.id} ({own.path}), left out of its hits")
     for result in results:
         result.seconds = time.perf_counter() - started
         result.batch = len(results)

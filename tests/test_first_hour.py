@@ -80,8 +80,9 @@ def test_search_into_a_pipe_prints_ids_and_whole_paths(demo_run: RunDir, capsys:
 
     assert main(["search", str(demo_run.root), first_test_image(demo_run), "-k", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("# nearest to ") and lines[1].split("\t") == ["rank", "id", "similarity", "label", "path"]
-    lines = lines[1:]
+    assert lines[0].startswith("# nearest to ") and lines[1].startswith("# note: the query is gallery item ")  # it is
+    assert lines[2].split("\t") == ["rank", "id", "similarity", "label", "path"]
+    lines = lines[2:]
     assert len(lines) == 4
     for line in lines[1:]:
         rank, item_id, score, label, path = line.split("\t")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -16,6 +16,9 @@ from retrieval.errors import RetrievalError
 from retrieval.rerank import SPEC_HELP as RERANK_HELP
 from retrieval.rerank import parse_rerank
 from retrieval.runs import RunDir
+
+if TYPE_CHECKING:
+    from index.search import QueryResult
 
 IMAGE_HELP = "Query image file (or give --id); a gallery file with the same bytes is the query itself, left out."
 ID_HELP = "Query with an item already in the index, by its id (itself left out)."
@@ -79,19 +82,27 @@ def search(
         {"rank": rank, "id": hit.id, "score": hit.score, "label": hit.label, "path": hit.path, "match": hit.match}
         for rank, hit in enumerate(result.hits, 1)
     ]
-    _print(rows, str(image) if image is not None else item_id, query.threshold, as_json)
+    _print(rows, str(image) if image is not None else item_id, query.threshold, as_json, result)
 
 
-def _print(rows: list[dict], query: str | int | None, threshold: float | None, as_json: bool) -> None:
-    """The hits as JSON, a table on a terminal, or tab-separated lines; the match column only with a threshold."""
+def _print(
+    rows: list[dict], query: str | int | None, threshold: float | None, as_json: bool, result: QueryResult
+) -> None:
+    """The hits as JSON, a table on a terminal, or tab-separated lines; the match column only with a threshold; the
+    result's notes (e.g. the gallery item the query is, left out of its hits)."""
     title = f"nearest to {query if isinstance(query, str) else f'item {query}'}"
     unsure = threshold is not None and not (rows and rows[0]["match"])
     if as_json:
-        print(json.dumps({"query": query, "threshold": threshold, "hits": rows}, indent=2))
+        itself = result.itself.id if result.itself is not None else None
+        shown = {"query": query, "threshold": threshold, "hits": rows, "itself": itself, "notes": result.notes}
+        print(json.dumps(shown, indent=2))
     elif console.is_terminal:
         console.print(_table(rows, title + (f" ({NO_MATCH}: below {threshold:.4f})" if unsure else ""), threshold))
+        for note in result.notes:
+            console.print(f"note: {note}", highlight=False, soft_wrap=True)
     else:
         print(f"# {title}" + (f"\n# {NO_MATCH}: the best hit is below {threshold:.4f}" if unsure else ""))
+        print("".join(f"# note: {note}\n" for note in result.notes), end="")
         columns = ("rank", "id", "similarity", "label", "path") + (("match",) if threshold is not None else ())
         print("\t".join(columns))
         for row in rows:
