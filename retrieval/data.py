@@ -233,6 +233,11 @@ def _csv_columns(csv_path: Path, header: str) -> tuple[str, list[str]]:
 
 
 def _load_csv(csv_path: Path) -> Collection:
+    if csv_path.suffix.lower() in IMAGE_SUFFIXES:
+        raise RetrievalError(
+            f"{csv_path}: one image, not a collection; give the folder it is in ({csv_path.parent}), or a CSV or "
+            ".txt list of images"
+        )
     if csv_path.suffix.lower() != ".csv":
         raise RetrievalError(
             f"{csv_path}: expected an image folder, a .csv file with columns path,label or a .txt list of paths"

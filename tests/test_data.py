@@ -322,3 +322,12 @@ def test_labels_written_alike_but_for_case_or_separators_are_grouped_and_describ
     assert describe_variants(groups) == "'Cat' (3 images) and 'cat' (1); 'Golden Retriever' (1 image) and 'golden-retriever' (1) and 'golden_retriever' (1)"
     assert describe_variants(groups, shown=1).endswith("'cat' (1); and 1 more")
     assert label_variants([Item(Path("/a.png"), "cat"), Item(Path("/b.png"), "dog")]) == []
+
+
+def test_one_image_given_as_a_collection_names_its_folder(tmp_path: Path) -> None:
+    """`retrieval index RUN photo.jpg` said 'expected an image folder, a .csv file ...', as for any other file."""
+    (tmp_path / "cats").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "cats" / "a.JPG")
+    with pytest.raises(RetrievalError) as refused:
+        load_collection(tmp_path / "cats" / "a.JPG")
+    assert str(refused.value) == f"{tmp_path / 'cats' / 'a.JPG'}: one image, not a collection; give the folder it is in ({tmp_path / 'cats'}), or a CSV or .txt list of images"
