@@ -261,7 +261,9 @@ def search_image_bytes(
         for position, hits, own in zip(good, found, owns):
             results[position].hits, results[position].itself = hits, own
             if own is not None:
-                results[position].notes.append(f"the query is gallery item {own.id} ({own.path}), left out of its hits")
+                results[position].notes.append(
+                    f"the query is gallery item {own.id}, {Path(own.path).name}, left out of its hits"
+                )
     for result in results:
         result.seconds = time.perf_counter() - started
         result.batch = len(results)

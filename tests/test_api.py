@@ -48,7 +48,7 @@ def test_search_by_upload_and_by_raw_bytes_is_the_one_search_path(served: tuple[
         assert set(body["hits"][0]) == {"id", "score", "path", "label", "match"} and body["took_ms"] > 0
         assert SearchOut.model_validate(body).model_dump() == body  # the documented schema, field for field
         own = next(item_id for item_id, item in service.items.items() if item.path == image)
-        assert body["itself"] == own and f"the query is gallery item {own} ({image}), left out of its hits" in body["notes"]
+        assert body["itself"] == own and f"the query is gallery item {own}, {image.name}, left out of its hits" in body["notes"]
 
 
 def test_neighbours_of_an_item_and_the_label_filter(served: tuple[SearchService, str]) -> None:
