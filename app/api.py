@@ -180,11 +180,15 @@ def _info_routes(api: FastAPI, service: SearchService, allowed: list) -> None:
 
 def _known_options(request: Request) -> None:
     """Refuses query options the search routes do not take (?K=5, ?top_k=5, ?threshold=0.8): they were ignored, and
-    the defaults answered as if they had been heard."""
+    the defaults answered as if they had been heard; and options given twice (?k=3&k=5)."""
     unknown = sorted(set(request.query_params) - OPTIONS)
     if unknown:
         taken = ", ".join(sorted(OPTIONS))
         raise HTTPException(422, f"{', '.join(unknown)}: not an option of {request.url.path}; it takes {taken}")
+    for name in request.query_params:  # ?k=3&k=5: one of them was answered, the other ignored
+        values = request.query_params.getlist(name)
+        if len(values) > 1:
+            raise HTTPException(422, f"{name}: given {len(values)} times ({', '.join(values)}); give it once")
 
 
 def _not_allowed(methods: set[str]):  # noqa: ANN202  (a FastAPI endpoint)
