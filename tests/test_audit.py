@@ -509,3 +509,18 @@ def test_audit_with_folds_trains_a_short_run_per_fold_and_scores_each_image_out_
     assert all(set(row) >= {"path", "label", "suggested", "score"} for row in found["labels"])
     assert {Path(row["path"]).parent for row in found["labels"]} <= set(audited_folder.iterdir())
     assert not list(Path(demo_run.root).glob("fold-*"))  # the fold runs lived in a temporary folder
+
+
+def test_labels_written_alike_but_for_case_are_named_before_the_audit(demo_run: RunDir, icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Cat and cat in a CSV were audited as two classes without a word; --json stays quiet."""
+    root = copy_classes(icons_root, tmp_path / "pics", 2, "test")
+    first, second = sorted(path for path in root.iterdir())
+    rows = [f"{path},{first.name.upper() if number == 0 else first.name}" for number, path in enumerate(sorted(first.iterdir()))]
+    rows += [f"{path},{second.name}" for path in sorted(second.iterdir())]
+    (tmp_path / "labels.csv").write_text("path,label\n" + "\n".join(rows) + "\n")
+    assert main(["audit", str(demo_run.root), str(tmp_path / "labels.csv")]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    count = len(rows) - len(list(second.iterdir())) - 1
+    assert f"note: labels written alike but for case, spaces, - or _ are different classes: '{first.name}' ({count} images) and '{first.name.upper()}' (1)" in err
+    assert main(["audit", str(demo_run.root), str(tmp_path / "labels.csv"), "--json"]) == 0
+    assert "note:" not in capsys.readouterr().err

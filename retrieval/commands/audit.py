@@ -13,7 +13,16 @@ import typer
 from rich.table import Table
 
 from retrieval.commands.output import ModelOption, RunArg, console, errors
-from retrieval.data import COLLECTION_HINT, Collection, load_collection, require_source, shared_paths
+from retrieval.data import (
+    COLLECTION_HINT,
+    VARIANTS,
+    Collection,
+    describe_variants,
+    label_variants,
+    load_collection,
+    require_source,
+    shared_paths,
+)
 from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir, writable_folder
 
@@ -66,15 +75,8 @@ def audit(
         writable_folder(csv_dir, "--csv")
     if folds:
         _check_folds(collection, folds, fold_epochs)
-    elif not as_json:  # a script's --json is left quiet
-        _say_if_trained_on(run_dir, collection)
-    if shared and not as_json:
-        errors.print(
-            f"note: {len(shared)} file(s) are in DATA and in --against alike (e.g. {shared[0]}): each is listed as "
-            "a leak of itself; a file belongs in one split",
-            highlight=False,
-            soft_wrap=True,
-        )
+    if not as_json:  # a script's --json is left quiet
+        _say_before(run_dir, collection, shared, folds)
     from retrieval.audit import audit as run_audit
     from retrieval.audit import write_csvs
     from retrieval.embedders import OnnxEmbedder
@@ -92,6 +94,27 @@ def audit(
         print(json.dumps(found.to_dict(), indent=2))
     else:
         _print(found, shown, against is not None)
+
+
+def _say_before(run: RunDir, collection: Collection, shared: list[Path], folds: int) -> None:
+    """The notes worth reading before the audit's wait: images the run trained on (without --folds), files in both
+    collections, labels written alike but for case."""
+    if not folds:
+        _say_if_trained_on(run, collection)
+    if shared:
+        errors.print(
+            f"note: {len(shared)} file(s) are in DATA and in --against alike (e.g. {shared[0]}): each is listed as "
+            "a leak of itself; a file belongs in one split",
+            highlight=False,
+            soft_wrap=True,
+        )
+    variants = label_variants(collection.items)
+    if variants:
+        errors.print(
+            f"note: {VARIANTS}: {describe_variants(variants)}; the audit judges them so (each may suggest the other)",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def _collection(source: Path, option: str = "") -> Collection:
