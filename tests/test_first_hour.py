@@ -436,6 +436,7 @@ def test_the_parsers_own_mistakes_are_one_line(capsys: pytest.CaptureFixture[str
         ["serve", "run", "--port", "99999"],  # was a traceback from the port check's socket
         ["demo", "--port", "0"],
         ["demo", "--classes", "0"],  # trained, then failed on an empty CSV
+        ["demo", "--classes", "1"],  # wrote runs/demo/, then "only class ... is labeled" of a CSV the user never wrote
         ["index", "run", "images", "--batch-size", "-3"],  # was "nothing to index (no readable images)"
         ["index", "run", "images", "--threads", "0"],  # was silently all cores
         ["audit", "run", "images", "--shown", "-1"],

@@ -51,7 +51,7 @@ def demo(
     serve_app: Annotated[bool, typer.Option("--serve/--no-serve", help="Serve the app at the end.")] = True,
     epochs: Annotated[int | None, typer.Option(help="Training epochs (default: those of `retrieval train`).")] = None,
     classes: Annotated[
-        int | None, typer.Option(help="Use only the first N classes of each split (a quicker look).", min=1)
+        int | None, typer.Option(help="Use only the first N classes of each split (a quicker look; 2 or more).", min=2)
     ] = None,
     retrain: Annotated[bool, typer.Option("--retrain", help="Train again even if RUN holds a finished demo.")] = False,
     host: Annotated[str, typer.Option(help="Address to bind the app to.")] = "127.0.0.1",
