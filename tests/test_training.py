@@ -311,3 +311,23 @@ def test_labels_that_differ_only_in_case_are_named_before_training(small_folder:
     assert f"note: labels written alike but for case, spaces, - or _ are different classes: '{first}' ({count} images) and '{first.upper()}' (2)" in out
     prepare_data(TrainConfig(data=str(small_folder), val_classes=0), RunDir(tmp_path / "run2"), progress=False, ranks=Ranks())
     assert "note:" not in capsys.readouterr().out
+
+
+def test_out_of_memory_while_training_is_one_line_naming_the_options_that_shrink_it(small_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`train --embedding-dim 100000` ended in torch's 'DefaultCPUAllocator: can't allocate memory' traceback."""
+    import training.loop
+
+    def fails(config: TrainConfig, run: RunDir, resume: bool = False) -> None:
+        raise RuntimeError(f"[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate {40 * 2**30} bytes. Error code 12")
+
+    monkeypatch.setattr(training.loop, "train", fails)
+    assert main(["train", str(small_folder), "--run", str(tmp_path / "run"), "--embedding-dim", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: out of memory while training (it asked for 40.0 GiB); lower --batch-size (128), --image-size (64) or --embedding-dim (100000); what the run saved before is kept\n"
+
+    def other(config: TrainConfig, run: RunDir, resume: bool = False) -> None:
+        raise RuntimeError("a bug of ours")
+
+    monkeypatch.setattr(training.loop, "train", other)
+    with pytest.raises(RuntimeError, match="a bug of ours"):  # anything else is not dressed up as memory
+        main(["train", str(small_folder), "--run", str(tmp_path / "run2")])
