@@ -120,6 +120,7 @@ def test_memory_queue_is_first_in_first_out_and_follows_the_encoder() -> None:
         ({"workers": -1}, "--workers must not be negative, got -1"),
         ({"seed": -1}, "--seed must not be negative, got -1"),
         ({"patience": -1}, "--patience must not be negative, got -1"),
+        ({"patience": 3}, "--patience 3 stops when the held-out classes' MAP@R stops improving: give --val-classes too"),  # was ignored
         ({"proximal": -0.5}, "--proximal must not be negative, got -0.5"),
         ({"val_classes": 1.5}, r"--val-classes is a fraction of the classes in \[0, 1\), got 1.5"),
         ({"image_size": 100000}, "--image-size must be from 32 to 1024 pixels"),

@@ -243,6 +243,11 @@ def _check(config: TrainConfig) -> None:
             raise RetrievalError(f"--{name.replace('_', '-')} must not be negative, got {getattr(config, name)}")
     if not 0 <= config.val_classes < 1:
         raise RetrievalError(f"--val-classes is a fraction of the classes in [0, 1), got {config.val_classes}")
+    if config.patience and not config.val_classes:  # it was ignored: every epoch ran
+        raise RetrievalError(
+            f"--patience {config.patience} stops when the held-out classes' MAP@R stops improving: give --val-classes "
+            "too (e.g. 0.2), or leave --patience out"
+        )
     queued = "moco" in (config.ssl_method, config.loss) or config.loss in QUEUE_LOSSES
     if config.queue_size and not queued:
         raise RetrievalError(f"--queue-size works with the {' and '.join(QUEUE_LOSSES)} losses and moco")
