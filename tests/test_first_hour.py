@@ -156,7 +156,11 @@ def test_a_run_directory_is_resumed_or_overwritten_never_silently_replaced(small
     assert main(["train", "--run", str(run.root), "--resume"]) == 2  # no DATA needed, and nothing left to do
     assert "is finished (1 of 1 epochs trained): nothing to resume" in capsys.readouterr().err
     write_json(run.config, {**read_json(run.config), "epochs": 2}, sealed=True)  # one more epoch to go
-    assert main(["train", "--run", str(run.root), "--resume"]) == 0
+    # options that differ from the run's were ignored beside --resume (--epochs 5 trained 2); how to run it applies
+    assert main(["train", "--run", str(run.root), "--resume", "--epochs", "5", "--loss", "npair"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"--resume continues {run.root} with the options it started with: --loss npair (it has supcon), --epochs 5 (it has 2) would not apply" in err
+    assert main(["train", str(small_folder), "--run", str(run.root), *TINY, "--resume", "--epochs", "2", "--device", "cpu"]) == 0
     assert len(run.train_log.read_text().splitlines()) == 2
     assert main(["train", str(small_folder), "--run", str(run.root), *TINY, "--overwrite"]) == 0
     assert len(run.train_log.read_text().splitlines()) == 1

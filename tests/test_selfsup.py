@@ -210,7 +210,7 @@ def test_every_method_trains_on_a_folder_without_labels(method: str, icons_root:
     assert main(["export", str(run.root)]) == 0  # the whitening is fitted on the unlabeled images
 
 
-def test_labels_withheld_partly_labeled_and_adapted_runs(icons_root: Path, tmp_path: Path) -> None:
+def test_labels_withheld_partly_labeled_and_adapted_runs(icons_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     labeled = copy_classes(icons_root, tmp_path / "labeled", 4)
     runs = {name: RunDir(tmp_path / name) for name in ("withheld", "partly", "adapted")}
     assert main(["train", str(labeled), "--run", str(runs["withheld"].root), "--self-supervised", "--val-classes", "0.5", *TINY]) == 0
@@ -225,8 +225,10 @@ def test_labels_withheld_partly_labeled_and_adapted_runs(icons_root: Path, tmp_p
     assert [configs[name]["mode"] for name in runs] == ["self-supervised", "partly labeled", "adapted"]
     assert configs["adapted"]["adapt"] == str(gallery) and configs["adapted"]["ssl_loss"] == "simclr" and configs["adapted"]["loss"] == "supcon"
     joint = RunDir(tmp_path / "joint")
-    assert main(["train", str(tmp_path / "clean"), "--run", str(joint.root), "--adapt", str(gallery), "--ssl-loss", "joint", *TINY]) == 0
+    monkeypatch.chdir(tmp_path)  # a gallery given relative is kept as a full path: --resume or export may start elsewhere
+    assert main(["train", str(tmp_path / "clean"), "--run", str(joint.root), "--adapt", "gallery", "--ssl-loss", "joint", *TINY]) == 0
     config = json.loads(joint.config.read_text())
+    assert config["adapt"] == str(gallery.resolve())
     assert (config["ssl_loss"], config["ssl_temperature"]) == ("joint", config["temperature"])
     assert math.isfinite(json.loads(joint.train_log.read_text().splitlines()[-1])["loss"])
 

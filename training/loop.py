@@ -67,6 +67,16 @@ class TrainResult:
         return own + (f", self-supervised on {self.pool} images ({self.mode})" if self.pool else "")
 
 
+def refuse_finished(run: RunDir, record: Progress, config: TrainConfig) -> None:
+    """A resumed run with nothing left to do (all epochs, or stopped early) says so instead of training nothing."""
+    epochs, patience = int(config.epochs), config.patience
+    if record.epoch >= epochs or (patience and record.stale_epochs >= patience):
+        raise RetrievalError(
+            f"{run.root} is finished ({record.epoch} of {epochs} epochs trained): nothing to resume; "
+            f"export it with `retrieval export {shell_path(run.root)}`, or train more in a new run"
+        )
+
+
 class _Projected(nn.Module):
     """The encoder as the loss sees it (its projection head's output), for DDP and torch.compile to wrap."""
 
@@ -297,7 +307,7 @@ class Trainer:
         run = self.run
         if resume:
             self.record = self.state.load()
-            self._refuse_finished()
+            refuse_finished(run, self.record, self.config)
             if self.ranks.is_main:
                 lines = (
                     run.train_log.read_text(encoding="utf-8").splitlines()[: self.record.epoch]
@@ -311,15 +321,6 @@ class Trainer:
             run.train_log.unlink(missing_ok=True)
             # a best checkpoint of an earlier run would be taken for this one's
             run.best_checkpoint.unlink(missing_ok=True)
-
-    def _refuse_finished(self) -> None:
-        """A resumed run with nothing left to do (all epochs, or stopped early) says so instead of training nothing."""
-        record, epochs, patience = self.record, int(self.config.epochs), self.config.patience
-        if record.epoch >= epochs or (patience and record.stale_epochs >= patience):
-            raise RetrievalError(
-                f"{self.run.root} is finished ({record.epoch} of {epochs} epochs trained): nothing to resume; "
-                f"export it with `retrieval export {shell_path(self.run.root)}`, or train more in a new run"
-            )
 
     def epoch(self, epoch: int) -> float:
         """One pass over the batches, then checkpoint, validation, log and trainer state; returns the loss."""

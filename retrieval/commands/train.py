@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
 
@@ -41,6 +41,7 @@ class Option:
         return inspect.Parameter(self.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
 
 
+RESUME_MAY_CHANGE = ("device", "workers", "tensorboard")  # how a run is run, not what it learns: --resume takes them
 OUT_OF_MEMORY = re.compile(r"can't allocate memory|out of memory", re.IGNORECASE)  # torch's CPU and CUDA words
 DATA_LABELED = "an image folder ROOT/<label>/<image> or a CSV with columns path,label"
 ANALYZE_DATA_HELP = f"Labeled images: {DATA_LABELED}."
@@ -171,12 +172,10 @@ def run_training(data: Path | None, run_dir: RunDir, resume: bool, overwrite: bo
     from training.config import TrainConfig
     from training.loop import train
 
+    if given.get("adapt") is not None:  # kept as a full path: a resumed run (or export) may start elsewhere
+        given["adapt"] = str(Path(given["adapt"]).expanduser().resolve())
     if resume:
-        config = TrainConfig.from_dict(read_json(run_dir.config))
-        if data is not None and Path(config.data) != data.expanduser().resolve():
-            raise RetrievalError(
-                f"--resume continues {run_dir.root} on its own data ({config.data}); leave DATA out or give that path"
-            )
+        config = _resumed(run_dir, data, given)
     else:
         if data is None:
             raise RetrievalError(
@@ -196,6 +195,36 @@ def run_training(data: Path | None, run_dir: RunDir, resume: bool, overwrite: bo
         return  # under torchrun, process 0 reports
     report_skipped(result.skipped, run_dir.root / "skipped.json")
     console.print(f"{result.describe()}; final loss {result.final_loss:.4f}; checkpoint {run_dir.last_checkpoint}")
+
+
+def _resumed(run_dir: RunDir, data: Path | None, given: dict) -> TrainConfig:
+    """The run's own config, to continue it; options given beside --resume that differ from it are refused (they
+    were ignored), except those of how to run it (RESUME_MAY_CHANGE), which apply."""
+    from training.config import TrainConfig
+
+    config = TrainConfig.from_dict(read_json(run_dir.config))
+    if data is not None and Path(config.data) != data.expanduser().resolve():
+        raise RetrievalError(
+            f"--resume continues {run_dir.root} on its own data ({config.data}); leave DATA out or give that path"
+        )
+    changed = [
+        name for name, value in given.items() if name not in RESUME_MAY_CHANGE and getattr(config, name) != value
+    ]
+    if changed:
+        listed = ", ".join(
+            f"--{name.replace('_', '-')} {given[name]} (it has {getattr(config, name)})" for name in changed
+        )
+        raise RetrievalError(
+            f"--resume continues {run_dir.root} with the options it started with: {listed} would not apply; leave "
+            f"{'it' if len(changed) == 1 else 'them'} out, or train a new run (another --run)"
+        )
+    from training.checkpoints import saved_record
+    from training.loop import refuse_finished
+
+    record = saved_record(run_dir.trainer_state)
+    if record is not None:  # said before every image is checked again
+        refuse_finished(run_dir, record, config)
+    return replace(config, **{name: given[name] for name in RESUME_MAY_CHANGE if name in given})
 
 
 def _out_of_memory(error: BaseException, config: TrainConfig) -> RetrievalError:
