@@ -248,7 +248,10 @@ def _load_csv(csv_path: Path) -> Collection:
     seen: dict[Path, str] = {}  # the label of each image's first row
     with csv_path.open(newline="", encoding="utf-8-sig") as handle:  # -sig: the BOM of Excel's "CSV UTF-8"
         separator, columns = _csv_columns(csv_path, handle.readline())
-        for row in csv.DictReader(handle, fieldnames=columns, delimiter=separator):
+        reader, line = csv.DictReader(handle, fieldnames=columns, delimiter=separator), 1
+        for row in reader:
+            _refuse_spanning(csv_path, row, line + 1)
+            line = reader.line_num + 1  # the header was read before the reader counted
             raw = (row.get("path") or "").strip()
             if not raw:
                 continue
@@ -264,6 +267,19 @@ def _load_csv(csv_path: Path) -> Collection:
             seen[resolved] = label
             items.append(Item(resolved, label))
     return Collection(csv_path.resolve(), items, skipped)
+
+
+def _refuse_spanning(csv_path: Path, row: dict, line: int) -> None:
+    """Raises RetrievalError where a row's path or label runs over several lines: a quote left open (\"cat) takes
+    every row after it into one field, and those images would be lost without a word."""
+    for column in ("path", "label"):
+        value = row.get(column) or ""
+        if "\n" in value or "\r" in value:
+            first = value.splitlines()[0]
+            raise RetrievalError(
+                f"{csv_path}, line {line}: its {column} runs over {len(value.splitlines())} lines ({first!r} ...), a "
+                'quote (") left open; close it or remove it'
+            )
 
 
 def _listed(base: Path, raw: str, not_found: str) -> tuple[Path, str | None]:
