@@ -13,7 +13,17 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.data import Collection, Item, Skipped, load_collection, shared_paths, split_by_class
+from retrieval.data import (
+    VARIANTS,
+    Collection,
+    Item,
+    Skipped,
+    describe_variants,
+    label_variants,
+    load_collection,
+    shared_paths,
+    split_by_class,
+)
 from retrieval.embedders import Embedder, embed_items
 from retrieval.errors import RetrievalError
 from retrieval.metrics import QueryScores, Ranking, clustering_metrics, embedding_diagnostics, score_queries
@@ -156,6 +166,7 @@ def evaluate_query_gallery(
 ) -> Evaluation:
     """Scores each query against a separate gallery (neither contains the other's items: refused)."""
     _refuse_shared(queries, gallery)
+    _refuse_disjoint(queries, gallery)
     query_vectors, query_items, skipped = _embed_labeled(embedder, queries, progress)
     gallery_vectors, gallery_items, gallery_skipped = _embed_labeled(embedder, gallery, progress)
     scores = score_queries(
@@ -174,6 +185,25 @@ def evaluate_query_gallery(
         **seen_without_labels(embedder),
     }
     return _evaluation(scores, query_vectors, query_items, gallery_items, skipped + gallery_skipped, described)
+
+
+def _refuse_disjoint(queries: Collection, gallery: Collection) -> None:
+    """Raises RetrievalError before any embedding where no query's label is a gallery label (nothing to score),
+    naming labels written alike but for case (APPLE against apple) as the likely reason."""
+    asked, held = {item.label for item in queries.items if item.label}, {item.label for item in gallery.items}
+    if not asked or asked & held:
+        return  # (no label at all is said where the images are embedded)
+    line = (
+        f"no query label is a gallery label: the queries ({queries.source}) have {_some(asked)} and the gallery "
+        f"({gallery.source}) {_some(held - {''})}"
+    )
+    groups = label_variants(queries.items + gallery.items)
+    raise RetrievalError(line + (f"; {VARIANTS}: {describe_variants(groups)}" if groups else ""))
+
+
+def _some(labels: set[str], shown: int = 3) -> str:
+    """The first labels in order, quoted, with ... where there are more."""
+    return ", ".join(map(repr, sorted(labels)[:shown])) + (", ..." if len(labels) > shown else "")
 
 
 def _refuse_shared(queries: Collection, gallery: Collection) -> None:

@@ -160,3 +160,18 @@ def test_unscored_queries_are_named_with_labels_that_differ_only_in_case(demo_ru
         assert f"'{label}' ({len(list((gallery / label).iterdir()))} images) and '{label.upper()}' (1)" in out
     assert main(["evaluate", str(demo_run.root), str(gallery)]) == 0  # every query scored: no note
     assert "not scored" not in capsys.readouterr().out
+
+
+def test_queries_whose_labels_no_gallery_image_has_are_refused_before_embedding(demo_run: RunDir, icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Queries labeled APPLE against a gallery labeled apple were embedded, then refused as 'no query has a relevant
+    item in the gallery', without the labels that made it so."""
+    gallery = copy_classes(icons_root, tmp_path / "gallery", 2, split="test")
+    rows = ["path,label"]
+    for image in sorted(gallery.glob("*/*"))[::3]:  # every third image moves out, as a query labeled in capitals
+        rows.append(f"{image.rename(tmp_path / image.name)},{image.parent.name.upper()}")
+    (tmp_path / "queries.csv").write_text("\n".join(rows) + "\n")
+    assert main(["evaluate", str(demo_run.root), "--query", str(tmp_path / "queries.csv"), "--gallery", str(gallery)]) == 2
+    captured = capsys.readouterr()
+    first, second = sorted(folder.name for folder in gallery.iterdir())
+    assert f"error: no query label is a gallery label: the queries ({tmp_path / 'queries.csv'}) have '{first.upper()}', '{second.upper()}' and the gallery ({gallery}) '{first}', '{second}'; labels written alike but for case" in " ".join(captured.err.split())
+    assert "embedding" not in captured.out + captured.err  # said before the embedding pass
