@@ -168,14 +168,14 @@ def _evaluate(
     name += (f"-{reranker.method}" if reranker.active else "") + ("-int8" if model == "int8" else "")
     compared = (lambda: _score(compare, sources, ks, split_classes, seed, reranker, model).metrics) if compare else None
     _report(RunDir(run), name, evaluation, compare, compared)
-    _say_unscored(evaluation)
     _say_if_trained_on(RunDir(run), [source for source in sources if source is not None])
 
 
 def _report(
     run_dir: RunDir, name: str, evaluation: Evaluation, compare: Path | None, compared: Callable[[], dict] | None
 ) -> None:
-    """Saves the metrics and plots of an evaluation, and prints them (beside a compared run's, with --compare)."""
+    """Saves the metrics and plots of an evaluation, and prints them (beside a compared run's, with --compare), and
+    the queries it could not score."""
     from retrieval.evaluation import SEEN, write_plots
 
     metrics = evaluation.metrics
@@ -193,6 +193,7 @@ def _report(
         console.print(f"the model has seen the images of {metrics[SEEN]} in training, without their labels (--adapt)")
     also = " and comparison.json" if compare else ""
     console.print(f"wrote {saved} (also as {run_dir.metrics}){also} and the plots in {run_dir.plots}", soft_wrap=True)
+    _say_unscored(evaluation)
 
 
 def _require_held_out(run: RunDir, collections: list[Collection]) -> None:
