@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
@@ -30,8 +30,9 @@ class IndexReport:
     embedded: int  # embedded by this job (new or changed files)
     resumed: int  # embedded by an interrupted earlier job, taken from its journal
     unchanged: int  # already indexed with the same content
-    removed: int  # entries whose file changed or (with sync) disappeared
+    removed: int  # entries whose file changed or (with sync) disappeared or can no longer be read
     skipped: list[Skipped]
+    stale: list[str] = field(default_factory=list)  # indexed files now unreadable, their entries kept (without sync)
 
 
 def journal_path(directory: Path) -> Path:
@@ -127,7 +128,10 @@ def _build_index(
         skipped += batch.skipped
     listed = {str(item.path) for item in collection.items}
     replaced = {path for path, digest in journal.hashes().items() if scan.current.get(path) == digest}
-    remove = [item_id for path, (item_id, _) in indexed.items() if path in replaced or (sync and path not in listed)]
+    unreadable = {str(entry.path) for entry in skipped} & indexed.keys()  # an indexed file broken since
+    drop = sync and unreadable < listed & indexed.keys()  # not when none can be read: a disk gone, not the files
+    readable = listed - unreadable if drop else listed
+    remove = [item_id for path, (item_id, _) in indexed.items() if path in replaced or (sync and path not in readable)]
     additions = _Replay(lambda: _current_only(journal.chunks(), scan.current))
     if base is not None and not replaced and not remove:
         index = base  # nothing changed: the index on disk stays as it is
@@ -138,7 +142,8 @@ def _build_index(
     journal.discard()
     write_skip_report(directory / SKIP_REPORT, skipped)
     resumed = len(scan.from_journal)
-    return IndexReport(index, embedded, resumed, unchanged_count - resumed, len(remove), skipped)
+    stale = [] if drop else sorted(unreadable)
+    return IndexReport(index, embedded, resumed, unchanged_count - resumed, len(remove), skipped, stale)
 
 
 def _refuse_other_gallery(directory: Path, collection: Collection, indexed: dict[str, tuple[int, str]]) -> None:

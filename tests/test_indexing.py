@@ -78,6 +78,27 @@ def test_sync_with_another_gallery_is_refused_not_emptying_the_index(embedder: O
     assert moved.removed == count and len(moved.index) == count
 
 
+def test_an_indexed_file_broken_since_is_noted_kept_and_removed_by_sync_unless_none_can_be_read(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:
+    """A file truncated after it was indexed kept its entry without a word, also with --sync (the index said 20
+    images, and search found the broken file)."""
+    gallery = copy_classes(icons_root, tmp_path / "gallery", 2, split="test")
+    directory = tmp_path / "index"
+    count = len(build_index(embedder, load_collection(gallery), directory, progress=False).index)
+    files = sorted(gallery.rglob("*.png"))
+    files[0].write_bytes(files[0].read_bytes()[:100])
+    kept = build_index(embedder, load_collection(gallery), directory, progress=False)
+    assert kept.stale == [str(files[0].resolve())] and kept.removed == 0 and len(kept.index) == count
+    synced = build_index(embedder, load_collection(gallery), directory, sync=True, progress=False)
+    assert synced.stale == [] and synced.removed == 1 and files[0].name not in indexed_paths(directory)
+    for image in files[1:]:  # none can be read (a disk gone, not the files): --sync keeps every entry
+        os.chmod(image, 0)
+    if os.access(files[1], os.R_OK):  # root reads whatever the mode says: the files are broken instead
+        for image in files[1:]:
+            image.write_bytes(b"")
+    blind = build_index(embedder, load_collection(gallery), directory, sync=True, progress=False)
+    assert blind.removed == 0 and len(blind.index) == count - 1 and len(blind.stale) == count - 1
+
+
 def test_a_txt_list_indexes_unlabeled_images(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:
     files = sorted((icons_root / "test").rglob("*.png"))[:5]
     listing = tmp_path / "gallery.txt"

@@ -96,6 +96,13 @@ def index(
         f"index {target}: {len(report.index)} images · embedded {report.embedded} · resumed {report.resumed} · "
         f"unchanged {report.unchanged} · removed {report.removed} · skipped {len(report.skipped)}"
     )
+    if report.stale:
+        console.print(
+            f"note: {len(report.stale)} indexed file(s) can no longer be read (e.g. {report.stale[0]}): their entries "
+            "keep what the files held when indexed; --sync removes them",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def _interrupted(target: Path) -> NoReturn:
