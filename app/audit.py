@@ -16,9 +16,10 @@ import numpy as np
 
 from app.components import PageData, refused, tile_gallery
 from app.service import SearchService
-from retrieval.audit import Suspect, suspects
+from retrieval.audit import DEPTH, Suspect, agreement, describe_agreement, suspects
 from retrieval.decisions import LABELS_CSV, Decision, LabelDecision, decide, decided_labels, read_decisions
 from retrieval.errors import RetrievalError
+from retrieval.knn import Neighbours
 from retrieval.runs import shell_path
 
 SUSPECTS_SHOWN = 200  # rows of the suspects table at most
@@ -42,6 +43,7 @@ class GallerySuspects:
 
     shown: list[ShownSuspect]
     total: int
+    agreement: float | None = None  # retrieval.audit.agreement of the gallery, decisions applied
 
 
 def labels_csv(service: SearchService) -> Path:
@@ -59,7 +61,8 @@ def gallery_suspects(service: SearchService) -> GallerySuspects:
     gallery = decided_labels([items[i] for i in ids], decisions)
     vectors = np.asarray(service.index.vectors_of(ids), np.float32)
     id_of = {item.path: item_id for item_id, item in zip(ids, gallery, strict=True)}
-    found: list[Suspect] = [s for s in suspects(gallery, vectors) if s.path not in decisions]
+    shared = Neighbours.of(vectors, DEPTH) if len(ids) > 1 else None  # one search for both
+    found: list[Suspect] = [s for s in suspects(gallery, vectors, neighbours=shared) if s.path not in decisions]
     shown = [
         ShownSuspect(
             id_of[s.path],
@@ -71,7 +74,7 @@ def gallery_suspects(service: SearchService) -> GallerySuspects:
         )
         for s in found[:SUSPECTS_SHOWN]
     ]
-    return GallerySuspects(shown, len(found))
+    return GallerySuspects(shown, len(found), agreement(gallery, vectors, shared) if shared is not None else None)
 
 
 def as_rows(found: list[ShownSuspect]) -> list[list]:
@@ -118,6 +121,8 @@ class AuditHandlers:
         more = f" (the first {len(found.shown)} shown)" if found.total > len(found.shown) else ""
         labeled = sum(bool(item.label) for item in self.service.items.values())
         line = f"**{found.total}** suspected wrong label(s) of {labeled} labeled images{more}: click one to see it."
+        said = describe_agreement(found.agreement)
+        line += f" {said[:1].upper()}{said[1:]}." if said else ""
         return as_rows(found.shown), as_data(found.shown), line
 
     def open(self, data: list[dict], event: gr.SelectData) -> tuple[list[tuple[str, str]], str, dict | None]:

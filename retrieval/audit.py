@@ -34,6 +34,7 @@ from retrieval.runs import write_atomic
 CLOSEST = 3  # the closest images of a label whose mean similarity is compared (chosen on held-out classes)
 DEPTH = 50  # neighbours searched per image for the other labels' closest
 OUTLIER_SPREAD = 4.0  # robust deviations (1.4826 x MAD) below the median closeness that make an outlier
+WEAK_AGREEMENT = 0.7  # below this leave-one-out recall@1, many suspects are the model's mistakes (docs/trust.md)
 
 
 class OutlierKind(Enum):
@@ -104,10 +105,12 @@ class Audit:
     leaks: list[Leak] = field(default_factory=list)
     outliers: list[Outlier] = field(default_factory=list)
     images: int = 0
+    agreement: float | None = None  # see agreement(); None where nothing could be scored, or with --folds
 
     def to_dict(self) -> dict:
         return {
             "images": self.images,
+            "agreement": self.agreement,
             "labels": [suspect.to_dict() for suspect in self.labels],
             "duplicates": [duplicate.to_dict() for duplicate in self.duplicates],
             "leaks": [leak.to_dict() for leak in self.leaks],
@@ -236,6 +239,30 @@ def _suspects(
     ]
 
 
+def agreement(items: Sequence[Item], vectors: np.ndarray, neighbours: Neighbours | None = None) -> float | None:
+    """The share of labeled images (of labels with two or more) whose closest other labeled image has their label:
+    leave-one-out recall@1, how far the model's neighbours can judge the labels (None: no such image)."""
+    labels = np.asarray([item.label for item in items])
+    classes, counts = np.unique(labels[labels != ""], return_counts=True)
+    rows = np.flatnonzero(np.isin(labels, classes[counts > 1]))
+    if not len(rows):
+        return None
+    ids = (neighbours or Neighbours.of(vectors, DEPTH)).ids[rows]
+    labeled = labels[ids] != ""
+    first = ids[np.arange(len(rows)), np.argmax(labeled, axis=1)]  # a row without one: no labeled image close
+    return float(np.mean(labeled.any(axis=1) & (labels[first] == labels[rows])))
+
+
+def describe_agreement(share: float | None) -> str:
+    """The agreement in words, with a caution where it is weak (empty where there is none)."""
+    if share is None:
+        return ""
+    line = f"the closest image has the same label for {share:.0%} of the labeled images (leave-one-out recall@1)"
+    if share < WEAK_AGREEMENT:
+        line += ": at this level many suspects are the model's mistakes rather than the labels' (docs/trust.md)"
+    return line
+
+
 def check_folds(labels: Sequence[str], folds: int) -> None:
     """Refuses a fold count that leaves a fold without some label (or fewer than two folds), in one line."""
     smallest = int(min(np.unique(np.asarray(labels), return_counts=True)[1], default=0))
@@ -339,6 +366,7 @@ def audit(
         leaks=leaks(collection, other, shown) if other is not None else [],
         outliers=outliers(collection.items, collection.vectors, collection.skipped, shared),
         images=len(collection.items) + len(collection.skipped),
+        agreement=agreement(collection.items, collection.vectors, shared) if several and not folds else None,
     )
 
 

@@ -197,6 +197,8 @@ def _fold_spaces(
 def _print(found: Audit, shown: int, leaks: bool) -> None:
     """The tables (the first `shown` rows of each; leaks only when there was --against), paths relative to the folder
     they share; a table with no row is one line saying none."""
+    from retrieval.audit import describe_agreement
+
     every = [s.path for s in found.labels] + [p for d in found.duplicates for p in d.paths]
     every += [leak.path for leak in found.leaks] + [o.path for o in found.outliers]
     root = Path(os.path.commonpath([str(path.parent) for path in every])) if every else Path()
@@ -227,4 +229,5 @@ def _print(found: Audit, shown: int, leaks: bool) -> None:
         if len(rows) > shown:
             table.add_row(f"… and {len(rows) - shown} more (--json or --csv: all)", *[""] * (len(columns) - 1))
         console.print(table)
-    console.print(f"audited {found.images} image(s)")
+    agreement = describe_agreement(found.agreement)
+    console.print(f"audited {found.images} image(s)" + (f"; {agreement}" if agreement else ""), soft_wrap=True)
