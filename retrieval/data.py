@@ -32,6 +32,7 @@ SPLIT_NAMES = frozenset(
     {"train", "training", "test", "testing", "val", "valid", "validation", "dev", "query", "gallery"}
 )
 WINDOWS_DRIVE = re.compile(r"[A-Za-z]:[\\/]")  # C:\photos\a.png, D:/x.png
+INDEX_FILES = ("manifest.json", "items.sqlite")  # a folder with these holds an index (index/types.py), not images
 CSV_SEPARATORS = ",;\t"  # a spreadsheet's CSV: commas, semicolons where the comma is the decimal mark, or tabs
 
 
@@ -153,7 +154,7 @@ def _refuse_split_labels(root: Path, labels: set[str]) -> None:
 
 def _walk(root: Path) -> tuple[list[Path], list[Skipped]]:
     """Every non-folder entry under root, and the folders not entered, with why: symlinked ones (no loops, nothing
-    outside root) and run directories (`train photos --run photos/run`: the run's plots are not photos); hidden
+    outside root), run directories (`train photos --run photos/run`: the run's plots are not photos) and indexes; hidden
     folders are not entered either (their files are left out, as hidden files are)."""
     if RunDir(root).holds_run():
         raise RetrievalError(f"{root}: a run directory, not a collection of images; give the folder of images")
@@ -181,6 +182,8 @@ def _not_entered(folder: Path) -> str | None:
         return "a link to a folder: not followed (it could loop, or lead out of the collection)"
     if RunDir(folder).holds_run():
         return "a run directory (its plots and checkpoints are not images): not read"
+    if all((folder / name).is_file() for name in INDEX_FILES):
+        return "an index (`retrieval index ... --index` put it here): not read"
     return None
 
 

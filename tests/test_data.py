@@ -49,6 +49,18 @@ def test_a_run_kept_among_the_images_is_not_read_as_a_class(tmp_path: Path) -> N
         load_collection(tmp_path / "run")
 
 
+def test_an_index_kept_among_the_images_is_not_read(tmp_path: Path) -> None:
+    """`retrieval index RUN photos --index photos/idx` listed the index's own four files as skipped on every run."""
+    (tmp_path / "cat").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "cat" / "a.png")
+    (tmp_path / "idx").mkdir()
+    for name in ("manifest.json", "items.sqlite", "vectors.faiss", "skipped.json"):
+        (tmp_path / "idx" / name).write_text("{}")
+    collection = load_collection(tmp_path)
+    assert [item.path.name for item in collection.items] == ["a.png"]
+    assert [(s.path, s.reason) for s in collection.skipped] == [(tmp_path / "idx", "an index (`retrieval index ... --index` put it here): not read")]
+
+
 def test_paths_written_on_windows_are_read_or_named(tmp_path: Path) -> None:
     """A CSV made on Windows (photos\\cat\\a.png) skipped every row as "not found"; a drive's path said only that."""
     (tmp_path / "photos" / "cat").mkdir(parents=True)
