@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.table import Table
@@ -21,6 +21,9 @@ from retrieval.data import load_collection
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
 from retrieval.runs import RunDir
+
+if TYPE_CHECKING:
+    from index.build import IndexReport
 
 IMAGES_HELP = (
     "Images to index: a folder (labels from ROOT/<label>/ when present), a CSV path,label, or a .txt list of paths."
@@ -44,7 +47,10 @@ def index(
     images: Annotated[Path, typer.Argument(help=IMAGES_HELP, show_default=False)],
     index_dir: IndexOption = None,
     sync: Annotated[
-        bool, typer.Option("--sync", help="Also remove entries whose files are no longer in IMAGES.")
+        bool,
+        typer.Option(
+            "--sync", help="Also remove entries whose files are no longer in IMAGES or can no longer be read."
+        ),
     ] = False,
     rebuild: Annotated[bool, typer.Option("--rebuild", help="Ignore the existing index and build it anew.")] = False,
     batch_size: Annotated[
@@ -91,6 +97,11 @@ def index(
         report = build_index(embedder, load_collection(images), target, ray=ray, milvus=milvus, **options)
     except KeyboardInterrupt:
         _interrupted(target)
+    _report(report, target)
+
+
+def _report(report: IndexReport, target: Path) -> None:
+    """The files skipped, the job's counts in one line, and the indexed files that can no longer be read."""
     report_skipped(report.skipped, target / "skipped.json")
     console.print(
         f"index {target}: {len(report.index)} images · embedded {report.embedded} · resumed {report.resumed} · "
