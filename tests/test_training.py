@@ -179,7 +179,8 @@ def test_trainer_state_from_another_process_count_or_damaged_is_refused(small_fo
         TrainerState(run.trainer_state, model, optimizer, schedule, scaler, None, Ranks()).load()
 
 
-def test_compiled_and_fp16_training_write_plain_checkpoints(small_folder: Path, tmp_path: Path) -> None:
+def test_compiled_and_fp16_training_write_plain_checkpoints(small_folder: Path, tmp_path: Path, recwarn: pytest.WarningsRecorder) -> None:
+    """fp16's first steps, which its loss scaler skips, also printed PyTorch's warning that the schedule stepped first."""
     from training.checkpoints import load_encoder
 
     for name, flags in (("compiled", ["--compile"]), ("fp16", ["--precision", "fp16"])):
@@ -187,6 +188,7 @@ def test_compiled_and_fp16_training_write_plain_checkpoints(small_folder: Path, 
         assert main(["train", str(small_folder), "--run", str(run.root), "--epochs", "1", "--batch-size", "8", "--image-size", "32", *flags]) == 0
         model, _ = load_encoder(run)  # no torch.compile prefix in the weights' names
         assert torch.isfinite(model(torch.randn(2, 3, 32, 32))).all()
+    assert not [warning for warning in recwarn if "lr_scheduler.step()" in str(warning.message)]
 
 
 def test_pretrained_weights_offline_fail_with_a_clear_message(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

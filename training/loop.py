@@ -14,6 +14,7 @@ import json
 import math
 import re
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -441,7 +442,11 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.schedule.step()
+        with warnings.catch_warnings():  # fp16's scaler skips a step whose gradients overflow (the first ones, as it
+            # finds its scale); the schedule counts every step all the same, as a resumed run does: PyTorch's warning
+            # that the optimizer did not step first is not for this
+            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"), UserWarning)
+            self.schedule.step()
 
     @property
     def exported(self) -> Encoder:
