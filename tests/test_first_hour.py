@@ -157,9 +157,9 @@ def test_a_run_directory_is_resumed_or_overwritten_never_silently_replaced(small
     assert "is finished (1 of 1 epochs trained): nothing to resume" in capsys.readouterr().err
     write_json(run.config, {**read_json(run.config), "epochs": 2}, sealed=True)  # one more epoch to go
     # options that differ from the run's were ignored beside --resume (--epochs 5 trained 2); how to run it applies
-    assert main(["train", "--run", str(run.root), "--resume", "--epochs", "5", "--loss", "npair"]) == 2
+    assert main(["train", "--run", str(run.root), "--resume", "--epochs", "5", "--loss", "npair", "--embedding-dim", "64"]) == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert f"--resume continues {run.root} with the options it started with: --loss npair (it has supcon), --epochs 5 (it has 2) would not apply" in err
+    assert f"--resume continues {run.root} with the options it started with: --loss npair (it has supcon), --epochs 5 (it has 2), --embedding-dim 64 (it has the default) would not apply" in err
     assert main(["train", str(small_folder), "--run", str(run.root), *TINY, "--resume", "--epochs", "2", "--device", "cpu"]) == 0
     assert len(run.train_log.read_text().splitlines()) == 2
     assert main(["train", str(small_folder), "--run", str(run.root), *TINY, "--overwrite"]) == 0

@@ -211,9 +211,8 @@ def _resumed(run_dir: RunDir, data: Path | None, given: dict) -> TrainConfig:
         name for name, value in given.items() if name not in RESUME_MAY_CHANGE and getattr(config, name) != value
     ]
     if changed:
-        listed = ", ".join(
-            f"--{name.replace('_', '-')} {given[name]} (it has {getattr(config, name)})" for name in changed
-        )
+        theirs = {name: "the default" if getattr(config, name) is None else getattr(config, name) for name in changed}
+        listed = ", ".join(f"--{name.replace('_', '-')} {given[name]} (it has {theirs[name]})" for name in changed)
         raise RetrievalError(
             f"--resume continues {run_dir.root} with the options it started with: {listed} would not apply; leave "
             f"{'it' if len(changed) == 1 else 'them'} out, or train a new run (another --run)"
