@@ -320,17 +320,17 @@ def test_out_of_memory_while_training_is_one_line_naming_the_options_that_shrink
     """`train --embedding-dim 100000` ended in torch's 'DefaultCPUAllocator: can't allocate memory' traceback."""
     import training.loop
 
-    def fails(config: TrainConfig, run: RunDir, resume: bool = False) -> None:
+    def fails(*_: object) -> None:  # where the training starts: the demo, analyze and --folds train through it too
         raise RuntimeError(f"[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate {40 * 2**30} bytes. Error code 12")
 
-    monkeypatch.setattr(training.loop, "train", fails)
+    monkeypatch.setattr(training.loop, "prepare_data", fails)
     assert main(["train", str(small_folder), "--run", str(tmp_path / "run"), "--embedding-dim", "100000"]) == 2
     err = capsys.readouterr().err
     assert err == "error: out of memory while training (it asked for 40.0 GiB); lower --batch-size (128), --image-size (64) or --embedding-dim (100000); what the run saved before is kept\n"
 
-    def other(config: TrainConfig, run: RunDir, resume: bool = False) -> None:
+    def other(*_: object) -> None:
         raise RuntimeError("a bug of ours")
 
-    monkeypatch.setattr(training.loop, "train", other)
+    monkeypatch.setattr(training.loop, "prepare_data", other)
     with pytest.raises(RuntimeError, match="a bug of ours"):  # anything else is not dressed up as memory
         main(["train", str(small_folder), "--run", str(tmp_path / "run2")])

@@ -47,6 +47,9 @@ from training.validation import VALIDATION_KEYS, Validator
 Batches = ClassBalancedBatchSampler | InstanceBatchSampler | MixedBatchSampler
 
 
+OUT_OF_MEMORY = re.compile(r"can't allocate memory|out of memory", re.IGNORECASE)  # torch's CPU and CUDA words
+
+
 @dataclass
 class TrainResult:
     """What a finished run produced."""
@@ -152,8 +155,26 @@ def train(config: TrainConfig, run: RunDir, progress: bool = True, resume: bool 
             data = prepare_data(config, run, progress and ranks.is_main, ranks)
             trainer = Trainer(data.config, run, data, ranks, device, progress and ranks.is_main)
             return trainer.fit(resume)
+    except (MemoryError, RuntimeError) as error:  # torch's CPU allocator and CUDA raise RuntimeErrors
+        if not isinstance(error, MemoryError) and not OUT_OF_MEMORY.search(str(error)):
+            raise
+        raise _out_of_memory(error, config) from None
     finally:
         stop()
+
+
+def _out_of_memory(error: BaseException, config: TrainConfig) -> RetrievalError:
+    """One line for a model or batch that does not fit (train, the demo, analyze, --folds alike): how much was asked
+    for, and the options that shrink it."""
+    asked = re.search(r"allocate (\d+) bytes|allocate ([\d.]+ [KMGT]iB)", str(error))
+    size = ""
+    if asked:
+        size = f" (it asked for {int(asked.group(1)) / 2**30:.1f} GiB)" if asked.group(1) else f" ({asked.group(2)})"
+    dim = config.embedding_dim or "the backbone's width"
+    return RetrievalError(
+        f"out of memory while training{size}; lower --batch-size ({config.batch_size}), --image-size "
+        f"({config.image_size}) or --embedding-dim ({dim}); what the run saved before is kept"
+    )
 
 
 def training_lock(run: RunDir) -> contextlib.AbstractContextManager[None]:

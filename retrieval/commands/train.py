@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
@@ -42,7 +41,6 @@ class Option:
 
 
 RESUME_MAY_CHANGE = ("device", "workers", "tensorboard")  # how a run is run, not what it learns: --resume takes them
-OUT_OF_MEMORY = re.compile(r"can't allocate memory|out of memory", re.IGNORECASE)  # torch's CPU and CUDA words
 DATA_LABELED = "an image folder ROOT/<label>/<image> or a CSV with columns path,label"
 ANALYZE_DATA_HELP = f"Labeled images: {DATA_LABELED}."
 SWEEP_CLASSES = 4  # analyze trains on some classes and measures on at least two held-out ones
@@ -187,10 +185,6 @@ def run_training(data: Path | None, run_dir: RunDir, resume: bool, overwrite: bo
         result = train(config, run_dir, resume=resume)
     except KeyboardInterrupt:
         _interrupted(run_dir)
-    except (MemoryError, RuntimeError) as error:  # torch's CPU allocator and CUDA raise RuntimeErrors
-        if not isinstance(error, MemoryError) and not OUT_OF_MEMORY.search(str(error)):
-            raise
-        raise _out_of_memory(error, config) from None
     if not result.reporting:
         return  # under torchrun, process 0 reports
     report_skipped(result.skipped, run_dir.root / "skipped.json")
@@ -224,19 +218,6 @@ def _resumed(run_dir: RunDir, data: Path | None, given: dict) -> TrainConfig:
     if record is not None:  # said before every image is checked again
         refuse_finished(run_dir, record, config)
     return replace(config, **{name: given[name] for name in RESUME_MAY_CHANGE if name in given})
-
-
-def _out_of_memory(error: BaseException, config: TrainConfig) -> RetrievalError:
-    """One line for a model or batch that does not fit: how much was asked for, and the options that shrink it."""
-    asked = re.search(r"allocate (\d+) bytes|allocate ([\d.]+ [KMGT]iB)", str(error))
-    size = ""
-    if asked:
-        size = f" (it asked for {int(asked.group(1)) / 2**30:.1f} GiB)" if asked.group(1) else f" ({asked.group(2)})"
-    dim = config.embedding_dim or "the backbone's width"
-    return RetrievalError(
-        f"out of memory while training{size}; lower --batch-size ({config.batch_size}), --image-size "
-        f"({config.image_size}) or --embedding-dim ({dim}); what the run saved before is kept"
-    )
 
 
 def _refuse_existing(run: RunDir, overwrite: bool) -> None:
