@@ -120,8 +120,7 @@ def _load_folder(root: Path) -> Collection:
     base = root.absolute()  # skipped files are reported with absolute paths, as every image is
     files, skipped = _walk(base)
     for path in sorted(files):
-        relative = path.relative_to(base)
-        if any(part.startswith(".") for part in relative.parts):
+        if path.name.startswith("."):  # hidden files; hidden folders were not walked
             continue
         if path.suffix.lower() not in IMAGE_SUFFIXES:
             skipped.append(Skipped(path, f"not an image file type ({path.suffix or 'no suffix'})"))
@@ -130,6 +129,7 @@ def _load_folder(root: Path) -> Collection:
         if problem:
             skipped.append(Skipped(path, problem))
             continue
+        relative = path.relative_to(base)
         label = relative.parts[0] if len(relative.parts) > 1 else ""
         items.append(Item(path.resolve(), label))
     _refuse_split_labels(root, {item.label for item in items})
