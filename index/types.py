@@ -14,14 +14,14 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from retrieval.data import Item
+from retrieval.data import INDEX_ITEMS, INDEX_MANIFEST, Item
 from retrieval.errors import RetrievalError
 from retrieval.runs import shell_path
 
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
+MANIFEST = INDEX_MANIFEST  # named in the core, whose collections leave an index kept among images out
 VECTORS = "vectors.faiss"
-ITEMS = "items.sqlite"
+ITEMS = INDEX_ITEMS
 SKIP_REPORT = "skipped.json"  # the files the last indexing job skipped, and why
 RAW = "raw.f32"  # compressed types only: the exact float32 vectors, row id - 1, read memory-mapped to re-rank
 INDEX_FILES = {MANIFEST, VECTORS, ITEMS, SKIP_REPORT, RAW}  # what an index's folder holds

@@ -32,7 +32,7 @@ SPLIT_NAMES = frozenset(
     {"train", "training", "test", "testing", "val", "valid", "validation", "dev", "query", "gallery"}
 )
 WINDOWS_DRIVE = re.compile(r"[A-Za-z]:[\\/]")  # C:\photos\a.png, D:/x.png
-INDEX_FILES = ("manifest.json", "items.sqlite")  # a folder with these holds an index (index/types.py), not images
+INDEX_MANIFEST, INDEX_ITEMS = "manifest.json", "items.sqlite"  # an index's files (index/types.py takes them from here)
 CSV_SEPARATORS = ",;\t"  # a spreadsheet's CSV: commas, semicolons where the comma is the decimal mark, or tabs
 
 
@@ -182,7 +182,7 @@ def _not_entered(folder: Path) -> str | None:
         return "a link to a folder: not followed (it could loop, or lead out of the collection)"
     if RunDir(folder).holds_run():
         return "a run directory (its plots and checkpoints are not images): not read"
-    if all((folder / name).is_file() for name in INDEX_FILES):
+    if (folder / INDEX_MANIFEST).is_file() and (folder / INDEX_ITEMS).is_file():
         return "an index (`retrieval index ... --index` put it here): not read"
     return None
 
