@@ -130,8 +130,8 @@ def _build_index(
     replaced = {path for path, digest in journal.hashes().items() if scan.current.get(path) == digest}
     unreadable = {str(entry.path) for entry in skipped} & indexed.keys()  # an indexed file broken since
     drop = sync and unreadable < listed & indexed.keys()  # not when none can be read: a disk gone, not the files
-    readable = listed - unreadable if drop else listed
-    remove = [item_id for path, (item_id, _) in indexed.items() if path in replaced or (sync and path not in readable)]
+    gone = (indexed.keys() - listed if sync else set()) | (unreadable if drop else set())
+    remove = [item_id for path, (item_id, _) in indexed.items() if path in replaced or path in gone]
     additions = _Replay(lambda: _current_only(journal.chunks(), scan.current))
     if base is not None and not replaced and not remove:
         index = base  # nothing changed: the index on disk stays as it is
