@@ -89,6 +89,25 @@ def test_search_into_a_pipe_prints_ids_and_whole_paths(demo_run: RunDir, capsys:
         assert Path(path).is_file() and int(item_id) >= 1 and 0 < float(score) <= 1.0001
 
 
+def test_a_tab_or_newline_in_a_label_or_path_stays_in_its_field(capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder named with a tab or a newline (Linux allows both) split a hit into more fields or lines when piped."""
+    from index.search import QueryResult
+    from index.types import Hit
+    from retrieval.commands.search import _print
+
+    hits = [Hit(7, "/g/a\nb.png", "cat\tdog", 0.5, ""), Hit(8, "/g/c\rd.png", "back\\slash", 0.25, "")]
+    rows = [{"rank": rank, "id": hit.id, "score": hit.score, "label": hit.label, "path": hit.path, "match": None} for rank, hit in enumerate(hits, 1)]
+    _print(rows, "/q/new\nline.png", None, False, QueryResult(hits, notes=["a note\nover two lines"]))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "# nearest to /q/new\\nline.png",
+        "# note: a note\\nover two lines",
+        "rank\tid\tsimilarity\tlabel\tpath",
+        "1\t7\t0.5000\tcat\\tdog\t/g/a\\nb.png",
+        "2\t8\t0.2500\tback\\\\slash\t/g/c\\rd.png",
+    ]
+
+
 def test_search_as_json(demo_run: RunDir, capsys: pytest.CaptureFixture[str]) -> None:
     from retrieval.commands import main
 

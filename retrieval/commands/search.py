@@ -52,7 +52,8 @@ def search(
     """Print the k nearest gallery images to a query image, or to an indexed item (--id).
 
     On a terminal, a table with paths under the folder all hits share; piped or redirected, a
-    "# nearest to" line, then one tab-separated line per hit with full paths; with --json, JSON.
+    "# nearest to" line, then one tab-separated line per hit with full paths (a tab, newline or backslash in a
+    label or path written \\t, \\n or \\\\); with --json, JSON.
     Where the run has a match threshold (or --threshold), each hit says whether it is a match, and
     "no confident match" is said when the best hit is not.
     """
@@ -101,13 +102,19 @@ def _print(
         for note in result.notes:
             console.print(f"note: {note}", highlight=False, soft_wrap=True)
     else:
-        print(f"# {title}" + (f"\n# {NO_MATCH}: the best hit is below {threshold:.4f}" if unsure else ""))
-        print("".join(f"# note: {note}\n" for note in result.notes), end="")
+        print(f"# {_escaped(title)}" + (f"\n# {NO_MATCH}: the best hit is below {threshold:.4f}" if unsure else ""))
+        print("".join(f"# note: {_escaped(note)}\n" for note in result.notes), end="")
         columns = ("rank", "id", "similarity", "label", "path") + (("match",) if threshold is not None else ())
         print("\t".join(columns))
         for row in rows:
             shown = (row["rank"], row["id"], f"{row['score']:.4f}", row["label"], row["path"], _yes(row["match"]))
-            print("\t".join(map(str, shown[: len(columns)])))
+            print("\t".join(_escaped(str(value)) for value in shown[: len(columns)]))
+
+
+def _escaped(text: str) -> str:
+    """A field of the tab-separated lines as one field on one line: backslash, tab, newline and carriage return in
+    a label or path written \\\\, \\t, \\n and \\r (as PostgreSQL's text format and other TSV readers write them)."""
+    return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
 
 
 def _yes(match: bool | None) -> str:
