@@ -251,9 +251,10 @@ def _load_csv(csv_path: Path) -> Collection:
     seen: dict[Path, str] = {}  # the label of each image's first row
     with csv_path.open(newline="", encoding="utf-8-sig") as handle:  # -sig: the BOM of Excel's "CSV UTF-8"
         separator, columns = _csv_columns(csv_path, handle.readline())
-        reader, read = csv.DictReader(handle, fieldnames=columns, delimiter=separator), 0
-        for row in reader:
-            if reader.line_num > read + 1:  # the row took several lines (or blank ones came first)
+        reader, read = csv.reader(handle, delimiter=separator), 0
+        for fields in reader:
+            row = dict(zip(columns, fields))  # a short row lacks its last columns; a blank line is an empty row
+            if reader.line_num > read + 1:  # the row took several lines
                 _refuse_spanning(csv_path, row, read + 2)  # + 2: the header was read before the reader counted
             read = reader.line_num
             raw = (row.get("path") or "").strip()

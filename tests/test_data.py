@@ -353,5 +353,8 @@ def test_a_quote_left_open_in_a_csv_is_refused_naming_its_line(tmp_path: Path) -
     with pytest.raises(RetrievalError) as refused:
         load_collection(tmp_path / "labels.csv")
     assert str(refused.value) == f"{tmp_path / 'labels.csv'}, line 3: its label runs over 3 lines ('cat' ...), a quote (\") left open; close it or remove it"
+    (tmp_path / "labels.csv").write_text('path,label\na.png,cat\n\n\nb.png,"cat\nc.png,dog\nd.png,dog\n')
+    with pytest.raises(RetrievalError, match=", line 5: its label runs over 3 lines"):  # after blank lines: its own
+        load_collection(tmp_path / "labels.csv")
     (tmp_path / "labels.csv").write_text('path,label\na.png,cat\n"b.png",cat\nc.png,"d,og"\n')  # quotes closed: read
     assert [item.label for item in load_collection(tmp_path / "labels.csv").items] == ["cat", "cat", "d,og"]
