@@ -260,7 +260,8 @@ def _sweep_losses(losses: str | None, self_supervised: bool) -> list[str]:
     """--losses "supcon,hard" -> the names (the mode's default when not given), or one line naming an unknown one."""
     from training.config import LOSSES, SSL_LOSSES
 
-    names = [part.strip() for part in (losses or ("simclr,hard" if self_supervised else "supcon,hard")).split(",")]
+    given = ("simclr,hard" if self_supervised else "supcon,hard") if losses is None else losses  # "" is given: empty
+    names = [part.strip() for part in given.split(",")]
     unknown = [name for name in names if name and name not in LOSSES and name not in SSL_LOSSES]
     choices = ", ".join(sorted({*LOSSES, *SSL_LOSSES}))
     if unknown:
