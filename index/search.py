@@ -79,15 +79,29 @@ Itself = Callable[[Hit], bool]  # whether a hit is the query itself (its id, or 
 def search_vectors(
     index: GalleryBackend,
     vectors: np.ndarray,
-    queries: Sequence[Query],
+    queries: Query | Sequence[Query],
     itself: Sequence[Itself | None] | None = None,
 ) -> list[list[Hit]]:
-    """The hits of each row of vectors, answered together for queries that share a depth, a label and a re-ranker.
+    """The hits of each row of vectors (one Query for all, or one per row), answered together for queries that share
+    a depth, a label and a re-ranker.
 
     itself[i] tells query i's own gallery item, left out of its hits, and, when re-ranking, of its
     shortlist and of its candidates' augmentation, as evaluation leaves a query out.
     """
-    return _search(index, vectors, queries, itself)[0]
+    vectors = np.atleast_2d(np.asarray(vectors, np.float32))
+    return _search(index, vectors, _per_query(queries, len(vectors), "vectors"), itself)[0]
+
+
+def _per_query(queries: Query | Sequence[Query], count: int, what: str) -> list[Query]:
+    """A Query for each of count images or vectors: one Query given is each one's; a list must be as long (a shorter
+    one would leave the rest unanswered without a word)."""
+    if isinstance(queries, Query):
+        return [queries] * count
+    if len(queries) != count:
+        raise RetrievalError(
+            f"{count} {what} for {len(queries)} queries: give one Query for all of them, or a list of one per item"
+        )
+    return list(queries)
 
 
 def _search(
@@ -96,7 +110,6 @@ def _search(
     """search_vectors's hits, and each query's own gallery item that was left out of them (None: not found)."""
     found: list[list[Hit]] = [[] for _ in queries]
     left_out: list[Hit | None] = [None] * len(queries)
-    vectors = np.atleast_2d(np.asarray(vectors, np.float32))
     itself = list(itself) if itself is not None else [None] * len(queries)
     for (depth, label, reranker), rows in _groups(queries).items():
         k = max(queries[row].k for row in rows) + any(itself[row] is not None for row in rows)
@@ -218,11 +231,13 @@ def search_item(index: GalleryBackend, item_id: int, query: Query = Query()) -> 
 
 
 def search_images(
-    index: GalleryBackend, embedder: Embedder, images: Sequence[str | Path], queries: Sequence[Query]
+    index: GalleryBackend, embedder: Embedder, images: Sequence[str | Path], queries: Query | Sequence[Query]
 ) -> list[QueryResult]:
-    """The hits of each image file, embedded in one call; a gallery item with an image's exact bytes is left out."""
-    if len(images) != len(queries):
-        raise RetrievalError(f"{len(images)} images for {len(queries)} queries")
+    """The hits of each image file (one Query for all, or one per image), embedded in one call; a gallery item with an
+    image's exact bytes is left out."""
+    if isinstance(images, (str, Path)):
+        raise RetrievalError(f"images: a list of image files, not one file; write [{str(images)!r}]")
+    queries = _per_query(queries, len(images), "images")
     read: list[ImageQuery | Failure] = []
     for path in images:
         try:
@@ -234,11 +249,14 @@ def search_images(
 
 
 def search_image_bytes(
-    index: GalleryBackend, embedder: Embedder, images: Sequence[ImageQuery | Failure], queries: Sequence[Query]
+    index: GalleryBackend,
+    embedder: Embedder,
+    images: Sequence[ImageQuery | Failure],
+    queries: Query | Sequence[Query],
 ) -> list[QueryResult]:
-    """The hits of each image (uploads, or files read; a Failure is that query's, as it came), embedded in one call."""
-    if len(images) != len(queries):
-        raise RetrievalError(f"{len(images)} images for {len(queries)} queries")
+    """The hits of each image (uploads, or files read; a Failure is that query's, as it came), embedded in one call;
+    one Query for all, or one per image."""
+    queries = _per_query(queries, len(images), "images")
     started = time.perf_counter()
     results = [QueryResult(error=image if isinstance(image, Failure) else None) for image in images]
     decoded, digests, good = [], [], []

@@ -126,3 +126,22 @@ def test_a_folder_of_other_files_or_the_one_worked_in_is_never_an_index_swapped_
     (tmp_path / "empty").mkdir()
     with writer_lock(tmp_path / "empty"):
         pass
+
+
+def test_one_query_serves_every_vector_and_a_list_of_another_length_is_refused(tmp_path: Path) -> None:
+    """search_vectors(index, five_vectors, [Query(3)]) answered the first vector and dropped four without a word;
+    search_images(index, embedder, "query.jpg", ...) read "9 images for 1 queries"."""
+    from index.search import Query, search_images, search_vectors
+
+    index, vectors = build(tmp_path / "index")
+    each = search_vectors(index, vectors[:5], Query(3))
+    assert [hits[0].id for hits in each] == [1, 2, 3, 4, 5] and all(len(hits) == 3 for hits in each)
+    assert each == search_vectors(index, vectors[:5], [Query(3)] * 5)
+    with pytest.raises(RetrievalError) as refused:
+        search_vectors(index, vectors[:5], [Query(3)])
+    assert str(refused.value) == "5 vectors for 1 queries: give one Query for all of them, or a list of one per item"
+    with pytest.raises(RetrievalError) as refused:
+        search_images(index, None, "query.jpg", [Query(3)])  # type: ignore[arg-type]
+    assert str(refused.value) == "images: a list of image files, not one file; write ['query.jpg']"
+    with pytest.raises(RetrievalError, match="^2 images for 3 queries"):
+        search_images(index, None, ["a.jpg", "b.jpg"], [Query(3)] * 3)  # type: ignore[arg-type]
