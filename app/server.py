@@ -50,7 +50,10 @@ def loopback(host: str) -> bool:
 
 
 def parse_auth(auth: str | None) -> tuple[str, str] | None:
-    """user:password from --auth or the RETRIEVAL_AUTH variable; None when neither is set."""
+    """user:password from --auth or the RETRIEVAL_AUTH variable; None when neither is set. An empty --auth is refused:
+    `--auth "$PASS"` with PASS unset served the app without a password, the user believing it had one."""
+    if auth == "":
+        raise RetrievalError("--auth is empty (a shell variable unset?); give user:password, or leave --auth out")
     value = auth or os.environ.get(AUTH_VARIABLE)
     if not value:
         return None

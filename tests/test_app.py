@@ -321,6 +321,8 @@ def test_authentication_and_binding(service: SearchService, monkeypatch: pytest.
         launch(service, host="0.0.0.0", port=free_port(), block=False)
     with pytest.raises(RetrievalError, match="user:password"):
         parse_auth("nopassword")
+    with pytest.raises(RetrievalError, match="--auth is empty"):  # it served without a password
+        parse_auth("")
     monkeypatch.setenv("RETRIEVAL_AUTH", "ann:secret")
     assert parse_auth(None) == ("ann", "secret")
     port = free_port()
