@@ -185,6 +185,9 @@ def test_cli_index_choice_stats_and_depth(demo_run: RunDir, icons_root: Path, tm
     assert "add --rebuild" in capsys.readouterr().err
     assert main(["index", str(demo_run.root), str(images), "--index", str(tmp_path / "other"), "--memory", "lots"]) == 2
     assert "--memory 'lots'" in capsys.readouterr().err
+    for option in ("--memory", "--faiss"):  # "$BUDGET" unset: the default was used without a word
+        assert main(["index", str(demo_run.root), str(images), "--index", str(tmp_path / "other"), option, ""]) == 2
+        assert f"{option} is empty (a shell variable unset?)" in capsys.readouterr().err and not (tmp_path / "other").exists()
 
 
 WRITER = """
