@@ -135,6 +135,8 @@ def _evaluate(
             f"--split-classes {split_classes:g}: give a fraction of the classes from 0 (all) to below 1, e.g. 0.5"
         )
     if compare is not None:  # said before this run's images are embedded
+        if compare.resolve() == run.resolve():
+            raise RetrievalError(f"--compare {compare}: the run being evaluated; give another run to compare it with")
         RunDir(compare).require_model()
     if calibrate:
         from retrieval.calibration import require_target
