@@ -81,6 +81,7 @@ def test_compare_scores_two_runs_on_the_same_protocol(demo_run: RunDir, icons_ro
     assert (demo_run.root / "plots" / "compare_recall_at_k.png").read_bytes()[:8] == PNG
     table = capsys.readouterr().out
     assert "other - run" in table and "0.000" in table  # the same model: no difference
+    assert "recall@1 per class, this run -> other: the same in all 2 classes" in table  # not an empty table
     assert main(["evaluate", str(demo_run.root), str(data), "--compare", str(demo_run.root / ".." / "run")]) == 2
     assert capsys.readouterr().err.startswith(f"error: --compare {demo_run.root / '..' / 'run'}: the run being evaluated")  # fmt: skip
 

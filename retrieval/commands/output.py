@@ -98,8 +98,11 @@ def confusion_table(confusions: list[dict], shown: int = 10) -> Table | str:
     return table
 
 
-def class_changes_table(changes: dict, other: str, shown: int = 10) -> Table:
-    """The classes whose recall@1 changed most from this run to the other (retrieval.mistakes.compare_classes)."""
+def class_changes_table(changes: dict, other: str, shown: int = 10) -> Table | str:
+    """The classes whose recall@1 changed most from this run to the other (retrieval.mistakes.compare_classes); one
+    line where none changed."""
+    if not changes["better"] and not changes["worse"]:
+        return f"recall@1 per class, this run -> {other}: the same in all {changes['classes']} classes"
     table = Table(
         title=f"recall@1 per class, this run -> {other}",
         caption=f"{changes['unchanged']} of {changes['classes']} classes unchanged",
