@@ -16,7 +16,7 @@ import numpy as np
 
 from app.components import PageData, refused, tile_gallery
 from app.service import SearchService
-from retrieval.audit import DEPTH, Suspect, agreement, describe_agreement, suspects
+from retrieval.audit import DEPTH, LABELED_HINT, Suspect, agreement, describe_agreement, suspects
 from retrieval.decisions import LABELS_CSV, Decision, LabelDecision, decide, decided_labels, read_decisions
 from retrieval.errors import RetrievalError
 from retrieval.knn import Neighbours
@@ -115,11 +115,13 @@ class AuditHandlers:
 
     def audit(self) -> tuple[list[list], list[dict], str]:
         """The suspects table, its rows' data, and a line saying how many (and what to do)."""
+        labeled = sum(bool(item.label) for item in self.service.items.values())
+        if not labeled:
+            return [], [], f"No label is judged: no image of the gallery has a label ({LABELED_HINT})."
         found = gallery_suspects(self.service)
         if not found.total:
             return [], [], "No suspected wrong label: every image's closest images agree with its label."
         more = f" (the first {len(found.shown)} shown)" if found.total > len(found.shown) else ""
-        labeled = sum(bool(item.label) for item in self.service.items.values())
         line = f"**{found.total}** suspected wrong label(s) of {labeled} labeled images{more}: click one to see it."
         said = describe_agreement(found.agreement)
         line += f" {said[:1].upper()}{said[1:]}." if said else ""

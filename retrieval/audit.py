@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.data import Item, Skipped
+from retrieval.data import COLLECTION_HINT, Item, Skipped
 from retrieval.duplicates import CANDIDATES, CopyKind, CopyPair, copy_groups, find_copies
 from retrieval.errors import RetrievalError
 from retrieval.knn import Neighbours
@@ -34,6 +34,7 @@ from retrieval.runs import write_atomic
 CLOSEST = 3  # the closest images of a label whose mean similarity is compared (chosen on held-out classes)
 DEPTH = 50  # neighbours searched per image for the other labels' closest
 OUTLIER_SPREAD = 4.0  # robust deviations (1.4826 x MAD) below the median closeness that make an outlier
+LABELED_HINT = f"labels come from {COLLECTION_HINT}"  # said where no image has a label to judge
 WEAK_AGREEMENT = 0.7  # below this leave-one-out recall@1, many suspects are the model's mistakes (docs/trust.md)
 
 
@@ -105,11 +106,13 @@ class Audit:
     leaks: list[Leak] = field(default_factory=list)
     outliers: list[Outlier] = field(default_factory=list)
     images: int = 0
+    labeled: int = 0  # images with a label: the ones whose label is judged
     agreement: float | None = None  # see agreement(); None where nothing could be scored, or with --folds
 
     def to_dict(self) -> dict:
         return {
             "images": self.images,
+            "labeled": self.labeled,
             "agreement": self.agreement,
             "labels": [suspect.to_dict() for suspect in self.labels],
             "duplicates": [duplicate.to_dict() for duplicate in self.duplicates],
@@ -366,6 +369,7 @@ def audit(
         leaks=leaks(collection, other, shown) if other is not None else [],
         outliers=outliers(collection.items, collection.vectors, collection.skipped, shared),
         images=len(collection.items) + len(collection.skipped),
+        labeled=sum(bool(item.label) for item in collection.items),
         agreement=agreement(collection.items, collection.vectors, shared) if several and not folds else None,
     )
 

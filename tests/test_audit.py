@@ -9,6 +9,7 @@ import json
 import shutil
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -449,6 +450,25 @@ def audit_run(demo_run: RunDir, tmp_path_factory: pytest.TempPathFactory) -> tup
     shifted = [Item(item.path, other) if item.path == moved.path else item for item in items]
     build_index(embedder, Collection(root / "gallery.csv", shifted, []), run.index, rebuild=True, progress=False)
     return run, moved
+
+
+def test_images_without_labels_are_said_not_judged_not_found_right(demo_run: RunDir, icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder of images without subfolders (no labels) read "suspected wrong labels (of 6 images): none", and the
+    Audit tab of such a gallery "every image's closest images agree with its label"."""
+    import app.audit as audit_tab
+
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for image in copy_classes(icons_root, tmp_path / "pics", 2, "test").rglob("*.png"):
+        image.rename(flat / f"{image.parent.name}-{image.name}")
+    assert main(["audit", str(demo_run.root), str(flat)]) == 0
+    said = "suspected wrong labels: not judged, no image has a label (labels come from an image folder ROOT/<label>/<image>"
+    assert capsys.readouterr().out.startswith(said)
+    assert main(["audit", str(demo_run.root), str(flat), "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["labeled"] == 0 and found["labels"] == [] and found["images"] == len(list(flat.iterdir()))
+    unlabeled = SimpleNamespace(items={1: Item(flat / "a.png", ""), 2: Item(flat / "b.png", "")})
+    assert audit_tab.AuditHandlers(unlabeled).audit()[2].startswith("No label is judged: no image of the gallery has a label")  # type: ignore[arg-type]
 
 
 def test_the_audit_tab_counts_every_suspect_beyond_those_it_shows(audit_run: tuple[RunDir, Item], monkeypatch: pytest.MonkeyPatch) -> None:

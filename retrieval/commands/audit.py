@@ -197,7 +197,7 @@ def _fold_spaces(
 def _print(found: Audit, shown: int, leaks: bool) -> None:
     """The tables (the first `shown` rows of each; leaks only when there was --against), paths relative to the folder
     they share; a table with no row is one line saying none."""
-    from retrieval.audit import describe_agreement
+    from retrieval.audit import LABELED_HINT, describe_agreement
 
     every = [s.path for s in found.labels] + [p for d in found.duplicates for p in d.paths]
     every += [leak.path for leak in found.leaks] + [o.path for o in found.outliers]
@@ -207,7 +207,7 @@ def _print(found: Audit, shown: int, leaks: bool) -> None:
         return os.path.relpath(path, root) if every else str(path)
 
     tables = [
-        (f"suspected wrong labels (of {found.images} images, most suspect first)",
+        (f"suspected wrong labels (of {found.labeled} labeled images, most suspect first)",
          ["path", "label", "suggested", "score"], found.labels,
          lambda s: [short(s.path), s.label, s.suggested, f"{s.score:.3f}"]),
         ("copies", ["images", "kind", "score"], found.duplicates,
@@ -217,7 +217,12 @@ def _print(found: Audit, shown: int, leaks: bool) -> None:
         ("outliers", ["path", "why", "closeness"], found.outliers,
          lambda o: [short(o.path), o.reason or o.kind.value, "" if o.score is None else f"{o.score:.3f}"]),
     ]  # fmt: skip
+    if not found.labeled:
+        tables[0] = (f"suspected wrong labels: not judged, no image has a label ({LABELED_HINT})", [], [], str)
     for title, columns, rows, cells in tables:
+        if not rows and not columns:
+            console.print(title, highlight=False)
+            continue
         if not rows:
             console.print(f"{title}: none")
             continue
