@@ -30,6 +30,8 @@ def test_every_backbone_gives_unit_embeddings_and_projections(backbone: str) -> 
 def test_backbone_mistakes_are_explained() -> None:
     with pytest.raises(RetrievalError, match="unknown backbone 'resnet9'"):
         Encoder("resnet9")
+    with pytest.raises(RetrievalError, match="unknown backbone 'resnet9'"):  # with the options: before the images are checked
+        TrainConfig(data="photos", backbone="resnet9")
     with pytest.raises(RetrievalError, match="timm has no model 'no_such_net'"):
         Encoder("timm:no_such_net")
     with pytest.raises(RetrievalError, match="multiple of 16"):

@@ -10,7 +10,7 @@ from retrieval.errors import RetrievalError
 from retrieval.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 from training.augment import DEFAULT_AUGMENT, SSL_AUGMENT, parse_augment
 from training.losses import DEFAULT_TEMPERATURES, LOSSES
-from training.model import POOLINGS, STEMS, Architecture, parse_layers, weights_cached
+from training.model import POOLINGS, STEMS, Architecture, parse_layers, require_backbone, weights_cached
 from training.selfsup import BESIDE_LABELS, JOINT, SSL_LOSSES, SSL_TEMPERATURES
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -230,6 +230,7 @@ def _check(config: TrainConfig) -> None:
     _one_of("optimizer", config.optimizer, OPTIMIZERS)
     _one_of("precision", config.precision, PRECISIONS)
     _one_of("stem", config.stem, STEMS)
+    require_backbone(config.backbone)
     _one_of("pooling", config.pooling, POOLINGS)
     for name in ("temperature", "ssl_temperature", "ssl_weight"):
         if getattr(config, name) is not None and getattr(config, name) <= 0:

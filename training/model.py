@@ -170,6 +170,15 @@ def _pooled_stages(model: nn.Module, name: str, pooling: str, layers: str) -> tu
     return backbone, backbone.width
 
 
+def require_backbone(name: str) -> None:
+    """Refuses a backbone this product cannot build (said when the options are read, before the images are checked);
+    a timm:<model> is looked up when it is built."""
+    if not name.startswith(TIMM_PREFIX) and name not in BACKBONES:
+        raise RetrievalError(
+            f"unknown backbone {name!r}; choose one of {', '.join(BACKBONES)}, or timm:<model> with timm installed"
+        )
+
+
 def make_backbone(name: str, pretrained: bool, image_size: int = 224, stem: str = "imagenet") -> tuple[nn.Module, int]:
     """Returns a backbone that maps images to pooled features, and its feature width.
 
@@ -189,10 +198,7 @@ def make_backbone(name: str, pretrained: bool, image_size: int = 224, stem: str 
         )
     if name.startswith(TIMM_PREFIX):
         return _timm_backbone(name.removeprefix(TIMM_PREFIX), pretrained)
-    if name not in BACKBONES:
-        raise RetrievalError(
-            f"unknown backbone {name!r}; choose one of {', '.join(BACKBONES)}, or timm:<model> with timm installed"
-        )
+    require_backbone(name)
     options: dict = {}
     if name.startswith("vit_"):
         if image_size % 16:
