@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import difflib
 import re
 import secrets
 from typing import Annotated
@@ -96,6 +97,9 @@ def build_api(service: SearchService, credentials: tuple[str, str] | None, max_u
     _info_routes(api, service, allowed)
     for path, methods in ROUTES.items():
         api.add_api_route(path, _not_allowed(methods), methods=sorted(METHODS - methods), include_in_schema=False)
+    api.add_api_route(
+        "/api/{rest:path}", _no_route, methods=sorted(METHODS), include_in_schema=False, dependencies=allowed
+    )
     return api
 
 
@@ -200,6 +204,23 @@ def _not_allowed(methods: set[str]):  # noqa: ANN202  (a FastAPI endpoint)
         return JSONResponse({"detail": detail}, status_code=405, headers={"Allow": allow})
 
     return refuse
+
+
+async def _no_route(request: Request) -> JSONResponse:
+    """A 404 under /api/ that names the routes and the one meant, where a path is close to one (neighbors, a missing
+    v1): the app's plain "Not Found" said neither."""
+    path = request.url.path.rstrip("/")
+    parts = path.split("/")
+    filled = {}  # each route as this request would have written it: {item_id} given the request's own segment
+    for route in ROUTES:
+        segments = route.split("/")
+        if len(segments) == len(parts):
+            segments = [part if segment.startswith("{") else segment for segment, part in zip(segments, parts)]
+        filled["/".join(segments)] = route
+    meant = difflib.get_close_matches(path, filled, n=1, cutoff=0.75)
+    routes = ", ".join(f"{' '.join(sorted(methods))} {route}" for route, methods in ROUTES.items())
+    hint = f"did you mean {sorted(ROUTES[filled[meant[0]]])[0]} {meant[0]}? " if meant else ""
+    return JSONResponse({"detail": f"no route {request.url.path}; {hint}the API's routes: {routes} (and /docs)"}, 404)
 
 
 def _answer(result: QueryResult) -> JSONResponse:

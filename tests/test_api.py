@@ -163,3 +163,15 @@ def test_an_upload_limit_of_nothing_is_refused(text: str) -> None:
     with pytest.raises(RetrievalError, match=f"--max-upload: give a size such as 20MB or 500KB, got '{text}'"):
         parse_size(text)
     assert parse_size("1.5KB") == 1536
+
+
+def test_a_path_the_api_does_not_have_names_its_routes_and_the_one_meant(served: tuple[SearchService, str]) -> None:
+    """/api/v1/items/1/neighbors (the American spelling) and /api/search (no v1) were a bare "Not Found"."""
+    _, url = served
+    spelled = httpx.get(f"{url}/api/v1/items/1/neighbors")
+    assert spelled.status_code == 404
+    assert spelled.json()["detail"].startswith("no route /api/v1/items/1/neighbors; did you mean GET /api/v1/items/1/neighbours? the API's routes: POST /api/v1/search, GET /api/v1/items/{item_id}/neighbours")
+    assert "did you mean POST /api/v1/search?" in httpx.post(f"{url}/api/search").json()["detail"]
+    unknown = httpx.get(f"{url}/api/v1/everything")
+    assert unknown.status_code == 404 and unknown.json()["detail"].startswith("no route /api/v1/everything; the API's routes:")
+    assert httpx.get(f"{url}/api/v1/health").json()["status"] == "ok" and httpx.get(f"{url}/").status_code == 200  # the rest as it was
