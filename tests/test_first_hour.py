@@ -513,6 +513,8 @@ def test_the_command_to_run_next_names_the_users_own_run_quoted(demo_run: RunDir
     query = first_test_image(demo_run)
     assert main(["search", str(run), query]) == 2
     assert capsys.readouterr().err == f"error: {run}/index: not an index (no manifest.json); build one with `retrieval index '{run}' IMAGES`\n"
+    assert main(["index-stats", str(run)]) == 2  # a run not indexed yet: its index/ is meant, not the run as an index
+    assert capsys.readouterr().err == f"error: {run}/index: not an index (no manifest.json); build one with `retrieval index '{run}' IMAGES`\n"
     assert main(["search", str(run), query, "--index", str(tmp_path / "elsewhere")]) == 2
     assert f"build one with `retrieval index RUN IMAGES --index {tmp_path / 'elsewhere'}`" in capsys.readouterr().err
     assert main(["search", str(tmp_path / "no run"), query]) == 2

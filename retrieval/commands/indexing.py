@@ -137,8 +137,10 @@ def _interrupted(target: Path) -> NoReturn:
 
 
 def directory_of_run(path: Path) -> bool:
-    """Whether path is a run directory holding an index (index/manifest.json)."""
-    return (path / "index" / "manifest.json").is_file()
+    """Whether path is a run directory: one holding an index (index/manifest.json), or a run's config or exported model
+    (a run not indexed yet, whose index is then named as RUN/index)."""
+    run = RunDir(path)
+    return (run.index / "manifest.json").is_file() or run.config.is_file() or run.model_card.is_file()
 
 
 def _engine_and_backend(
