@@ -15,7 +15,7 @@ from index.journal import Journal
 from index.milvus import MilvusIndex, MilvusOptions
 from index.ray_engine import RayOptions, iter_embedded_ray
 from index.types import MANIFEST, SKIP_REPORT, Additions, GalleryBackend
-from retrieval.data import Collection, Item, Skipped, write_skip_report
+from retrieval.data import Collection, Item, Skipped, load_collection, require_source, write_skip_report
 from retrieval.embedders import EmbeddedBatch, Embedder, OnnxEmbedder, iter_embedded
 from retrieval.errors import RetrievalError
 
@@ -64,8 +64,8 @@ def _current_only(chunks: Iterator[Additions], current: dict[str, str]) -> Itera
 
 def build_index(
     embedder: Embedder,
-    collection: Collection,
-    directory: Path,
+    collection: Collection | str | Path,
+    directory: str | Path,
     sync: bool = False,
     rebuild: bool = False,
     batch_size: int | None = None,
@@ -83,9 +83,12 @@ def build_index(
     Embedded batches go to a journal first, so a killed job resumes where it stopped. The skipped
     files and their reasons are written to directory/skipped.json. With ray, the embedding runs on Ray
     Data (index.ray_engine) and everything else is the same. With milvus, a new index is a Milvus
-    collection (index.milvus); an existing index keeps its backend.
+    collection (index.milvus); an existing index keeps its backend. A path given for the collection is read as
+    load_collection reads it.
     """
     directory = Path(directory)
+    if not isinstance(collection, Collection):
+        collection = load_collection(require_source(collection))
     with writer_lock(directory):
         return _build_index(
             embedder, collection, directory, sync, rebuild, batch_size, progress, factory, memory, ray, milvus

@@ -111,7 +111,7 @@ class OnnxEmbedder(Embedder):
     @classmethod
     def from_run(
         cls,
-        run: RunDir,
+        run: RunDir | str | Path,
         threads: int | None = None,
         spinning: bool = True,
         model: str = "float32",
@@ -120,6 +120,7 @@ class OnnxEmbedder(Embedder):
         """Loads the run's exported model (model: float32, int8 for model.int8.onnx, or auto: see chosen_model, with
         built_with an index's encoder sha256), checked against the sha256 in its model card; the fingerprint is
         that file's, so an index built with one refuses the other."""
+        run = RunDir.of(run)
         model_path = run.require_model()
         model = chosen_model(run, model, built_with)
         card = read_json(run.model_card)

@@ -21,6 +21,7 @@ from retrieval.data import (
     describe_variants,
     label_variants,
     load_collection,
+    require_source,
     shared_paths,
     split_by_class,
 )
@@ -110,7 +111,7 @@ def _embed_labeled(
 
 def evaluate_collection(
     embedder: Embedder,
-    collection: Collection,
+    collection: Collection | str | Path,
     ks: Sequence[int] = (1, 5, 10),
     progress: bool = True,
     split_classes: float = 0.0,
@@ -118,7 +119,10 @@ def evaluate_collection(
     rerank: Rerank = NO_RERANK,
 ) -> Evaluation:
     """Scores leave-one-out retrieval over a labeled collection (or over a seeded held-out fraction of its
-    classes), with NMI/AMI and the embedding diagnostics; the lists re-ranked by rerank (retrieval.rerank)."""
+    classes), with NMI/AMI and the embedding diagnostics; the lists re-ranked by rerank (retrieval.rerank). A path
+    given for the collection is read as load_collection reads it."""
+    if not isinstance(collection, Collection):
+        collection = load_collection(require_source(collection))
     protocol = "leave-one-out"
     if split_classes:
         labeled = [item for item in collection.items if item.label]

@@ -27,6 +27,14 @@ class RunDir:
 
     root: Path
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))  # RunDir("runs/photos"), as a notebook writes it
+
+    @classmethod
+    def of(cls, run: RunDir | str | os.PathLike) -> RunDir:
+        """A run given as a RunDir or as its directory's path ("runs/photos"), as the Python entry points take it."""
+        return run if isinstance(run, RunDir) else cls(Path(run))
+
     @property
     def config(self) -> Path:
         return self.root / "config.json"

@@ -519,3 +519,23 @@ def test_the_command_to_run_next_names_the_users_own_run_quoted(demo_run: RunDir
     assert f"build one with `retrieval index RUN IMAGES --index {tmp_path / 'elsewhere'}`" in capsys.readouterr().err
     assert main(["search", str(tmp_path / "no run"), query]) == 2
     assert f"train one with `retrieval train DATA --run '{tmp_path / 'no run'}'`" in capsys.readouterr().err
+
+
+def test_the_python_entry_points_take_a_run_or_a_collection_as_a_path(small_folder: Path, tmp_path: Path) -> None:
+    """train(config, "runs/x"), export("runs/x"), OnnxEmbedder.from_run("runs/x") and evaluate_collection(embedder,
+    "photos/test") ended in AttributeError ('str' object has no attribute 'root'); open_index("runs/x") said to build
+    an index with --index runs/x, the run itself."""
+    from index import build_index, open_index
+    from retrieval import OnnxEmbedder, evaluate_collection, load_collection
+    from retrieval.errors import RetrievalError
+    from training import TrainConfig, export, train
+
+    run = str(tmp_path / "run")
+    train(TrainConfig(data=str(small_folder), epochs=1, batch_size=8, image_size=32), run, progress=False)
+    export(run, whiten=None)
+    embedder = OnnxEmbedder.from_run(run)
+    assert RunDir(run).root == Path(run) and evaluate_collection(embedder, str(small_folder), progress=False).metrics["num_queries"] > 0
+    assert build_index(embedder, str(small_folder), RunDir(run).index, progress=False).embedded == len(load_collection(small_folder).items)
+    with pytest.raises(RetrievalError) as refused:
+        open_index(run)
+    assert str(refused.value) == f"{run}: a run, not an index; its index is {run}/index"

@@ -73,7 +73,7 @@ class Parity:
 
 
 def export(
-    run: RunDir,
+    run: RunDir | str | Path,
     parity_images: Sequence[Path] = (),
     float16: bool = False,
     whiten: float | None = DEFAULT_WHITENING,
@@ -91,6 +91,7 @@ def export(
     (for GPUs: float32 inputs and outputs, normalisations in float32) within cosine 0.999. A failed
     check leaves no new model.onnx and raises RetrievalError with the measured differences.
     """
+    run = RunDir.of(run)
     model, config = load_encoder(run)
     preprocessing = config.preprocessing
     size = preprocessing.image_size

@@ -140,7 +140,7 @@ def warmup_cosine(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def train(config: TrainConfig, run: RunDir, progress: bool = True, resume: bool = False) -> TrainResult:
+def train(config: TrainConfig, run: RunDir | str | Path, progress: bool = True, resume: bool = False) -> TrainResult:
     """Trains an encoder on config.data and writes config, log, skip report and checkpoints to run.
 
     With resume, training continues from the last saved trainer state of run (the model, optimizer,
@@ -149,6 +149,7 @@ def train(config: TrainConfig, run: RunDir, progress: bool = True, resume: bool 
     as a run that was never interrupted. Under torchrun, each process trains on its own batches and
     the loss sees the batches of all of them; process 0 validates and writes the run directory.
     """
+    run = RunDir.of(run)
     ranks, device = start(config.device)
     try:
         with training_lock(run) if ranks.is_main else contextlib.nullcontext():

@@ -69,8 +69,9 @@ class Int8Report:
         )
 
 
-def export_int8(run: RunDir, method: str = DEFAULT_METHOD) -> Int8Report:
+def export_int8(run: RunDir | str | Path, method: str = DEFAULT_METHOD) -> Int8Report:
     """Quantises RUN/model.onnx to RUN/model.int8.onnx after the quality gate; raises RetrievalError if it fails."""
+    run = RunDir.of(run)
     if method not in METHODS:
         raise RetrievalError(f"unknown calibration method {method!r}; choose one of {', '.join(METHODS)}")
     float32 = OnnxEmbedder.from_run(run)
