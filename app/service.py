@@ -111,7 +111,7 @@ class SearchService:
 
     def __init__(
         self,
-        run: RunDir,
+        run: RunDir | str | Path,
         index_dir: Path | None = None,
         mmap: bool = False,
         allow_write: bool = False,
@@ -122,7 +122,7 @@ class SearchService:
         max_batch: int = MAX_BATCH,
         threshold: float | None = None,
     ) -> None:
-        self.run = run
+        run = self.run = RunDir.of(run)
         self.rerank = rerank  # the re-ranking of every search and of "evaluate now" (retrieval.rerank)
         self.threshold = threshold  # the match threshold given to serve (--threshold), over the model card's
         self.index_dir = Path(index_dir or run.index)

@@ -539,3 +539,8 @@ def test_the_python_entry_points_take_a_run_or_a_collection_as_a_path(small_fold
     with pytest.raises(RetrievalError) as refused:
         open_index(run)
     assert str(refused.value) == f"{run}: a run, not an index; its index is {run}/index"
+    service = SearchService(run)  # the app's service, as a script serves it
+    try:
+        assert len(service.items) == len(load_collection(small_folder).items)
+    finally:
+        service.close()
