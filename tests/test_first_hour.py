@@ -206,6 +206,20 @@ def test_output_folders_that_cannot_be_folders_are_one_line_and_a_file_there_is_
         assert taken.read_text() == "mine" and not list(tmp_path.glob(".notes.txt.*")), name
 
 
+def test_the_demo_does_not_train_over_a_run_that_is_not_a_demos(demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`retrieval demo --run runs/photos` replaced the user's own run (trained with `retrieval train`) without a word."""
+    import shutil
+
+    from retrieval.commands import main
+
+    run = tmp_path / "photos"
+    shutil.copytree(demo_run.root, run, ignore=shutil.ignore_patterns("demo.json"))
+    before = (run / "checkpoints" / "last.safetensors").read_bytes()
+    assert main(["demo", "--no-serve", "--run", str(run), "--classes", "2", "--epochs", "1"]) == 2
+    assert capsys.readouterr().err == f"error: --run {run} holds a run that is not a demo's; give the demo another --run (the default is runs/demo), or add --retrain to train the demo over it\n"
+    assert (run / "checkpoints" / "last.safetensors").read_bytes() == before
+
+
 def test_a_file_the_system_refuses_where_no_command_words_it_is_still_one_line(demo_run: RunDir, small_folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import retrieval.commands.audit as audit_command
     from retrieval.commands import main

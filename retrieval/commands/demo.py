@@ -53,7 +53,9 @@ def demo(
     classes: Annotated[
         int | None, typer.Option(help="Use only the first N classes of each split (a quicker look; 2 or more).", min=2)
     ] = None,
-    retrain: Annotated[bool, typer.Option("--retrain", help="Train again even if RUN holds a finished demo.")] = False,
+    retrain: Annotated[
+        bool, typer.Option("--retrain", help="Train again even if RUN holds a finished demo (or another run).")
+    ] = False,
     host: Annotated[str, typer.Option(help="Address to bind the app to.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port of the app.", min=1, max=65535)] = 7860,
 ) -> None:
@@ -61,6 +63,8 @@ def demo(
     if serve_app:
         require_free_port(host, port)  # before minutes of training, not after
     run_dir = RunDir(run)
+    if not retrain:
+        _refuse_another_run(run_dir)
     outcome = None if retrain else finished_demo(run_dir, epochs, classes)
     if outcome is None:
         require("torch", "train")
@@ -89,6 +93,17 @@ def demo(
     if serve_app:
         step("serve", STEPS + 1, STEPS + 1)
         serve(run, host, port)
+
+
+def _refuse_another_run(run: RunDir) -> None:
+    """Refuses a --run that holds a run of `retrieval train` (no demo.json): the demo trained over it, its checkpoints
+    and model replaced without a word, where `retrieval train` itself asks for --overwrite."""
+    if (run.root / "demo.json").is_file() or not (run.last_checkpoint.is_file() or run.model.is_file()):
+        return
+    raise RetrievalError(
+        f"--run {run.root} holds a run that is not a demo's; give the demo another --run (the default is runs/demo), "
+        "or add --retrain to train the demo over it"
+    )
 
 
 def _interrupted(run: RunDir) -> NoReturn:
