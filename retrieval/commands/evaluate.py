@@ -134,15 +134,7 @@ def _evaluate(
         raise RetrievalError(
             f"--split-classes {split_classes:g}: give a fraction of the classes from 0 (all) to below 1, e.g. 0.5"
         )
-    if compare is not None:  # said before this run's images are embedded
-        if compare.resolve() == run.resolve():
-            raise RetrievalError(f"--compare {compare}: the run being evaluated; give another run to compare it with")
-        RunDir(compare).require_model()
-    if calibrate:
-        from retrieval.calibration import require_target
-
-        require_target(target_precision)
-        RunDir(run).require_model()
+    _refuse_early(run, compare, target_precision if calibrate else None)
     if deployed:
         if images is not None or query is not None or benchmark or compare is not None or calibrate:
             raise RetrievalError(
@@ -171,6 +163,20 @@ def _evaluate(
     compared = (lambda: _score(compare, sources, ks, split_classes, seed, reranker, model).metrics) if compare else None
     _report(RunDir(run), name, evaluation, compare, compared)
     _say_if_trained_on(RunDir(run), [source for source in sources if source is not None])
+
+
+def _refuse_early(run: Path, compare: Path | None, target_precision: float | None) -> None:
+    """A --compare run that is this one or has no model, and --calibrate's target (given unless None) out of range or
+    without a model: said before this run's images are embedded."""
+    if compare is not None:
+        if compare.resolve() == run.resolve():
+            raise RetrievalError(f"--compare {compare}: the run being evaluated; give another run to compare it with")
+        RunDir(compare).require_model()
+    if target_precision is not None:
+        from retrieval.calibration import require_target
+
+        require_target(target_precision)
+        RunDir(run).require_model()
 
 
 def _report(
