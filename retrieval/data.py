@@ -298,6 +298,11 @@ def _listed(base: Path, raw: str, not_found: str) -> tuple[Path, str | None]:
         return base / raw.replace("\\", "/"), None
     if WINDOWS_DRIVE.match(raw):
         return path, f"{not_found}: a Windows path; list the images by paths on this machine (relative to the list)"
+    if Path(raw).exists():  # written from the folder the command runs in: the list would read it only from there
+        return path, (
+            f"{not_found}: paths are read relative to the list's folder ({base}), and {raw} is relative to the "
+            "current folder; write them relative to the list's folder, or in full"
+        )
     return path, not_found
 
 

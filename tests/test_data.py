@@ -358,3 +358,18 @@ def test_a_quote_left_open_in_a_csv_is_refused_naming_its_line(tmp_path: Path) -
         load_collection(tmp_path / "labels.csv")
     (tmp_path / "labels.csv").write_text('path,label\na.png,cat\n"b.png",cat\nc.png,"d,og"\n')  # quotes closed: read
     assert [item.label for item in load_collection(tmp_path / "labels.csv").items] == ["cat", "cat", "d,og"]
+
+
+def test_a_csv_path_written_from_the_current_folder_is_named_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """data/labels.csv listing data/images/cat/1.png (from the folder the command ran in) said only "listed in the CSV
+    but not found" for /…/data/data/images/cat/1.png."""
+    (tmp_path / "data" / "images").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(tmp_path / "data" / "images" / "1.png")
+    (tmp_path / "data" / "labels.csv").write_text("path,label\ndata/images/1.png,cat\nimages/1.png,cat\n")
+    monkeypatch.chdir(tmp_path)
+    collection = load_collection(Path("data/labels.csv"))
+    assert [item.path for item in collection.items] == [tmp_path / "data" / "images" / "1.png"]
+    assert [entry.reason for entry in collection.skipped] == [
+        f"listed in the CSV but not found: paths are read relative to the list's folder ({tmp_path / 'data'}), and "
+        "data/images/1.png is relative to the current folder; write them relative to the list's folder, or in full"
+    ]
