@@ -374,24 +374,47 @@ def audit(
     )
 
 
+CSV_COLUMNS = {  # the files write_csvs writes, and their columns
+    "labels.csv": ["path", "label", "suggested", "score"],
+    "duplicates.csv": ["paths", "score", "kind"],
+    "leaks.csv": ["path", "other", "score", "kind"],
+    "outliers.csv": ["path", "kind", "score", "reason"],
+}
+
+
+def others_csvs(folder: Path) -> list[Path]:
+    """The files of folder that write_csvs would replace but that an audit did not write (their first line is not its
+    header): a collection's own labels.csv, or the decisions the app keeps in a run's labels.csv."""
+    taken = []
+    for name, columns in CSV_COLUMNS.items():
+        path = folder / name
+        if path.exists():
+            try:
+                with path.open(encoding="utf-8-sig") as handle:
+                    first = handle.readline().strip()
+            except (OSError, UnicodeDecodeError):
+                first = ""
+            if first != ",".join(columns):
+                taken.append(path)
+    return taken
+
+
 def write_csvs(found: Audit, folder: Path) -> list[Path]:
     """labels.csv, duplicates.csv, leaks.csv and outliers.csv in folder (one row per finding, the JSON's fields)."""
     folder.mkdir(parents=True, exist_ok=True)
-    tables = {
-        "labels": (["path", "label", "suggested", "score"], [s.to_dict() for s in found.labels]),
-        "duplicates": (
-            ["paths", "score", "kind"],
-            [{**d.to_dict(), "paths": "|".join(map(str, d.paths))} for d in found.duplicates],
-        ),
-        "leaks": (["path", "other", "score", "kind"], [leak.to_dict() for leak in found.leaks]),
-        "outliers": (["path", "kind", "score", "reason"], [o.to_dict() for o in found.outliers]),
+    rows_of = {
+        "labels.csv": [s.to_dict() for s in found.labels],
+        "duplicates.csv": [{**d.to_dict(), "paths": "|".join(map(str, d.paths))} for d in found.duplicates],
+        "leaks.csv": [leak.to_dict() for leak in found.leaks],
+        "outliers.csv": [o.to_dict() for o in found.outliers],
     }
     written = []
-    for name, (columns, rows) in tables.items():
+    for name, columns in CSV_COLUMNS.items():
+        rows = rows_of[name]
         text = io.StringIO()
         writer = csv.DictWriter(text, columns, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-        write_atomic(folder / f"{name}.csv", text.getvalue().encode("utf-8"))
-        written.append(folder / f"{name}.csv")
+        write_atomic(folder / name, text.getvalue().encode("utf-8"))
+        written.append(folder / name)
     return written

@@ -412,6 +412,8 @@ def test_careless_audits_are_one_line_each(
     (tmp_path / "no-model").mkdir()
     present = sorted(audited_folder.rglob("*.png"))[0]
     listed = write_collection_csv(tmp_path / "listed.csv", [Item(present, "a"), Item(tmp_path / "gone.png", "a")])
+    labels = write_collection_csv(tmp_path / "labels.csv", [Item(path, path.parent.name) for path in sorted(audited_folder.rglob("*.png"))])
+    written = labels.read_bytes()
     cases = {
         "no model": ([str(tmp_path / "no-model"), str(audited_folder)], "model.onnx"),
         "empty folder": ([str(demo_run.root), str(tmp_path / "empty")], "no image"),
@@ -424,12 +426,19 @@ def test_careless_audits_are_one_line_each(
         "wrong path": ([str(demo_run.root), str(tmp_path / "nowhere")], "no such file or folder"),
         "--csv on a file": ([str(demo_run.root), str(audited_folder), "--csv", str(listed)], "a file is there"),
         "--csv nowhere": ([str(demo_run.root), str(audited_folder), "--csv", f"{listed}/found"], "cannot be made"),
+        "--csv where DATA's labels.csv is": (  # it was replaced by the table of suspects
+            [str(demo_run.root), str(labels), "--csv", str(tmp_path)],
+            f"--csv {tmp_path}: labels.csv there is not an audit's, and writing would replace it; give another folder",
+        ),
     }
     for name, (arguments, said) in cases.items():
         assert main(["audit", *arguments]) == 2, name
         captured = capsys.readouterr()
         assert said in captured.err and len(captured.err.strip().splitlines()) == 1, (name, captured.err)
         assert "Traceback" not in captured.err
+    assert labels.read_bytes() == written
+    assert main(["audit", str(demo_run.root), str(labels), "--csv", str(tmp_path / "found")]) == 0
+    assert main(["audit", str(demo_run.root), str(labels), "--csv", str(tmp_path / "found")]) == 0  # its own: replaced
 
 
 @pytest.fixture(scope="module")

@@ -72,7 +72,7 @@ def audit(
     run_dir = RunDir(run)
     run_dir.require_model()
     if csv_dir is not None:  # said before the audit runs, not after
-        writable_folder(csv_dir, "--csv")
+        _require_csv_folder(csv_dir)
     if folds:
         _check_folds(collection, folds, fold_epochs)
     if not as_json:  # a script's --json is left quiet
@@ -94,6 +94,20 @@ def audit(
         print(json.dumps(found.to_dict(), indent=2))
     else:
         _print(found, shown, against is not None)
+
+
+def _require_csv_folder(folder: Path) -> None:
+    """Refuses a --csv folder that cannot be written, or whose labels.csv (or another of the four) an audit did not
+    write: `--csv photos` replaced the collection's own labels.csv, `--csv RUN` the decisions the Audit tab keeps."""
+    from retrieval.audit import others_csvs
+
+    writable_folder(folder, "--csv")
+    taken = others_csvs(folder)
+    if taken:
+        raise RetrievalError(
+            f"--csv {folder}: {', '.join(path.name for path in taken)} there is not an audit's, and writing would "
+            f"replace it; give another folder, e.g. {folder / 'audit'}"
+        )
 
 
 def _say_before(run: RunDir, collection: Collection, shared: list[Path], folds: int) -> None:
