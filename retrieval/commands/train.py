@@ -163,6 +163,9 @@ def run_training(data: Path | None, run_dir: RunDir, resume: bool, overwrite: bo
         require_source(data)
     if given.get("adapt") is not None:
         require_source(given["adapt"], "--adapt", "the gallery's image folder or a .txt list")
+    for images in (data, given.get("adapt")):
+        if images is not None and not given.get("benchmark"):
+            _refuse_out_in_data(run_dir.root, Path(images), "--run", f"runs/{run_dir.root.name}")
     if resume and not run_dir.config.is_file():
         raise RetrievalError(f"{run_dir.config}: missing; nothing to resume (start the run without --resume)")
     writable_folder(run_dir.root, "--run", make=False)  # a file there, or no folder to be made: said before torch loads
@@ -271,13 +274,14 @@ def _sweep_losses(losses: str | None, self_supervised: bool) -> list[str]:
     return [name for name in names if name]
 
 
-def _refuse_out_in_data(out: Path, data: Path) -> None:
-    """--out inside the images swept on (or the folder itself): the sweep's plot would be read as one of them."""
+def _refuse_out_in_data(out: Path, data: Path, option: str = "--out", example: str = "runs/analyze") -> None:
+    """--out (or train's --run) inside the images trained on, or the folder itself: its plots would be read as images
+    of the collection (and the folder itself as a run, not a collection)."""
     folder, images = out.expanduser().resolve(), data.expanduser().resolve()
     if images.is_dir() and folder.is_relative_to(images):
         raise RetrievalError(
-            f"--out {out}: inside the images ({data}), where its plot would be read as one of them; give a folder "
-            "outside them, e.g. runs/analyze"
+            f"{option} {out}: inside the images ({data}), where its plots would be read as images of them; give a "
+            f"folder outside them, e.g. {example}"
         )
 
 
