@@ -165,7 +165,7 @@ def run_training(data: Path | None, run_dir: RunDir, resume: bool, overwrite: bo
         require_source(given["adapt"], "--adapt", "the gallery's image folder or a .txt list")
     for images in (data, given.get("adapt")):
         if images is not None and not given.get("benchmark"):
-            _refuse_out_in_data(run_dir.root, Path(images), "--run", f"runs/{run_dir.root.name}")
+            _refuse_run_as_data(run_dir.root, Path(images))
     if resume and not run_dir.config.is_file():
         raise RetrievalError(f"{run_dir.config}: missing; nothing to resume (start the run without --resume)")
     writable_folder(run_dir.root, "--run", make=False)  # a file there, or no folder to be made: said before torch loads
@@ -274,14 +274,22 @@ def _sweep_losses(losses: str | None, self_supervised: bool) -> list[str]:
     return [name for name in names if name]
 
 
-def _refuse_out_in_data(out: Path, data: Path, option: str = "--out", example: str = "runs/analyze") -> None:
-    """--out (or train's --run) inside the images trained on, or the folder itself: its plots would be read as images
-    of the collection (and the folder itself as a run, not a collection)."""
+def _refuse_out_in_data(out: Path, data: Path) -> None:
+    """--out inside the images swept on (or the folder itself): the sweep's plot would be read as one of them."""
     folder, images = out.expanduser().resolve(), data.expanduser().resolve()
     if images.is_dir() and folder.is_relative_to(images):
         raise RetrievalError(
-            f"{option} {out}: inside the images ({data}), where its plots would be read as images of them; give a "
-            f"folder outside them, e.g. {example}"
+            f"--out {out}: inside the images ({data}), where its plot would be read as one of them; give a folder "
+            "outside them, e.g. runs/analyze"
+        )
+
+
+def _refuse_run_as_data(run: Path, data: Path) -> None:
+    """--run the image folder itself: the run's files went among the images, and the folder was then read as a run,
+    not a collection. (A run in a folder inside the images is left out of them when they are read.)"""
+    if data.is_dir() and run.expanduser().resolve() == data.expanduser().resolve():
+        raise RetrievalError(
+            f"--run {run}: the image folder itself ({data}); give the run a folder of its own, e.g. runs/{run.name}"
         )
 
 
