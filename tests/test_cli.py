@@ -194,3 +194,14 @@ def test_a_run_in_the_image_folder_itself_is_refused(small_folder: Path, capsys:
     assert main(["train", str(small_folder), "--run", str(small_folder), "--epochs", "1"]) == 2
     assert capsys.readouterr().err == f"error: --run {small_folder}: the image folder itself ({small_folder}); give the run a folder of its own, e.g. runs/images\n"
     assert not (small_folder / "config.json").exists()
+
+
+def test_a_config_json_that_is_not_a_runs_is_never_replaced(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`retrieval train photos --run .` in a project replaced the project's own config.json."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.json").write_text('{"mine": 1}')
+    for extra in ([], ["--overwrite"]):
+        assert main(["train", str(small_folder), "--run", str(project), "--epochs", "1", *extra]) == 2
+        assert capsys.readouterr().err == f"error: --run {project}: its config.json is not a run's, and training would replace it; give the run a folder of its own, e.g. runs/photos\n"
+    assert (project / "config.json").read_text() == '{"mine": 1}'
