@@ -30,6 +30,21 @@ class RunDir:
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))  # RunDir("runs/photos"), as a notebook writes it
 
+    def refuse_foreign_config(self) -> None:
+        """Refuses to train in a folder whose config.json is not a run's (`--run .` in a project): training would
+        replace it. A run's names its data and loss."""
+        if not self.config.is_file():
+            return
+        try:
+            values = json.loads(self.config.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            values = None
+        if not (isinstance(values, dict) and {"data", "loss"} <= values.keys()):
+            raise RetrievalError(
+                f"--run {self.root}: its config.json is not a run's, and training would replace it; give the run a "
+                "folder of its own, e.g. runs/photos"
+            )
+
     @classmethod
     def of(cls, run: RunDir | str | os.PathLike) -> RunDir:
         """A run given as a RunDir or as its directory's path ("runs/photos"), as the Python entry points take it."""

@@ -11,6 +11,7 @@ import pytest
 from PIL import Image
 
 from retrieval.commands import main
+from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir
 from tests.conftest import write_bad_files
 
@@ -204,4 +205,10 @@ def test_a_config_json_that_is_not_a_runs_is_never_replaced(small_folder: Path, 
     for extra in ([], ["--overwrite"]):
         assert main(["train", str(small_folder), "--run", str(project), "--epochs", "1", *extra]) == 2
         assert capsys.readouterr().err == f"error: --run {project}: its config.json is not a run's, and training would replace it; give the run a folder of its own, e.g. runs/photos\n"
-    assert (project / "config.json").read_text() == '{"mine": 1}'
+    assert main(["demo", "--no-serve", "--run", str(project), "--classes", "2", "--epochs", "1"]) == 2  # the demo too
+    assert capsys.readouterr().err.startswith(f"error: --run {project}: its config.json is not a run's")
+    from training import TrainConfig, train
+
+    with pytest.raises(RetrievalError, match="its config.json is not a run's"):  # and from Python
+        train(TrainConfig(data=str(small_folder), epochs=1), project)
+    assert (project / "config.json").read_text() == '{"mine": 1}' and sorted(path.name for path in project.iterdir()) == ["config.json"]

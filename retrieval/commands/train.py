@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
@@ -227,11 +226,7 @@ def _resumed(run_dir: RunDir, data: Path | None, given: dict) -> TrainConfig:
 def _refuse_existing(run: RunDir, overwrite: bool) -> None:
     """A run directory that holds a run is continued (--resume) or started over (--overwrite), never silently; a
     config.json that is not a run's (`--run .` in a project) is never replaced."""
-    if run.config.is_file() and not _a_runs_config(run.config):
-        raise RetrievalError(
-            f"--run {run.root}: its config.json is not a run's, and training would replace it; give the run a folder "
-            "of its own, e.g. runs/photos"
-        )
+    run.refuse_foreign_config()
     if overwrite or not (run.trainer_state.is_file() or run.last_checkpoint.is_file()):
         return  # nothing trained yet (a run killed before its first save): nothing to lose
     trained = len(run.train_log.read_text(encoding="utf-8").splitlines()) if run.train_log.is_file() else 0
@@ -239,15 +234,6 @@ def _refuse_existing(run: RunDir, overwrite: bool) -> None:
         f"{run.root} already holds a run ({trained} epoch(s) trained); continue it with "
         f"`retrieval train --run {shell_path(run.root)} --resume`, or start over with --overwrite"
     )
-
-
-def _a_runs_config(path: Path) -> bool:
-    """Whether a config.json is one a run wrote (a JSON object naming its data and loss)."""
-    try:
-        values = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    return isinstance(values, dict) and {"data", "loss"} <= values.keys()
 
 
 def _interrupted(run: RunDir) -> NoReturn:
