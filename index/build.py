@@ -15,7 +15,7 @@ from index.journal import Journal
 from index.milvus import MilvusIndex, MilvusOptions
 from index.ray_engine import RayOptions, iter_embedded_ray
 from index.types import MANIFEST, SKIP_REPORT, Additions, GalleryBackend
-from retrieval.data import Collection, Item, Skipped, load_collection, require_source, write_skip_report
+from retrieval.data import Collection, Item, Skipped, load_collection, write_skip_report
 from retrieval.embedders import EmbeddedBatch, Embedder, OnnxEmbedder, iter_embedded
 from retrieval.errors import RetrievalError
 
@@ -88,7 +88,7 @@ def build_index(
     """
     directory = Path(directory)
     if not isinstance(collection, Collection):
-        collection = load_collection(require_source(collection))
+        collection = load_collection(collection)
     with writer_lock(directory):
         return _build_index(
             embedder, collection, directory, sync, rebuild, batch_size, progress, factory, memory, ray, milvus

@@ -141,8 +141,8 @@ MANIFEST_KEYS = {"format_version", "dim", "count", "next_id", "encoder_sha256", 
 
 def read_manifest(directory: Path, encoder_sha256: str | None = None, dim: int | None = None) -> Manifest:
     """The manifest of an index directory, refused when incomplete, of another format, or of another encoder."""
-    if not (directory / MANIFEST).is_file() and (directory / "index" / MANIFEST).is_file():
-        raise RetrievalError(f"{directory}: a run, not an index; its index is {directory / 'index'}")
+    if not (directory / MANIFEST).is_file() and (RunDir(directory).index / MANIFEST).is_file():
+        raise RetrievalError(f"{directory}: a run, not an index; its index is {RunDir(directory).index}")
     if not (directory / MANIFEST).is_file():
         raise RetrievalError(f"{directory}: not an index (no {MANIFEST}); build one with `{index_command(directory)}`")
     values = read_json(directory / MANIFEST, remedy=rebuild_advice(directory))

@@ -382,9 +382,9 @@ CSV_COLUMNS = {  # the files write_csvs writes, and their columns
 }
 
 
-def others_csvs(folder: Path) -> list[Path]:
-    """The files of folder that write_csvs would replace but that an audit did not write (their first line is not its
-    header): a collection's own labels.csv, or the decisions the app keeps in a run's labels.csv."""
+def require_csv_folder(folder: Path, option: str = "--csv") -> None:
+    """Refuses a folder where write_csvs would replace a file an audit did not write (its first line is not that
+    file's header): a collection's own labels.csv, or the decisions the app keeps in a run's labels.csv."""
     taken = []
     for name, columns in CSV_COLUMNS.items():
         path = folder / name
@@ -395,12 +395,18 @@ def others_csvs(folder: Path) -> list[Path]:
             except (OSError, UnicodeDecodeError):
                 first = ""
             if first != ",".join(columns):
-                taken.append(path)
-    return taken
+                taken.append(name)
+    if taken:
+        raise RetrievalError(
+            f"{option} {folder}: {', '.join(taken)} there is not an audit's, and writing would replace it; give "
+            f"another folder, e.g. {folder / 'audit'}"
+        )
 
 
 def write_csvs(found: Audit, folder: Path) -> list[Path]:
-    """labels.csv, duplicates.csv, leaks.csv and outliers.csv in folder (one row per finding, the JSON's fields)."""
+    """labels.csv, duplicates.csv, leaks.csv and outliers.csv in folder (one row per finding, the JSON's fields); a
+    folder holding such a file that an audit did not write is refused (require_csv_folder)."""
+    require_csv_folder(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rows_of = {
         "labels.csv": [s.to_dict() for s in found.labels],

@@ -21,7 +21,6 @@ from retrieval.data import (
     describe_variants,
     label_variants,
     load_collection,
-    require_source,
     shared_paths,
     split_by_class,
 )
@@ -122,7 +121,7 @@ def evaluate_collection(
     classes), with NMI/AMI and the embedding diagnostics; the lists re-ranked by rerank (retrieval.rerank). A path
     given for the collection is read as load_collection reads it."""
     if not isinstance(collection, Collection):
-        collection = load_collection(require_source(collection))
+        collection = load_collection(collection)
     protocol = "leave-one-out"
     if split_classes:
         labeled = [item for item in collection.items if item.label]

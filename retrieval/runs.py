@@ -48,7 +48,7 @@ class RunDir:
     @classmethod
     def of(cls, run: RunDir | str | os.PathLike) -> RunDir:
         """A run given as a RunDir or as its directory's path ("runs/photos"), as the Python entry points take it."""
-        return run if isinstance(run, RunDir) else cls(Path(run))
+        return run if isinstance(run, RunDir) else cls(run)  # type: ignore[arg-type]  # made a Path by __post_init__
 
     @property
     def config(self) -> Path:

@@ -576,3 +576,15 @@ def test_agreement_is_leave_one_out_recall_at_1_of_the_labeled_images_and_cautio
     assert describe_agreement(0.9) == "the closest image has the same label for 90% of the labeled images (leave-one-out recall@1)"
     assert describe_agreement(0.4).endswith("at this level many suspects are the model's mistakes rather than the labels' (docs/trust.md)")
     assert describe_agreement(None) == ""
+
+
+def test_write_csvs_itself_never_replaces_a_labels_csv_an_audit_did_not_write(tmp_path: Path) -> None:
+    """The check lives where the files are written, so a Python caller of write_csvs is held to it too."""
+    from retrieval.audit import Audit, write_csvs
+
+    (tmp_path / "labels.csv").write_text("path,label,was,decision\na.png,cat,,\n")  # the Audit tab's decisions
+    with pytest.raises(RetrievalError, match=r"labels.csv there is not an audit's, and writing would replace it"):
+        write_csvs(Audit(), tmp_path)
+    assert (tmp_path / "labels.csv").read_text() == "path,label,was,decision\na.png,cat,,\n"
+    assert [path.name for path in write_csvs(Audit(), tmp_path / "found")] == ["labels.csv", "duplicates.csv", "leaks.csv", "outliers.csv"]
+    write_csvs(Audit(), tmp_path / "found")  # an audit's own files: replaced

@@ -71,8 +71,11 @@ def audit(
         )
     run_dir = RunDir(run)
     run_dir.require_model()
-    if csv_dir is not None:  # said before the audit runs, not after
-        _require_csv_folder(csv_dir)
+    if csv_dir is not None:  # said before the audit runs, not after (write_csvs checks it again)
+        from retrieval.audit import require_csv_folder
+
+        writable_folder(csv_dir, "--csv")
+        require_csv_folder(csv_dir)
     if folds:
         _check_folds(collection, folds, fold_epochs)
     if not as_json:  # a script's --json is left quiet
@@ -94,20 +97,6 @@ def audit(
         print(json.dumps(found.to_dict(), indent=2))
     else:
         _print(found, shown, against is not None)
-
-
-def _require_csv_folder(folder: Path) -> None:
-    """Refuses a --csv folder that cannot be written, or whose labels.csv (or another of the four) an audit did not
-    write: `--csv photos` replaced the collection's own labels.csv, `--csv RUN` the decisions the Audit tab keeps."""
-    from retrieval.audit import others_csvs
-
-    writable_folder(folder, "--csv")
-    taken = others_csvs(folder)
-    if taken:
-        raise RetrievalError(
-            f"--csv {folder}: {', '.join(path.name for path in taken)} there is not an audit's, and writing would "
-            f"replace it; give another folder, e.g. {folder / 'audit'}"
-        )
 
 
 def _say_before(run: RunDir, collection: Collection, shared: list[Path], folds: int) -> None:
@@ -232,11 +221,9 @@ def _print(found: Audit, shown: int, leaks: bool) -> None:
          lambda o: [short(o.path), o.reason or o.kind.value, "" if o.score is None else f"{o.score:.3f}"]),
     ]  # fmt: skip
     if not found.labeled:
-        tables[0] = (f"suspected wrong labels: not judged, no image has a label ({LABELED_HINT})", [], [], str)
+        console.print(f"suspected wrong labels: not judged, no image has a label ({LABELED_HINT})", highlight=False)
+        tables = tables[1:]
     for title, columns, rows, cells in tables:
-        if not rows and not columns:
-            console.print(title, highlight=False)
-            continue
         if not rows:
             console.print(f"{title}: none")
             continue

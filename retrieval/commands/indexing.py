@@ -18,7 +18,7 @@ from retrieval.commands.output import (
     report_skipped,
     stopped_by_ctrl_c,
 )
-from retrieval.data import load_collection
+from retrieval.data import INDEX_MANIFEST, load_collection
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
 from retrieval.runs import RunDir
@@ -140,7 +140,7 @@ def directory_of_run(path: Path) -> bool:
     """Whether path is a run directory: one holding an index (index/manifest.json), or a run's config or exported model
     (a run not indexed yet, whose index is then named as RUN/index)."""
     run = RunDir(path)
-    return (run.index / "manifest.json").is_file() or run.config.is_file() or run.model_card.is_file()
+    return (run.index / INDEX_MANIFEST).is_file() or run.config.is_file() or run.model_card.is_file()
 
 
 def _engine_and_backend(

@@ -225,8 +225,7 @@ def _resumed(run_dir: RunDir, data: Path | None, given: dict) -> TrainConfig:
 
 def _refuse_existing(run: RunDir, overwrite: bool) -> None:
     """A run directory that holds a run is continued (--resume) or started over (--overwrite), never silently; a
-    config.json that is not a run's (`--run .` in a project) is never replaced."""
-    run.refuse_foreign_config()
+    config.json that is not a run's (`--run .` in a project) is refused where training starts (training.loop.train)."""
     if overwrite or not (run.trainer_state.is_file() or run.last_checkpoint.is_file()):
         return  # nothing trained yet (a run killed before its first save): nothing to lose
     trained = len(run.train_log.read_text(encoding="utf-8").splitlines()) if run.train_log.is_file() else 0
