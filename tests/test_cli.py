@@ -124,6 +124,13 @@ def test_too_few_validation_classes_is_an_error(small_folder: Path, tmp_path: Pa
     expect_error(too_many, capsys, "--val-classes 0.8 holds out 3 of the 4 classes, leaving 1 to train on", "lower it")
 
 
+def test_batches_too_small_for_two_classes_are_refused_before_the_run_is_written(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "r"
+    expect_error(["train", str(small_folder), "--run", str(run), "--batch-size", "1"], capsys, "--batch-size 1: give at least 8, two classes of --images-per-class 4")
+    expect_error(["train", str(small_folder), "--run", str(run), "--images-per-class", "1"], capsys, "--images-per-class 1: give at least 2")
+    assert not run.exists()  # no config.json or skipped.json of a run that never trained
+
+
 def test_every_training_option_is_a_config_field_stated_once() -> None:
     """`retrieval train` states each option once (commands.train.OPTIONS), for every TrainConfig field but data and
     mode (resolved from the data):

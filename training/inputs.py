@@ -39,6 +39,7 @@ from training.config import ADAPTED, PARTLY_LABELED, SELF_SUPERVISED, SUPERVISED
 from training.distributed import Ranks, broadcast_object
 from training.images import DECODED_SIDES
 from training.model import weights_cached
+from training.samplers import refuse_batch_shape
 
 PHOTO_SIDE = 256  # a collection whose images' median shorter side is this or more is taken for photos
 SIZE_SAMPLE = 64  # images whose size is read for that (their headers only)
@@ -148,6 +149,8 @@ def _refuse(config: TrainConfig, data: TrainingData, distinct: int) -> None:
             f"--val-classes {config.val_classes} holds out {len(held)} of the {total} classes, "
             f"leaving {len(data.classes)} to train on; training needs at least two: lower it"
         )
+    if config.mode != SELF_SUPERVISED:
+        refuse_batch_shape(config.batch_size, config.images_per_class)
     if config.mode != SELF_SUPERVISED and len(data.classes) < 2:
         found = f"only class {data.classes[0]!r} is labeled" if data.classes else "no readable labeled image"
         remedy = "label images of a second class, or train --self-supervised" if data.pool else "(ROOT/<label>/<image>)"

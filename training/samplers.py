@@ -11,6 +11,18 @@ from torch.utils.data import Sampler
 from retrieval.errors import RetrievalError
 
 
+def refuse_batch_shape(batch_size: int, images_per_class: int) -> None:
+    """One line for class-balanced batches that cannot hold two classes of a positive pair or more each; training
+    asks it before it writes the run's files."""
+    if images_per_class < 2:
+        raise RetrievalError(f"--images-per-class {images_per_class}: give at least 2 (a positive pair per class)")
+    if batch_size < 2 * images_per_class:
+        raise RetrievalError(
+            f"--batch-size {batch_size}: give at least {2 * images_per_class}, two classes of "
+            f"--images-per-class {images_per_class}"
+        )
+
+
 class ClassBalancedBatchSampler(Sampler[list[int]]):
     """Yields batches of `classes_per_batch` classes with `images_per_class` indices each.
 
@@ -29,13 +41,7 @@ class ClassBalancedBatchSampler(Sampler[list[int]]):
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
-        if images_per_class < 2:
-            raise RetrievalError(f"--images-per-class {images_per_class}: give at least 2 (a positive pair per class)")
-        if batch_size < 2 * images_per_class:
-            raise RetrievalError(
-                f"--batch-size {batch_size}: give at least {2 * images_per_class}, two classes of "
-                f"--images-per-class {images_per_class}"
-            )
+        refuse_batch_shape(batch_size, images_per_class)
         by_class: dict[str, list[int]] = defaultdict(list)
         for index, label in enumerate(labels):
             by_class[label].append(index)
