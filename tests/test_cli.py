@@ -129,6 +129,21 @@ def test_batches_too_small_for_two_classes_are_refused_before_the_run_is_written
     expect_error(["train", str(small_folder), "--run", str(run), "--batch-size", "1"], capsys, "--batch-size 1: give at least 8, two classes of --images-per-class 4")
     expect_error(["train", str(small_folder), "--run", str(run), "--images-per-class", "1"], capsys, "--images-per-class 1: give at least 2")
     assert not run.exists()  # no config.json or skipped.json of a run that never trained
+    # refused where the model or the loss is built, after the images are read: nothing is written either
+    expect_error(["train", str(small_folder), "--run", str(run), "--backbone", "vit_b_16", "--stem", "small"], capsys, "--stem small is for the resnet backbones")
+    expect_error(["train", str(small_folder), "--run", str(run), "--self-supervised", "--ssl-loss", "instdisc", "--nce-negatives", "100000"], capsys, "--nce-negatives 100000: the collection has")
+    assert not run.exists()
+
+
+def test_a_refused_overwrite_keeps_the_run_it_would_have_replaced(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`train --run R --overwrite` with options the model refuses wrote its config.json over R's, and R's checkpoints
+    no longer matched it: the run could not be exported."""
+    run = RunDir(tmp_path / "r")
+    assert main(["train", str(small_folder), "--run", str(run.root), "--epochs", "1", "--batch-size", "8", "--image-size", "32"]) == 0
+    before = run.config.read_bytes()
+    expect_error(["train", str(small_folder), "--run", str(run.root), "--overwrite", "--backbone", "vit_b_16", "--stem", "small"], capsys, "--stem small is for the resnet backbones")
+    assert run.config.read_bytes() == before
+    assert main(["export", str(run.root)]) == 0
 
 
 def test_every_training_option_is_a_config_field_stated_once() -> None:

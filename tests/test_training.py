@@ -309,12 +309,12 @@ def test_labels_that_differ_only_in_case_are_named_before_training(small_folder:
         rows.append(f"{image},{first.upper() if upper else image.parent.name}")
     (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
     config = TrainConfig(data=str(tmp_path / "labels.csv"), val_classes=0)
-    data = prepare_data(config, RunDir(tmp_path / "run"), progress=False, ranks=Ranks())
+    data = prepare_data(config, progress=False, ranks=Ranks())
     assert {first, first.upper()} <= set(data.classes)
     out = " ".join(capsys.readouterr().out.split())
     count = len(list((small_folder / first).iterdir())) - 2
     assert f"note: labels written alike but for case, spaces, - or _ are different classes: '{first}' ({count} images) and '{first.upper()}' (2)" in out
-    prepare_data(TrainConfig(data=str(small_folder), val_classes=0), RunDir(tmp_path / "run2"), progress=False, ranks=Ranks())
+    prepare_data(TrainConfig(data=str(small_folder), val_classes=0), progress=False, ranks=Ranks())
     assert "note:" not in capsys.readouterr().out
 
 

@@ -78,9 +78,9 @@ def readable_items(
     return good, skipped, digests
 
 
-def prepare_data(config: TrainConfig, run: RunDir, progress: bool, ranks: Ranks) -> TrainingData:
-    """Checks every image once, decides the mode, splits off the validation classes, and writes config.json (resolved
-    for the mode) and skipped.json."""
+def prepare_data(config: TrainConfig, progress: bool, ranks: Ranks) -> TrainingData:
+    """Checks every image once, decides the mode, and splits off the validation classes; write_inputs records them
+    once the trainer is built, so that a run refused before it trains leaves no files."""
     collection = load_training_data(config.data, config.benchmark)
     gallery = _gallery(config.adapt)
     listed = collection.items + [Item(item.path, "") for item in gallery.items]
@@ -101,10 +101,14 @@ def prepare_data(config: TrainConfig, run: RunDir, progress: bool, ranks: Ranks)
         if progress:
             _hint(config, readable)
         _say_variants(data.items + data.validation)
-        run.root.mkdir(parents=True, exist_ok=True)
-        write_json(run.config, config.to_dict(), sealed=True)
-        write_skip_report(run.root / "skipped.json", skipped)
     return data
+
+
+def write_inputs(run: RunDir, data: TrainingData) -> None:
+    """Writes the run's config.json (resolved for the mode) and skipped.json."""
+    run.root.mkdir(parents=True, exist_ok=True)
+    write_json(run.config, data.config.to_dict(), sealed=True)
+    write_skip_report(run.root / "skipped.json", data.skipped)
 
 
 def decide_mode(config: TrainConfig, labeled: list[Item], own: list[Item], adapting: bool) -> str:

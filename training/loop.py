@@ -36,7 +36,7 @@ from training.checkpoints import Progress, TrainerState, save_checkpoint
 from training.config import SELF_SUPERVISED, TrainConfig
 from training.distributed import Ranks, broadcast_object, gather_rows, start, stop
 from training.images import VIEWS, AugmentedImages, Batch, ViewedImages, collate
-from training.inputs import TrainingData, prepare_data
+from training.inputs import TrainingData, prepare_data, write_inputs
 from training.losses import make_loss
 from training.memory import MemoryQueue
 from training.model import Encoder
@@ -154,8 +154,10 @@ def train(config: TrainConfig, run: RunDir | str | Path, progress: bool = True, 
     ranks, device = start(config.device)
     try:
         with training_lock(run) if ranks.is_main else contextlib.nullcontext():
-            data = prepare_data(config, run, progress and ranks.is_main, ranks)
+            data = prepare_data(config, progress and ranks.is_main, ranks)
             trainer = Trainer(data.config, run, data, ranks, device, progress and ranks.is_main)
+            if ranks.is_main:
+                write_inputs(run, data)
             return trainer.fit(resume)
     except (MemoryError, RuntimeError) as error:  # torch's CPU allocator and CUDA raise RuntimeErrors
         if not isinstance(error, MemoryError) and not OUT_OF_MEMORY.search(str(error)):
