@@ -336,3 +336,15 @@ def test_out_of_memory_while_training_is_one_line_naming_the_options_that_shrink
     monkeypatch.setattr(training.loop, "prepare_data", other)
     with pytest.raises(RuntimeError, match="a bug of ours"):  # anything else is not dressed up as memory
         main(["train", str(small_folder), "--run", str(tmp_path / "run2")])
+
+
+def test_a_config_refuses_values_of_the_wrong_type_and_takes_paths(small_folder: Path) -> None:
+    """TrainConfig(data=Path(...)) failed in writing config.json (a Path is not JSON); epochs="5" (a script's argv)
+    failed deep in training with "'<' not supported between instances of 'str' and 'int'"."""
+    config = TrainConfig(data=small_folder, adapt=small_folder, epochs=1)
+    assert config.data == config.adapt == str(small_folder)
+    json.dumps(config.to_dict())
+    for field, value, wanted in [("epochs", "5", "a whole number"), ("epochs", 1.5, "a whole number"), ("epochs", True, "a whole number"), ("temperature", "0.1", "a number"), ("pretrained", 1, "True or False"), ("backbone", 18, "text")]:
+        with pytest.raises(RetrievalError, match=f"TrainConfig {field}: give {wanted}, got {value!r}"):
+            TrainConfig(data=str(small_folder), **{field: value})
+    assert TrainConfig(data=str(small_folder), temperature=1, ema=0).temperature == 1  # a whole number is a number

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import get_args, get_type_hints
 
 import torch
 
@@ -98,6 +101,10 @@ class TrainConfig:
     mode: str | None = None  # what the run learns from (MODES); None: decided from the data
 
     def __post_init__(self) -> None:
+        for name in ("data", "adapt"):  # a collection may be given as a Path, as everywhere else
+            if isinstance(getattr(self, name), Path):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        _check_types(self)
         if not hasattr(self, "asked"):  # the mode-dependent values as given, to resolve again for another mode
             self.asked = {name: getattr(self, name) for name in MODE_DEPENDENT}
         if self.pretrained is None:
@@ -215,6 +222,22 @@ def _resolve_losses(config: TrainConfig, mode: str) -> None:
         config.ssl_temperature = config.temperature
         return
     config.ssl_temperature = config.ssl_temperature or SSL_TEMPERATURES[config.ssl_loss]
+
+
+def _check_types(config: TrainConfig) -> None:
+    """Refuses a value of the wrong type (epochs="5" from a script's argv, 1.5 epochs) in one line naming the field,
+    before it fails deep inside training or in writing config.json."""
+    for name, hint in get_type_hints(TrainConfig).items():
+        value = getattr(config, name)
+        allowed = get_args(hint) or (hint,)
+        if value is None and type(None) in allowed:
+            continue
+        if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+            continue
+        if isinstance(value, bool) != (bool in allowed) or not isinstance(value, allowed):
+            wanted = {bool: "True or False", int: "a whole number", float: "a number", str: "text"}
+            what = " or ".join(wanted[kind] for kind in allowed if kind in wanted)
+            raise RetrievalError(f"TrainConfig {name}: give {what}, got {value!r}")
 
 
 def _check(config: TrainConfig) -> None:
