@@ -32,7 +32,7 @@ def test_temperature_sweep_writes_json_and_plot(icons_root: Path, tmp_path: Path
         (["--temperatures", "0.1,-1"], "--temperatures '0.1,-1': give positive numbers"),  # it said --temperature
         (["--losses", "supcon,triplet"], "--losses 'supcon,triplet': unknown loss 'triplet'"),
         (["--losses", ","], "--losses ',': give losses separated by commas"),
-        (["--losses", ""], "--losses '': give losses separated by commas"),  # it swept the default losses
+        (["--losses", ""], "--losses is empty (a shell variable unset?)"),  # it swept the default losses
         (["--val-classes", "0"], "measured on held-out classes"),
     ],
 )

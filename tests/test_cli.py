@@ -146,6 +146,25 @@ def test_a_refused_overwrite_keeps_the_run_it_would_have_replaced(small_folder: 
     assert main(["export", str(run.root)]) == 0
 
 
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["index", "runs/x", ""], "IMAGES"),  # "$GALLERY" unset: it indexed the folder the user stood in
+        (["train", "", "--run", "r"], "DATA"),  # it trained on the current folder
+        (["evaluate", "", "photos"], "RUN"),
+        (["search", "runs/x", "--json", ""], "IMAGE"),  # after a flag, still an argument
+        (["audit", "runs/x", "photos", "--csv", ""], "--csv"),  # it wrote the four tables into the current folder
+        (["audit", "runs/x", "photos", "--csv="], "--csv"),
+        (["search", "runs/x", "q.png", "-k", " "], "-k"),
+        (["index", "runs/x", "photos", "--memory", ""], "--memory"),  # the default was used without a word
+    ],
+)
+def test_an_empty_argument_is_refused_naming_it(argv: list[str], named: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    expect_error(argv, capsys, f"{named} is empty (a shell variable unset?)")
+    assert not list(tmp_path.iterdir())  # refused before anything was read or written
+
+
 def test_every_training_option_is_a_config_field_stated_once() -> None:
     """`retrieval train` states each option once (commands.train.OPTIONS), for every TrainConfig field but data and
     mode (resolved from the data):

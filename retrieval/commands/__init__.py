@@ -41,6 +41,10 @@ class _Flags:
 
 
 class _Command(_Flags, TyperCommand):
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        _refuse_empty(self, args)
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: typer.Context) -> object:
         """Runs the command; Ctrl+C where it has no line of its own (train, index and demo say what they keep) still
         gets one, exit 130 (typer's own handling exits silently)."""
@@ -48,6 +52,30 @@ class _Command(_Flags, TyperCommand):
             return super().invoke(ctx)
         except KeyboardInterrupt:
             stopped_by_ctrl_c(INTERRUPTED)
+
+
+def _refuse_empty(command: TyperCommand, args: list[str]) -> None:
+    """Refuses an empty argument (`"$GALLERY"` with GALLERY unset), naming its option or argument: a path read as the
+    folder the user stood in (`retrieval index RUN ""` indexed it) and an option's text as not given (the default,
+    without a word)."""
+    options = [param for param in command.params if param.param_type_name == "option"]
+    valued = {name for param in options if not getattr(param, "is_flag", False) for name in param.opts}
+    arguments = [param.name or "" for param in command.params if param.param_type_name == "argument"]
+    position, option = 0, None
+    for token in args:
+        name, equals, value = token.partition("=") if token.startswith("--") else (token, "", "")
+        if option is not None or (equals and name in valued):
+            given, named = (token, option) if option is not None else (value, name)
+            option = None
+            if not given.strip():
+                raise RetrievalError(f"{named} is empty (a shell variable unset?); give a value, or leave {named} out")
+        elif token.startswith("-") and token != "-":
+            option = token if token in valued else None
+        elif not token.strip():
+            named = arguments[min(position, len(arguments) - 1)].upper() if arguments else "an argument"
+            raise RetrievalError(f"{named} is empty (a shell variable unset?); give its path")
+        else:
+            position += 1
 
 
 class _Group(_Flags, TyperGroup):

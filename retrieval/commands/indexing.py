@@ -14,7 +14,6 @@ from retrieval.commands.output import (
     RunArg,
     console,
     format_value,
-    refuse_empty,
     report_skipped,
     stopped_by_ctrl_c,
 )
@@ -88,7 +87,6 @@ def index(
     from index.choice import parse_memory
     from retrieval.embedders import OnnxEmbedder
 
-    refuse_empty(faiss=faiss_type, memory=memory, uri=uri, milvus_index=milvus_index)
     run_dir = RunDir(run)
     budget = parse_memory(memory) if memory else None
     target = index_dir or run_dir.index

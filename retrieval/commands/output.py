@@ -62,15 +62,6 @@ def require_threshold(threshold: float | None) -> None:
         raise RetrievalError(f"--threshold {threshold}: give a cosine similarity between -1 and 1")
 
 
-def refuse_empty(**options: str | None) -> None:
-    """Refuses an option given as an empty string (`--memory "$BUDGET"` with BUDGET unset), which read as not given:
-    the default was used without a word. Keyword names are the options' (milvus_index: --milvus-index)."""
-    for name, value in options.items():
-        if value is not None and not value.strip():
-            option = "--" + name.replace("_", "-")
-            raise RetrievalError(f"{option} is empty (a shell variable unset?); give a value, or leave {option} out")
-
-
 def metrics_table(columns: dict[str, dict]) -> Table:
     """Returns a table with one row per metric and one column per evaluated model."""
     table = Table(title="retrieval metrics")
