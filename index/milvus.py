@@ -26,7 +26,17 @@ from typing import Any
 import numpy as np
 
 from index.choice import IndexChoice, choose_index
-from index.types import MANIFEST, Additions, Hit, HitArrays, Manifest, ManifestFacts, Row, rebuild_advice
+from index.types import (
+    MANIFEST,
+    Additions,
+    Hit,
+    HitArrays,
+    Manifest,
+    ManifestFacts,
+    Row,
+    rebuild_advice,
+    search_queries,
+)
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
@@ -223,13 +233,14 @@ class MilvusIndex(ManifestFacts):
 
         Hits are ordered by score, then by the lower id; rerank does not apply (Milvus scores exactly).
         """
+        queries = search_queries(queries, k, self.dim)
         depth = depth or self.manifest.depth
         parameters = (
             {} if depth is None else {"nprobe": int(depth)} if self.kind == "ivf" else {"ef": max(int(depth), k)}
         )
         found = self.client.search(  # type: ignore[attr-defined]
             self.collection,
-            data=np.asarray(queries, np.float32).tolist(),
+            data=queries.tolist(),
             limit=k,
             filter=f"label == {_quoted(label)}" if label is not None else "",
             search_params={"metric_type": "IP", "params": parameters},

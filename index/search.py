@@ -189,6 +189,8 @@ def hit_arrays(
 
 def search_items(index: GalleryBackend, ids: Sequence[int], query: Query = Query()) -> list[list[Hit]]:
     """The hits of items already indexed, by their stored vectors, each item itself left out."""
+    if isinstance(ids, (int, np.integer)):
+        raise RetrievalError(f"ids: a list of item ids, not one id; write [{ids}]")
     itself = [_same_id(item) for item in ids]
     return search_vectors(index, index.vectors_of(ids), [query] * len(ids), itself)
 

@@ -52,6 +52,7 @@ from index.types import (
     ManifestFacts,
     Row,
     rebuild_advice,
+    search_queries,
 )
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
@@ -206,8 +207,8 @@ class GalleryIndex(ManifestFacts):
     ) -> HitArrays:
         """search's hits as arrays ([queries, k] ids, scores, paths, labels, sha256), for batches: the items are
         looked up once for the whole batch, in memory (ItemColumns) up to COLUMN_LIMIT items, and no Hit is made."""
-        queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
-        self._check_search(queries, depth)
+        queries = search_queries(queries, k, self.dim)
+        self._check_search(depth)
         k = max(1, min(k, len(self)))
         factor = self.manifest.rerank if rerank is None else rerank
         allowed = None if label is None else self._ids_with_label(label)
@@ -241,9 +242,7 @@ class GalleryIndex(ManifestFacts):
             self._columns = ItemColumns.read(self.directory / ITEMS, self.manifest.next_id)
         return self._columns
 
-    def _check_search(self, queries: np.ndarray, depth: int | None) -> None:
-        if queries.shape[1] != self.dim:
-            raise RetrievalError(f"queries have dimension {queries.shape[1]}, the index {self.dim}")
+    def _check_search(self, depth: int | None) -> None:
         if depth is not None and self.kind == "flat":
             raise RetrievalError(
                 f"a search depth (nprobe/efSearch) does not apply to this {self.manifest.index_type} index: "

@@ -42,6 +42,20 @@ def rebuild_advice(directory: Path) -> str:
     return f"rebuild the index with `{index_command(directory, rebuild=True)}`"
 
 
+def search_queries(queries: np.ndarray, k: int, dim: int) -> np.ndarray:
+    """The query rows as a contiguous float32 matrix, refusing what no index search can answer: another dimension, a
+    row with NaN or infinite values (it found no hit, without a word) and k below 1 (it was read as 1)."""
+    queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
+    if queries.ndim != 2 or queries.shape[1] != dim:
+        raise RetrievalError(f"queries have dimension {queries.shape[-1]}, the index {dim}")
+    finite = np.isfinite(queries).all(axis=1)
+    if not finite.all():
+        raise RetrievalError(f"query row {int(np.argmin(finite))} holds NaN or infinite values; give finite vectors")
+    if int(k) < 1:
+        raise RetrievalError(f"k must be at least 1, got {k}")
+    return queries
+
+
 class Row(NamedTuple):
     """What the index keeps of an item beside its vector (SQLite's or Milvus's columns)."""
 

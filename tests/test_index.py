@@ -145,3 +145,26 @@ def test_one_query_serves_every_vector_and_a_list_of_another_length_is_refused(t
     assert str(refused.value) == "images: a list of image files, not one file; write ['query.jpg']"
     with pytest.raises(RetrievalError, match="^2 images for 3 queries"):
         search_images(index, None, ["a.jpg", "b.jpg"], [Query(3)] * 3)  # type: ignore[arg-type]
+
+
+def test_queries_no_search_can_answer_are_refused(tmp_path: Path) -> None:
+    """A NaN query found no hit without a word, search_arrays(k=0) answered one hit, search_items(index, 3) failed
+    with "'int' object is not iterable"."""
+    from index.search import Query, search_items, search_vectors
+
+    index, vectors = build(tmp_path / "index")
+    broken = vectors[:3].copy()
+    broken[1, 2] = np.nan
+    with pytest.raises(RetrievalError, match=r"^query row 1 holds NaN or infinite values; give finite vectors$"):
+        search_vectors(index, broken, Query(3))
+    broken[1, 2] = np.inf
+    with pytest.raises(RetrievalError, match="^query row 1 holds NaN or infinite"):
+        index.search_arrays(broken, 3)
+    for k in (0, -2):
+        with pytest.raises(RetrievalError, match=f"^k must be at least 1, got {k}$"):
+            index.search_arrays(vectors[:2], k)
+    with pytest.raises(RetrievalError, match=r"^queries have dimension 3, the index 8$"):
+        index.search_arrays(vectors[:2, :3], 2)
+    with pytest.raises(RetrievalError, match=r"^ids: a list of item ids, not one id; write \[3\]$"):
+        search_items(index, 3)  # type: ignore[arg-type]
+    assert [hits[0].id for hits in search_items(index, [3], Query(1))] != [3]  # the item itself is left out
