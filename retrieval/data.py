@@ -64,6 +64,17 @@ class Collection:
         return Counter(item.label for item in self.items if item.label)
 
 
+def as_items(items: Sequence[Item | str | Path] | Collection | str | Path) -> list[Item]:
+    """What a caller gives to embed as Items: a collection or its path (read as load_collection reads it), or a list of
+    Items or of image paths (unlabeled); a list of paths failed deep inside with "'str' object has no attribute
+    'path'"."""
+    if isinstance(items, (str, Path)):
+        items = load_collection(items)
+    if isinstance(items, Collection):
+        return items.items
+    return [item if isinstance(item, Item) else Item(Path(item).resolve(), "") for item in items]
+
+
 def load_collection(source: str | Path) -> Collection:
     """Lists a folder `ROOT/<label>/<image>`, a CSV with columns `path,label`, or a .txt list of paths.
 

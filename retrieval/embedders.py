@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 from PIL import Image
 
-from retrieval.data import Item, Skipped, decode_image, read_image_bytes
+from retrieval.data import Collection, Item, Skipped, as_items, decode_image, read_image_bytes
 from retrieval.errors import ImageError, RetrievalError
 from retrieval.extras import require
 from retrieval.preprocess import Preprocessing
@@ -277,11 +277,15 @@ class Embedded:
 
 
 def embed_items(
-    embedder: Embedder, items: Sequence[Item], batch_size: int | None = None, progress: bool = True, thumbnail: int = 0
+    embedder: Embedder,
+    items: Sequence[Item | str | Path] | Collection | str | Path,
+    batch_size: int | None = None,
+    progress: bool = True,
+    thumbnail: int = 0,
 ) -> Embedded:
-    """Embeds all items into one matrix; files that cannot be decoded are skipped and reported (thumbnail: see
-    iter_embedded)."""
-    batches = list(iter_embedded(embedder, items, batch_size, progress=progress, thumbnail=thumbnail))
+    """Embeds all items (Items, image paths, or a collection or its path) into one matrix; files that cannot be
+    decoded are skipped and reported (thumbnail: see iter_embedded)."""
+    batches = list(iter_embedded(embedder, as_items(items), batch_size, progress=progress, thumbnail=thumbnail))
     vectors = [batch.vectors for batch in batches if len(batch.vectors)]
     matrix = np.concatenate(vectors) if vectors else np.zeros((0, embedder.dim), np.float32)
     pictures = [picture for batch in batches for picture in batch.thumbnails or []]

@@ -161,13 +161,15 @@ def evaluate_embedded(
 
 def evaluate_query_gallery(
     embedder: Embedder,
-    queries: Collection,
-    gallery: Collection,
+    queries: Collection | str | Path,
+    gallery: Collection | str | Path,
     ks: Sequence[int] = (1, 5, 10),
     progress: bool = True,
     rerank: Rerank = NO_RERANK,
 ) -> Evaluation:
-    """Scores each query against a separate gallery (neither contains the other's items: refused)."""
+    """Scores each query against a separate gallery (neither contains the other's items: refused); a path is read as
+    load_collection reads it."""
+    queries, gallery = (part if isinstance(part, Collection) else load_collection(part) for part in (queries, gallery))
     _refuse_shared(queries, gallery)
     _refuse_disjoint(queries, gallery)
     query_vectors, query_items, skipped = _embed_labeled(embedder, queries, progress)

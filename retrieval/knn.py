@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from retrieval.errors import RetrievalError
 from retrieval.extras import require
 
 QUERY_BLOCK = 2048  # queries searched at a time, so that memory stays bounded
@@ -38,14 +39,34 @@ def nearest_neighbours(
     With exclude_self, query i is gallery item i (leave-one-out) and is never its own neighbour.
     """
     queries = np.ascontiguousarray(queries, np.float32)
+    _refuse_unanswerable(queries, np.asarray(gallery), k)
     index = flat_index(gallery)
     k = min(k, index.ntotal - (1 if exclude_self else 0))  # type: ignore[attr-defined]
+    if k < 1:  # a gallery of one item leaves none to a query that is that item
+        return np.zeros((len(queries), 0), np.int64), np.zeros((len(queries), 0), np.float32)
     indices = np.zeros((len(queries), k), np.int64)
     scores = np.zeros((len(queries), k), np.float32)
     for start in range(0, len(queries), block):
         rows = np.arange(start, min(start + block, len(queries)))
         indices[rows], scores[rows] = search_flat(index, queries[rows], k, rows if exclude_self else None)
     return indices, scores
+
+
+def _refuse_unanswerable(queries: np.ndarray, gallery: np.ndarray, k: int) -> None:
+    """One line for what no search can answer: k below 1, rows of another dimension (FAISS's bare AssertionError), and
+    NaN or infinite values (no neighbour found, without a word)."""
+    if k < 1:
+        raise RetrievalError(f"k must be at least 1, got {k}")
+    if queries.ndim != 2 or gallery.ndim != 2 or queries.shape[1] != gallery.shape[1]:
+        raise RetrievalError(
+            f"queries of shape {queries.shape} against a gallery of shape {gallery.shape}: give rows of one dimension"
+        )
+    for what, rows in (("query", queries), ("gallery", gallery)):
+        finite = np.isfinite(rows.sum(axis=1))  # a row sum, not a mask the gallery's size: NaN and inf carry into it
+        if not finite.all():
+            raise RetrievalError(
+                f"{what} row {int(np.argmin(finite))} holds NaN or infinite values; give finite vectors"
+            )
 
 
 @dataclass(frozen=True)

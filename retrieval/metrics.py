@@ -133,8 +133,7 @@ def score_queries(
     (leave-one-out only): search(query rows, count) -> (gallery rows [Q, count], scores), -1 where
     a hit is no labeled gallery row, e.g. the lists of a deployed approximate index; mAP is left out.
     """
-    if any(k < 1 for k in ks):
-        raise RetrievalError(f"k must be at least 1, got {sorted(ks)}")
+    _refuse_shapes(query_embeddings, query_labels, gallery_embeddings, gallery_labels, ks)
     leave_one_out = gallery_embeddings is None
     task = _Task(
         np.ascontiguousarray(query_embeddings, np.float32),
@@ -162,6 +161,26 @@ def score_queries(
         max_k=task.ks[-1],
         leave_one_out=leave_one_out,
     )
+
+
+def _refuse_shapes(
+    queries: np.ndarray,
+    query_labels: Sequence[str],
+    gallery: np.ndarray | None,
+    gallery_labels: Sequence[str] | None,
+    ks: Sequence[int],
+) -> None:
+    """One line for arguments no scoring can use: one k rather than a list, k below 1, and a label count that is not
+    the embeddings' row count (it failed in numpy's indexing, or scored the wrong rows)."""
+    if isinstance(ks, (int, np.integer)):
+        raise RetrievalError(f"ks: a list of k values, not one k; write [{ks}]")
+    if any(k < 1 for k in ks):
+        raise RetrievalError(f"k must be at least 1, got {sorted(ks)}")
+    if (gallery is None) != (gallery_labels is None):
+        raise RetrievalError("give the gallery's embeddings and its labels together, or neither (leave-one-out)")
+    for what, vectors, labels in (("query", queries, query_labels), ("gallery", gallery, gallery_labels)):
+        if vectors is not None and labels is not None and len(vectors) != len(labels):
+            raise RetrievalError(f"{len(vectors)} {what} embeddings for {len(labels)} labels: give one label per row")
 
 
 # search(query rows, count) -> (gallery rows [Q, count], scores [Q, count]), best first, -1 for no labeled row

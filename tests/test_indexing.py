@@ -256,3 +256,26 @@ def test_one_pipeline_per_core_gives_the_same_vectors_in_order(embedder: OnnxEmb
     np.testing.assert_allclose(np.concatenate([batch.vectors for batch in batches]), whole, atol=1e-5)
     single = embedder.one_core()
     assert single is embedder.one_core() and single.threads == 1 and single.one_core() is single and embedder.threads == os.cpu_count()
+
+
+def test_the_core_takes_image_paths_and_collection_paths(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:
+    """embed_items(embedder, ["a.png"]) failed with "'str' object has no attribute 'path'", and
+    evaluate_query_gallery(embedder, "queries", "gallery") with "'str' object has no attribute 'items'"."""
+    from retrieval.embedders import embed_items
+    from retrieval.evaluation import evaluate_query_gallery
+
+    gallery = copy_classes(icons_root, tmp_path / "gallery", 2, split="test")
+    collection = load_collection(gallery)
+    expected = embed_items(embedder, collection.items, progress=False)
+    by_paths = embed_items(embedder, [str(item.path) for item in collection.items], progress=False)
+    assert np.array_equal(by_paths.vectors, expected.vectors) and [item.path for item in by_paths.items] == [item.path for item in expected.items]
+    assert all(item.label == "" for item in by_paths.items)  # paths alone carry no label
+    assert np.array_equal(embed_items(embedder, gallery, progress=False).vectors, expected.vectors)
+    assert np.array_equal(embed_items(embedder, collection, progress=False).vectors, expected.vectors)
+    first = sorted(gallery.iterdir())[0]
+    queries = tmp_path / "queries"
+    (queries / first.name).mkdir(parents=True)
+    for image in sorted(first.iterdir())[:2]:  # queries of one class, out of the gallery
+        shutil.move(image, queries / first.name / image.name)
+    scored = evaluate_query_gallery(embedder, str(queries), gallery, progress=False)
+    assert scored.metrics["queries"] == str(queries.resolve()) and 0 <= scored.metrics["recall@1"] <= 1

@@ -229,3 +229,30 @@ def test_per_query_scores() -> None:
     assert scores.first_hit.tolist() == [3]  # "a" first appears at the fourth place
     assert scores.values["recall@2"].tolist() == [0.0] and scores.values["recall@10"].tolist() == [1.0]
     assert scores.summary()["cmc"] == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_arguments_no_scoring_or_search_can_use_are_refused() -> None:
+    """retrieval_metrics with a label short failed in numpy's indexing, ks=5 with "'int' object is not iterable";
+    nearest_neighbours of another dimension raised FAISS's bare AssertionError, k=0 an IndexError, a NaN row found
+    no neighbour without a word, and a one-item gallery left out of itself an IndexError."""
+    vectors = np.eye(3, dtype=np.float32)
+    with pytest.raises(RetrievalError, match="^3 query embeddings for 2 labels: give one label per row$"):
+        retrieval_metrics(vectors, ["a", "a"])
+    with pytest.raises(RetrievalError, match="^3 gallery embeddings for 1 labels"):
+        retrieval_metrics(vectors, ["a", "a", "b"], vectors, ["a"])
+    with pytest.raises(RetrievalError, match="together, or neither"):
+        retrieval_metrics(vectors, ["a", "a", "b"], vectors)
+    with pytest.raises(RetrievalError, match=r"^ks: a list of k values, not one k; write \[5\]$"):
+        retrieval_metrics(vectors, ["a", "a", "b"], ks=5)
+    with pytest.raises(RetrievalError, match="^k must be at least 1, got 0$"):
+        nearest_neighbours(vectors, vectors, 0)
+    with pytest.raises(RetrievalError, match=r"^queries of shape \(3, 3\) against a gallery of shape \(3, 4\)"):
+        nearest_neighbours(vectors, np.eye(3, 4, dtype=np.float32), 1)
+    broken = vectors.copy()
+    broken[2, 0] = np.nan
+    with pytest.raises(RetrievalError, match="^query row 2 holds NaN or infinite values"):
+        nearest_neighbours(broken, vectors, 1)
+    with pytest.raises(RetrievalError, match="^gallery row 2 holds NaN or infinite values"):
+        nearest_neighbours(vectors, broken, 1)
+    ids, scores = nearest_neighbours(vectors[:1], vectors[:1], 1, exclude_self=True)
+    assert ids.shape == scores.shape == (1, 0)
