@@ -25,7 +25,7 @@ from app.service import SearchResult, SearchService, worded
 from index.search import ImageQuery, Query, QueryResult
 from index.types import Hit
 from retrieval.data import read_image_bytes
-from retrieval.errors import Failure, ImageError, RetrievalError
+from retrieval.errors import ErrorKind, Failure, ImageError, RetrievalError
 
 NO_QUERY = "Upload or paste an image, or click one in a gallery."
 MISSED_POINT = "No gallery item there: click on a point of the map."
@@ -178,22 +178,33 @@ class Handlers:
         label: list[str | None],
         depth: list[float | None],
         only: list[bool],
-    ) -> tuple[list, list, list, list]:
+    ) -> tuple[list, list, list, list, list]:
         """Batched: Gradio hands over the requests that queued up together, one list per input (the API's names); their
-        queries go to the batcher together (with the API's that arrive meanwhile)."""
+        queries go to the batcher together (with the API's that arrive meanwhile). Beside each search's parts, whether
+        its query image was unreadable (clear_unreadable takes it out of the query box)."""
         pending = [
             self._submit(path, self._query(n, d, (name or None) if alone else None)) if path else None
             for path, n, name, d, alone in zip(image, k, label, depth, only)
         ]
+        results = [future.result() if future else None for future in pending]
         answers = [
-            self._shown(future.result(), name or "") if future else ([], NO_QUERY, [], marks([]))
-            for future, name in zip(pending, label)
+            self._shown(result, name or "") if result else ([], NO_QUERY, [], marks([]))
+            for result, name in zip(results, label)
         ]
-        return tuple([answer[part] for answer in answers] for part in range(4))  # type: ignore[return-value]
+        unreadable = [
+            bool(result and result.error and result.error.kind is ErrorKind.UNREADABLE_IMAGE) for result in results
+        ]
+        return (*([answer[part] for answer in answers] for part in range(4)), unreadable)  # type: ignore[return-value]
+
+    @staticmethod
+    def clear_unreadable(unreadable: bool) -> object:
+        """Empties the query box after a search whose image could not be read (it showed a broken image beside the
+        message), and leaves it as it is otherwise."""
+        return None if unreadable else gr.skip()
 
     def search(self, image: str | None, k: float, label: str | None, depth: float | None, only: bool) -> Searched:
         """One image query, as the batched event answers it."""
-        galleries, summaries, data, shown = self.search_batch([image], [k], [label], [depth], [only])
+        galleries, summaries, data, shown, _ = self.search_batch([image], [k], [label], [depth], [only])
         return galleries[0], summaries[0], data[0], shown[0]
 
     def _query(self, k: float, depth: float | None, only: str | None = None) -> Query:

@@ -114,7 +114,9 @@ def search_tab(on: Handlers, labels: list[str], searching: dict) -> SearchTab:
     tab = SearchTab(
         query, query_label, only_label, k, depth, results, summary, shown_results, tile_marks, picker, shown_picker
     )
-    button.click(on.search_batch, tab.inputs, tab.outputs, api_name="search", **searching)
+    unreadable = gr.State(False)
+    searched = button.click(on.search_batch, tab.inputs, [*tab.outputs, unreadable], api_name="search", **searching)
+    searched.then(on.clear_unreadable, unreadable, query, api_name=False)
     item_id = gr.Number(visible=False, precision=0)
     gr.Button(visible=False).click(on.search_id, [item_id, k, depth], tab.outputs, api_name="search_id")
     return tab

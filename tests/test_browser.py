@@ -109,7 +109,12 @@ def test_a_query_uploaded_in_the_browser_shows_its_nearest_neighbour(page_url: t
     expected = service.search(query, k=1).hits[0]
     assert expected.id == item_id
     ARTIFACTS.mkdir(exist_ok=True)
+    (tmp_path / "notes.png").write_text("not a picture")
     with opened(url) as page:
+        page.locator("#query input[type=file]").set_input_files(str(tmp_path / "notes.png"))
+        page.locator("#search").click()
+        expect(page.locator("#summary")).to_contain_text("notes.png: not a readable image", timeout=60_000)
+        expect(page.locator("#query img")).to_have_count(0)  # the query box showed a broken image beside the message
         page.locator("#query input[type=file]").set_input_files(str(query))
         page.locator("#search").click()
         first = page.locator("#results .thumbnail-item").first
