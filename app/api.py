@@ -261,12 +261,26 @@ async def _upload(request: Request, limit: int) -> ImageQuery:
         upload = uploads[0]
         name, data = upload.filename or "image", await upload.read()
     else:
+        _refuse_text_body(request.headers.get("content-type", ""))
         name, data = "image", await request.body()
     if len(data) > limit:
         raise _too_large(limit)
     if not data:
         raise ImageError(name, "empty file")
     return ImageQuery(name, data)
+
+
+def _refuse_text_body(content_type: str) -> None:
+    """A JSON body (`requests.post(json={"image": ...})`, `-d '{"image": ...}'`) is no image: it read "image: not a
+    readable image", which did not say what to send instead. (`curl --data-binary @query.jpg` declares a form body
+    but sends the image's bytes: still taken.)"""
+    kind = content_type.split(";")[0].strip().lower()
+    if kind == "application/json":
+        raise HTTPException(
+            415,
+            f'the body is {kind}, not an image: send the image\'s bytes as the body, or as the multipart field "image" '
+            "(curl -F image=@query.jpg)",
+        )
 
 
 def _basic_auth(credentials: tuple[str, str] | None):  # noqa: ANN202  (a FastAPI dependency)

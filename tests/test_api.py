@@ -82,6 +82,7 @@ def test_mistakes_get_one_line_and_the_right_status(served: tuple[SearchService,
         (httpx.post(f"{url}/api/v1/search", content=bad["truncated"].read_bytes()), 422, "image: "),
         (httpx.post(f"{url}/api/v1/search", files={"image": ("notes.jpg", bad["text"].read_bytes())}), 422, "notes.jpg: "),
         (httpx.post(f"{url}/api/v1/search", content=b""), 422, "empty file"),
+        (httpx.post(f"{url}/api/v1/search", json={"image": "query.jpg"}), 415, "the body is application/json, not an image: send the image's bytes"),
         (httpx.post(f"{url}/api/v1/search", files={"file": ("a.png", image)}), 422, 'multipart field "image" (not file)'),
         # options sent as form fields or misspelt in the query were ignored, the defaults answered as if heard
         (httpx.post(f"{url}/api/v1/search", files={"image": ("a.png", image)}, data={"k": "3"}), 422, "k: the form takes only the image"),
@@ -100,6 +101,8 @@ def test_mistakes_get_one_line_and_the_right_status(served: tuple[SearchService,
         assert response.status_code == status, response.text
         detail = response.json()["detail"]
         assert isinstance(detail, str) and "\n" not in detail and words in detail, detail
+    declared = {"content-type": "application/x-www-form-urlencoded"}  # as curl --data-binary @query.jpg sends it
+    assert httpx.post(f"{url}/api/v1/search", content=image, headers=declared).json()["hits"]
 
 
 def test_concurrent_queries_share_embedding_calls(served: tuple[SearchService, str], monkeypatch: pytest.MonkeyPatch) -> None:
