@@ -44,7 +44,19 @@ class Blocks(gr.Blocks):
         try:
             return await super().preprocess_data(*args, **kwargs)
         except ValidationError as error:
-            raise refused(f"the request's {error.title} value: {error.errors()[0]['msg']}") from None
+            raise refused(_wrong_shape(error)) from None
+
+
+def _wrong_shape(error: ValidationError) -> str:
+    """The line for a request value of the wrong shape; a file given as its path in text (gradio_client's
+    `image="query.jpg"`) says how to send the file."""
+    first = error.errors()[0]
+    if error.title in ("ImageData", "FileData") and isinstance(first.get("input"), str):
+        return (
+            f"a file given as the text {first['input'][:200]!r}: send the file itself, e.g. "
+            f"image=handle_file({first['input'][:200]!r}) (from gradio_client import handle_file)"
+        )
+    return f"the request's {error.title} value: {first['msg']}"
 
 
 class QueryImage(gr.Image):

@@ -69,6 +69,8 @@ def test_a_value_of_the_wrong_shape_is_one_log_line_not_a_traceback(
     assert [record.getMessage() for record in caplog.records if record.name == "retrieval.app"] == [
         "refused a request: the request's ImageData value: Input should be a valid dictionary or instance of ImageData"
     ]
+    with pytest.raises(Exception, match=r"a file given as the text 'query.jpg': send the file itself, e.g. image=handle_file\('query.jpg'\)"):
+        client.predict(image="query.jpg", k=3, api_name="/search")  # the path without handle_file
 
 
 def first_test_image(run: RunDir) -> str:
