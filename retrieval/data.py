@@ -75,6 +75,9 @@ def as_items(items: Sequence[Item | str | Path] | Collection | str | Path) -> li
     return [item if isinstance(item, Item) else Item(Path(item).resolve(), "") for item in items]
 
 
+TABLE_SUFFIXES = (".csv", ".tsv")  # a labels table; its separator (comma, semicolon, tab) is read from its header
+
+
 def load_collection(source: str | Path) -> Collection:
     """Lists a folder `ROOT/<label>/<image>`, a CSV with columns `path,label`, or a .txt list of paths.
 
@@ -103,7 +106,9 @@ def load_collection(source: str | Path) -> Collection:
         elif source.is_dir():
             found = f"no images found (looked for {', '.join(sorted(IMAGE_SUFFIXES))})"
         else:
-            found = "lists no images" + (" (no row below its header)" if source.suffix.lower() == ".csv" else "")
+            found = "lists no images" + (
+                " (no row below its header)" if source.suffix.lower() in TABLE_SUFFIXES else ""
+            )
         raise RetrievalError(
             f"{source}: {found}; put images in ROOT/<label>/<image> or list them in a CSV with columns path,label"
         )
@@ -252,7 +257,7 @@ def _load_csv(csv_path: Path) -> Collection:
             f"{csv_path}: one image, not a collection; give the folder it is in ({csv_path.parent}), or a CSV or "
             ".txt list of images"
         )
-    if csv_path.suffix.lower() != ".csv":
+    if csv_path.suffix.lower() not in TABLE_SUFFIXES:
         raise RetrievalError(
             f"{csv_path}: expected an image folder, a .csv file with columns path,label or a .txt list of paths"
         )
