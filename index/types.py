@@ -14,9 +14,9 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from retrieval.data import INDEX_ITEMS, INDEX_MANIFEST, Item
+from retrieval.data import Item
 from retrieval.errors import RetrievalError
-from retrieval.runs import shell_path
+from retrieval.runs import INDEX_ITEMS, INDEX_MANIFEST, shell_path
 
 FORMAT_VERSION = 1
 MANIFEST = INDEX_MANIFEST  # named in the core, whose collections leave an index kept among images out

@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from retrieval.errors import ImageError, RetrievalError
-from retrieval.runs import RunDir, write_json
+from retrieval.runs import RunDir, holds_index, write_json
 
 IMAGE_SUFFIXES = frozenset(
     {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".avif", ".heic", ".heif"}
@@ -32,7 +32,6 @@ SPLIT_NAMES = frozenset(
     {"train", "training", "test", "testing", "val", "valid", "validation", "dev", "query", "gallery"}
 )
 WINDOWS_DRIVE = re.compile(r"[A-Za-z]:[\\/]")  # C:\photos\a.png, D:/x.png
-INDEX_MANIFEST, INDEX_ITEMS = "manifest.json", "items.sqlite"  # an index's files (index/types.py takes them from here)
 CSV_SEPARATORS = ",;\t"  # a spreadsheet's CSV: commas, semicolons where the comma is the decimal mark, or tabs
 
 
@@ -198,7 +197,7 @@ def _not_entered(folder: Path) -> str | None:
         return "a link to a folder: not followed (it could loop, or lead out of the collection)"
     if RunDir(folder).holds_run():
         return "a run directory (its plots and checkpoints are not images): not read"
-    if (folder / INDEX_MANIFEST).is_file() and (folder / INDEX_ITEMS).is_file():
+    if holds_index(folder):
         return "an index (`retrieval index ... --index` put it here): not read"
     return None
 

@@ -20,6 +20,16 @@ from typing import Any
 
 from retrieval.errors import RetrievalError
 
+INDEX_MANIFEST, INDEX_ITEMS = (
+    "manifest.json",
+    "items.sqlite",
+)  # an index's files (index/types.py takes them from here; the core knows them to leave indexes out of collections)
+
+
+def holds_index(folder: Path) -> bool:
+    """Whether folder holds an index (its manifest and its items' database)."""
+    return (folder / INDEX_MANIFEST).is_file() and (folder / INDEX_ITEMS).is_file()
+
 
 @dataclass(frozen=True)
 class RunDir:
@@ -30,9 +40,15 @@ class RunDir:
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))  # RunDir("runs/photos"), as a notebook writes it
 
-    def refuse_foreign_config(self) -> None:
-        """Refuses to train in a folder whose config.json is not a run's (`--run .` in a project): training would
-        replace it. A run's names its data and loss."""
+    def refuse_foreign_folder(self) -> None:
+        """Refuses to train in an index's folder (`--run runs/photos/index`: its skip report was replaced, checkpoints
+        written among its files) and in a folder whose config.json is not a run's (`--run .` in a project): training
+        would replace it. A run's names its data and loss."""
+        if holds_index(self.root):
+            raise RetrievalError(
+                f"--run {self.root}: an index's folder ({INDEX_MANIFEST}, {INDEX_ITEMS}), and training would write "
+                "among its files; give the run a folder of its own, e.g. runs/photos"
+            )
         if not self.config.is_file():
             return
         try:

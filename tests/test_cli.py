@@ -165,6 +165,20 @@ def test_an_empty_argument_is_refused_naming_it(argv: list[str], named: str, tmp
     assert not list(tmp_path.iterdir())  # refused before anything was read or written
 
 
+def test_a_run_in_an_index_folder_is_refused(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`retrieval demo --run runs/demo/index` (and train) replaced the index's skip report and wrote checkpoints
+    among its files."""
+    index = tmp_path / "run" / "index"
+    index.mkdir(parents=True)
+    for name, text in (("manifest.json", "{}"), ("items.sqlite", ""), ("skipped.json", "[1]")):
+        (index / name).write_text(text)
+    said = f"--run {index}: an index's folder (manifest.json, items.sqlite), and training would write among its files"
+    expect_error(["train", str(small_folder), "--run", str(index)], capsys, said)
+    expect_error(["demo", "--run", str(index), "--no-serve"], capsys, said)
+    assert sorted(path.name for path in index.iterdir()) == ["items.sqlite", "manifest.json", "skipped.json"]
+    assert (index / "skipped.json").read_text() == "[1]"
+
+
 def test_every_training_option_is_a_config_field_stated_once() -> None:
     """`retrieval train` states each option once (commands.train.OPTIONS), for every TrainConfig field but data and
     mode (resolved from the data):

@@ -150,7 +150,7 @@ def train(config: TrainConfig, run: RunDir | str | Path, progress: bool = True, 
     the loss sees the batches of all of them; process 0 validates and writes the run directory.
     """
     run = RunDir.of(run)
-    run.refuse_foreign_config()
+    run.refuse_foreign_folder()
     ranks, device = start(config.device)
     try:
         with training_lock(run) if ranks.is_main else contextlib.nullcontext():

@@ -63,7 +63,7 @@ def demo(
     if serve_app:
         require_free_port(host, port)  # before minutes of training, not after
     run_dir = RunDir(run)
-    run_dir.refuse_foreign_config()
+    run_dir.refuse_foreign_folder()
     if not retrain:
         _refuse_another_run(run_dir)
     outcome = None if retrain else finished_demo(run_dir, epochs, classes)

@@ -17,10 +17,10 @@ from retrieval.commands.output import (
     report_skipped,
     stopped_by_ctrl_c,
 )
-from retrieval.data import INDEX_MANIFEST, load_collection
+from retrieval.data import load_collection
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
-from retrieval.runs import RunDir
+from retrieval.runs import INDEX_MANIFEST, RunDir
 
 if TYPE_CHECKING:
     from index.build import IndexReport
