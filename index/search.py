@@ -5,7 +5,8 @@ Each query says how many hits it wants, how deep to search and which label to ke
 batch of image queries is decoded one by one and embedded in one call; an image that cannot be read
 fails only its own query, with a typed value (`QueryResult.error`, a retrieval.errors.Failure: its
 kind and message), as does an unknown id or label. The query itself is left out of its results: an
-indexed item by its id, an image by its bytes (a gallery file with the same sha256 is the query).
+indexed item by its id, an image by its bytes (the first gallery file with the same sha256 is the query; other
+copies are hits).
 Works with any backend (index.types.GalleryBackend).
 """
 
@@ -131,13 +132,15 @@ def _marked(hits: list[Hit], threshold: float | None) -> list[Hit]:
 
 
 def _split_off(lists: Sequence[list[Hit]], itself: Sequence[Itself | None]) -> tuple[list[list[Hit]], list[Hit | None]]:
-    """Each query's hits other than the query itself, and its own item among them (the first, if its bytes are indexed
-    twice; None: not there)."""
+    """Each query's hits other than the query itself, and its own item among them (None: not there). Where its bytes
+    are indexed twice, the first copy is its own and the others stay hits: leaving them all out returned fewer than k
+    hits, and hid the copies."""
     kept: list[list[Hit]] = []
     own: list[Hit | None] = []
     for hits, mine in zip(lists, itself):
-        own.append(next((hit for hit in hits if mine(hit)), None) if mine is not None else None)
-        kept.append([hit for hit in hits if not mine(hit)] if mine is not None else hits)
+        found = next((hit for hit in hits if mine(hit)), None) if mine is not None else None
+        own.append(found)
+        kept.append([hit for hit in hits if hit is not found])
     return kept, own
 
 
@@ -236,7 +239,7 @@ def search_images(
     index: GalleryBackend, embedder: Embedder, images: Sequence[str | Path], queries: Query | Sequence[Query]
 ) -> list[QueryResult]:
     """The hits of each image file (one Query for all, or one per image), embedded in one call; a gallery item with an
-    image's exact bytes is left out."""
+    image's exact bytes (the first, where there are copies) is left out."""
     if isinstance(images, (str, Path)):
         raise RetrievalError(f"images: a list of image files, not one file; write [{str(images)!r}]")
     queries = _per_query(queries, len(images), "images")

@@ -168,3 +168,18 @@ def test_queries_no_search_can_answer_are_refused(tmp_path: Path) -> None:
     with pytest.raises(RetrievalError, match=r"^ids: a list of item ids, not one id; write \[3\]$"):
         search_items(index, 3)  # type: ignore[arg-type]
     assert [hits[0].id for hits in search_items(index, [3], Query(1))] != [3]  # the item itself is left out
+
+
+def test_an_image_indexed_twice_leaves_one_copy_out_and_k_hits(tmp_path: Path) -> None:
+    """A query whose bytes the gallery held twice lost both copies from its hits: k=3 answered 2, and the copy that
+    was not the query itself was hidden."""
+    from index.search import Query, search_vectors
+
+    vectors = l2_normalise(np.random.default_rng(0).standard_normal((20, 8)))
+    vectors[7] = vectors[3]  # the same picture twice
+    items = [Item(Path(f"/gallery/img{i}.png"), "a") for i in range(20)]
+    digests = ["dup" if i in (3, 7) else f"sha{i}" for i in range(20)]
+    index = GalleryIndex.build(tmp_path / "index", vectors, items, digests, "enc-a")
+    (hits,) = search_vectors(index, vectors[[3]], Query(3), itself=[lambda hit: hit.sha256 == "dup"])
+    assert len(hits) == 3 and hits[0].id == 8 and hits[0].score == pytest.approx(1.0, abs=1e-5)  # item 4 is its own
+    assert 4 not in [hit.id for hit in hits]
