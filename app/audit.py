@@ -170,7 +170,7 @@ def audit_tab(service: SearchService) -> None:
     of the label suggested; with --allow-write, accept the suggestion or keep the label (RUN/labels.csv)."""
     on = AuditHandlers(service)
     run_button = gr.Button("Audit the gallery's labels")
-    said = gr.Markdown("Finds images whose closest images agree on another label (docs/trust.md).")
+    said = gr.Markdown("Finds images whose closest images agree on another label (docs/trust.md).", label="summary")
     with gr.Row():
         table = gr.Dataframe(
             headers=["image", "label", "suggested", "score"],

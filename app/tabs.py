@@ -105,7 +105,7 @@ def search_tab(on: Handlers, labels: list[str], searching: dict) -> SearchTab:
             query, query_label, only_label, k, depth = query_fields(labels, service.index.manifest)
             button = gr.Button("Search", variant="primary", elem_id="search")
         with gr.Column(scale=2):
-            summary = gr.Markdown(elem_id="summary")
+            summary = gr.Markdown(label="summary", elem_id="summary")  # the label names it in the API
             results = tile_gallery("results", "Nearest neighbours (click one to search with it)", 5)
             tile_marks = PageHTML(elem_id="result-marks")
     tiles, shown = item_tiles(service, service.samples())
@@ -178,7 +178,7 @@ def browse_tab(on: Handlers, labels: list[str]) -> tuple[gr.Gallery, PageData]:
                 add_button = gr.Button("Add to the index")
                 remove_ids = gr.Textbox(label="Ids to remove (from the captions)", placeholder="3, 7, 12")
                 remove_button = gr.Button("Remove from the index", variant="stop")
-        write_message = gr.Markdown()
+        write_message = gr.Markdown(label="message")
     gr.Button(visible=False).click(on.label_table, None, counts, api_name="labels")
     browse_label.change(on.browse, browse_label, [browsed, browsed_shown], api_name="browse")
     counts.select(on.label_of_row, None, browse_label, api_name=False)
@@ -263,7 +263,7 @@ def map_tab(on: Handlers, labels: list[str]) -> tuple[gr.Image, list]:
         )
     draw = gr.Button("Draw the map")
     gr.Markdown("Gallery embeddings: point at a dot to see its label and file; click it to search with it.")
-    map_image = gr.Image(show_label=False, interactive=False, type="filepath", elem_id="map")
+    map_image = gr.Image(label="map", show_label=False, interactive=False, type="filepath", elem_id="map")
     points = gr.HTML(elem_id="map-points-holder")
     drawn = draw.click(on.embedding_map, projection, map_image, api_name="embedding_map", concurrency_limit=1)
     drawn.then(on.map_view, [projection, highlight], [map_image, points], api_name=False, concurrency_limit=1)

@@ -364,6 +364,9 @@ def test_a_read_only_app_has_no_write_endpoints(app_run: RunDir) -> None:
     try:
         endpoints = Client(f"http://127.0.0.1:{port}/", verbose=False).view_api(return_format="dict", print_info=False)["named_endpoints"]
         assert set(endpoints) == {"/search", "/search_id", "/labels", "/browse", "/evaluate", "/embedding_map", "/audit"}  # /audit only reads
+        returned = {name: [part["label"] for part in endpoint["returns"]] for name, endpoint in endpoints.items()}
+        assert returned["/search"][1] == returned["/search_id"][1] == returned["/audit"][1] == "summary" and returned["/embedding_map"] == ["map"]
+        assert all(label for labels in returned.values() for label in labels)  # gradio_client named unlabelled ones value_14
     finally:
         demo.close()
         service.close()
