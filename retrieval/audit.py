@@ -25,8 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.data import COLLECTION_HINT, Item, Skipped
-from retrieval.duplicates import CANDIDATES, CopyKind, CopyPair, copy_groups, find_copies
+from retrieval.data import COLLECTION_HINT, Collection, Item, Skipped, load_collection
+from retrieval.duplicates import CANDIDATES, THUMBNAIL, CopyKind, CopyPair, copy_groups, find_copies
+from retrieval.embedders import Embedder, embed_items
 from retrieval.errors import RetrievalError
 from retrieval.knn import Neighbours
 from retrieval.runs import write_atomic
@@ -319,6 +320,17 @@ class Embedded:
     skipped: list[Skipped] = field(default_factory=list)
 
 
+def embed_collection(embedder: Embedder, collection: Collection | str | Path, progress: bool = True) -> Embedded:
+    """A collection (or its path, read as load_collection reads it) as the audit sees it: embedded with its
+    thumbnails kept, on which the copies are checked; what cannot be read is kept as skipped."""
+    if not isinstance(collection, Collection):
+        collection = load_collection(collection)
+    done = embed_items(embedder, collection.items, progress=progress, thumbnail=THUMBNAIL)
+    if not done.items:
+        raise RetrievalError(f"{collection.source}: none of its {len(collection.items)} image(s) could be read")
+    return Embedded(done.items, done.vectors, done.hashes, done.thumbnails, collection.skipped + done.skipped)  # type: ignore[arg-type]
+
+
 def duplicates(collection: Embedded, shown: bool = False, neighbours: Neighbours | None = None) -> list[Duplicate]:
     """The groups of images of a collection that hold the same picture, largest first (shown: progress bars;
     neighbours: those of its vectors, already searched)."""
@@ -361,6 +373,12 @@ def audit(
     """Every finding of an audit of collection (and its leaks into other; folds: see suspects; shown: progress bars of
     the copy checks, the audit's long part). The collection's neighbours are searched once, for all three parts
     that need them."""
+    for part in (collection, other):
+        if part is not None and not isinstance(part, Embedded):
+            raise RetrievalError(
+                f"audit takes collections as retrieval.audit.embed_collection(embedder, 'photos') gives them (vectors, "
+                f"digests and thumbnails), not {type(part).__module__}.{type(part).__name__}"
+            )
     several = len(collection.vectors) > 1  # one image has no neighbour to search for
     shared = Neighbours.of(collection.vectors, max(DEPTH, CANDIDATES, CLOSEST)) if several else None
     return Audit(

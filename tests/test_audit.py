@@ -588,3 +588,18 @@ def test_write_csvs_itself_never_replaces_a_labels_csv_an_audit_did_not_write(tm
     assert (tmp_path / "labels.csv").read_text() == "path,label,was,decision\na.png,cat,,\n"
     assert [path.name for path in write_csvs(Audit(), tmp_path / "found")] == ["labels.csv", "duplicates.csv", "leaks.csv", "outliers.csv"]
     write_csvs(Audit(), tmp_path / "found")  # an audit's own files: replaced
+
+
+def test_an_audit_from_python_is_the_commands(demo_run: RunDir, icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """audit() took only what the command line built in a helper of its own; embed_items's result failed with
+    "'Embedded' object has no attribute 'digests'"."""
+    from retrieval.audit import embed_collection
+    from retrieval.embedders import OnnxEmbedder, embed_items
+
+    folder = copy_classes(icons_root, tmp_path / "photos", 3, split="test")
+    embedder = OnnxEmbedder.from_run(demo_run)
+    found = audit(embed_collection(embedder, folder, progress=False))
+    assert main(["audit", str(demo_run.root), str(folder), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(found.to_dict()))
+    with pytest.raises(RetrievalError, match=r"\(vectors, digests and thumbnails\), not retrieval.embedders.Embedded$"):
+        audit(embed_items(embedder, folder, progress=False))

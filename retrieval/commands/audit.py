@@ -28,7 +28,6 @@ from retrieval.runs import RunDir, writable_folder
 
 if TYPE_CHECKING:
     from retrieval.audit import Audit, Embedded
-    from retrieval.embedders import Embedder
 
 DATA_HELP = "The collection to audit: an image folder ROOT/<label>/<image>, a CSV path,label, or a .txt list of paths."
 AGAINST_HELP = "A second collection (e.g. the training folder against a test folder): DATA's copies of its images."
@@ -81,13 +80,13 @@ def audit(
     if not as_json:  # a script's --json is left quiet
         _say_before(run_dir, collection, shared, folds)
     from retrieval.audit import audit as run_audit
-    from retrieval.audit import write_csvs
+    from retrieval.audit import embed_collection, write_csvs
     from retrieval.embedders import OnnxEmbedder
 
     embedder = OnnxEmbedder.from_run(run_dir, model=model)
-    embedded = _embedded(embedder, collection, not as_json)
+    embedded = embed_collection(embedder, collection, not as_json)
     spaces = _fold_spaces(run_dir, embedded, folds, fold_epochs, model, not as_json) if folds else []
-    against_embedded = _embedded(embedder, other, not as_json) if other is not None else None
+    against_embedded = embed_collection(embedder, other, not as_json) if other is not None else None
     found = run_audit(embedded, against_embedded, spaces, shown=not as_json)
     if csv_dir is not None:
         written = write_csvs(found, csv_dir)
@@ -162,18 +161,6 @@ def _check_folds(collection: Collection, folds: int, epochs: int) -> None:
 
     check_folds([item.label for item in collection.items], folds)
     require("torch", "train")
-
-
-def _embedded(embedder: Embedder, collection: Collection, progress: bool) -> Embedded:
-    """The collection embedded with its thumbnails kept (the copies are checked on them)."""
-    from retrieval.audit import Embedded
-    from retrieval.duplicates import THUMBNAIL
-    from retrieval.embedders import embed_items
-
-    done = embed_items(embedder, collection.items, progress=progress, thumbnail=THUMBNAIL)
-    if not done.items:
-        raise RetrievalError(f"{collection.source}: none of its {len(collection.items)} image(s) could be read")
-    return Embedded(done.items, done.vectors, done.hashes, done.thumbnails, collection.skipped + done.skipped)  # type: ignore[arg-type]
 
 
 def _fold_spaces(
