@@ -309,7 +309,7 @@ def outliers(
 
 
 @dataclass(frozen=True)
-class Embedded:
+class AuditedCollection:
     """A collection as the audit sees it: the readable items with their vectors, file digests and thumbnails, and
     the files that could not be read."""
 
@@ -320,7 +320,9 @@ class Embedded:
     skipped: list[Skipped] = field(default_factory=list)
 
 
-def embed_collection(embedder: Embedder, collection: Collection | str | Path, progress: bool = True) -> Embedded:
+def embed_collection(
+    embedder: Embedder, collection: Collection | str | Path, progress: bool = True
+) -> AuditedCollection:
     """A collection (or its path, read as load_collection reads it) as the audit sees it: embedded with its
     thumbnails kept, on which the copies are checked; what cannot be read is kept as skipped."""
     if not isinstance(collection, Collection):
@@ -328,10 +330,12 @@ def embed_collection(embedder: Embedder, collection: Collection | str | Path, pr
     done = embed_items(embedder, collection.items, progress=progress, thumbnail=THUMBNAIL)
     if not done.items:
         raise RetrievalError(f"{collection.source}: none of its {len(collection.items)} image(s) could be read")
-    return Embedded(done.items, done.vectors, done.hashes, done.thumbnails, collection.skipped + done.skipped)  # type: ignore[arg-type]
+    return AuditedCollection(done.items, done.vectors, done.hashes, done.thumbnails, collection.skipped + done.skipped)  # type: ignore[arg-type]
 
 
-def duplicates(collection: Embedded, shown: bool = False, neighbours: Neighbours | None = None) -> list[Duplicate]:
+def duplicates(
+    collection: AuditedCollection, shown: bool = False, neighbours: Neighbours | None = None
+) -> list[Duplicate]:
     """The groups of images of a collection that hold the same picture, largest first (shown: progress bars;
     neighbours: those of its vectors, already searched)."""
     pairs = find_copies(
@@ -350,7 +354,7 @@ def duplicates(collection: Embedded, shown: bool = False, neighbours: Neighbours
     return found
 
 
-def leaks(collection: Embedded, other: Embedded, shown: bool = False) -> list[Leak]:
+def leaks(collection: AuditedCollection, other: AuditedCollection, shown: bool = False) -> list[Leak]:
     """The images of collection that are copies of one in other, each with its closest copy there (shown: progress
     bars)."""
     gallery = (other.vectors, other.digests, other.thumbnails)
@@ -365,8 +369,8 @@ def leaks(collection: Embedded, other: Embedded, shown: bool = False) -> list[Le
 
 
 def audit(
-    collection: Embedded,
-    other: Embedded | None = None,
+    collection: AuditedCollection,
+    other: AuditedCollection | None = None,
     folds: Sequence[tuple[np.ndarray, np.ndarray]] = (),
     shown: bool = False,
 ) -> Audit:
@@ -374,7 +378,7 @@ def audit(
     the copy checks, the audit's long part). The collection's neighbours are searched once, for all three parts
     that need them."""
     for part in (collection, other):
-        if part is not None and not isinstance(part, Embedded):
+        if part is not None and not isinstance(part, AuditedCollection):
             raise RetrievalError(
                 f"audit takes collections as retrieval.audit.embed_collection(embedder, 'photos') gives them (vectors, "
                 f"digests and thumbnails), not {type(part).__module__}.{type(part).__name__}"

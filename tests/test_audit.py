@@ -17,7 +17,7 @@ from PIL import Image, ImageDraw
 
 import retrieval.duplicates as copy_check
 from app.service import SearchService
-from retrieval.audit import Embedded, agreement, audit, check_folds, describe_agreement, duplicates, label_scores, leaks, outliers, suspects
+from retrieval.audit import AuditedCollection, agreement, audit, check_folds, describe_agreement, duplicates, label_scores, leaks, outliers, suspects
 from retrieval.commands import main
 from retrieval.data import Item, Skipped, write_collection_csv
 from retrieval.decisions import Decision, LabelDecision, decide, decided_labels, read_decisions
@@ -115,7 +115,7 @@ def test_neighbours_searched_once_to_depth_are_each_shallower_search_and_the_aud
     pictures[9] = changed(pictures[30], "jpeg")
     for unlabeled in (False, True):  # an unlabeled image: the labels are scored on the labeled ones' own search
         items = [Item(Path(f"/images/{row}.png"), "" if unlabeled and row == 7 else label) for row, label in enumerate(labels)]
-        collection = Embedded(items, vectors, [f"d{row}" for row in range(len(items))], np.stack(pictures))
+        collection = AuditedCollection(items, vectors, [f"d{row}" for row in range(len(items))], np.stack(pictures))
         found = audit(collection)
         assert found.labels == suspects(items, vectors) and found.labels[0].path.name == "2.png"
         assert found.duplicates == duplicates(collection) and len(found.duplicates) == 1
@@ -255,12 +255,12 @@ def test_pairs_shared_out_over_worker_processes_get_the_differences_of_one_proce
     assert len(here) == 6
 
 
-def embedded(thumbnails: np.ndarray, name: str, labels: list[str] | None = None) -> Embedded:
+def embedded(thumbnails: np.ndarray, name: str, labels: list[str] | None = None) -> AuditedCollection:
     vectors = l2_normalise(np.random.default_rng(len(name)).normal(size=(len(thumbnails), 8))).astype(np.float32)
     items = [
         Item(Path(f"/{name}/{row}.png"), (labels or [""] * len(thumbnails))[row]) for row in range(len(thumbnails))
     ]
-    return Embedded(items, vectors, [f"{name}{row}" for row in range(len(thumbnails))], thumbnails)
+    return AuditedCollection(items, vectors, [f"{name}{row}" for row in range(len(thumbnails))], thumbnails)
 
 
 def test_duplicates_are_grouped_and_leaks_name_the_other_collections_copy() -> None:

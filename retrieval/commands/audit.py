@@ -27,7 +27,7 @@ from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir, writable_folder
 
 if TYPE_CHECKING:
-    from retrieval.audit import Audit, Embedded
+    from retrieval.audit import Audit, AuditedCollection
 
 DATA_HELP = "The collection to audit: an image folder ROOT/<label>/<image>, a CSV path,label, or a .txt list of paths."
 AGAINST_HELP = "A second collection (e.g. the training folder against a test folder): DATA's copies of its images."
@@ -164,7 +164,7 @@ def _check_folds(collection: Collection, folds: int, epochs: int) -> None:
 
 
 def _fold_spaces(
-    run: RunDir, embedded: Embedded, folds: int, epochs: int, model: str, progress: bool
+    run: RunDir, embedded: AuditedCollection, folds: int, epochs: int, model: str, progress: bool
 ) -> list[tuple[object, object]]:
     """Per fold: every image embedded by the model trained without that fold, and the fold's rows."""
     import numpy as np
