@@ -149,3 +149,14 @@ def test_an_export_over_an_indexed_run_says_the_index_needs_rebuilding(tmp_path:
         _stale_index_note(run)
         out = capsys.readouterr().out.replace("\n", " ")
         assert ("holds the vectors of the model exported before" in out and "--rebuild" in out) == said, out
+
+
+def test_arguments_of_the_wrong_kind_from_python_are_one_line(trained: RunDir) -> None:
+    """export(run, whiten="none") failed in "'<=' not supported between instances of 'int' and 'str'", and
+    export(run, parity_images="query.png") read the path letter by letter, each letter a missing image."""
+    before = trained.model.read_bytes() if trained.model.is_file() else None
+    for options, said in [({"whiten": "none"}, "whiten: a shrinkage in [0, 1], or None for no whitening; got 'none'"), ({"parity_images": "query.png"}, "parity_images: a list of image files, not one file; write ['query.png']")]:
+        with pytest.raises(RetrievalError) as refused:
+            export(trained, **options)
+        assert str(refused.value) == said
+    assert (trained.model.read_bytes() if trained.model.is_file() else None) == before

@@ -92,6 +92,7 @@ def export(
     check leaves no new model.onnx and raises RetrievalError with the measured differences.
     """
     run = RunDir.of(run)
+    _check_arguments(parity_images, whiten)
     model, config = load_encoder(run)
     preprocessing = config.preprocessing
     size = preprocessing.image_size
@@ -237,6 +238,15 @@ def _training_images(data: str, benchmark: str | None) -> list[Path]:
         return [item.path for item in load_training_data(data, benchmark).items]
     except RetrievalError:
         return []  # the training data may have moved since; random inputs still check the graph
+
+
+def _check_arguments(parity_images: Sequence[Path], whiten: float | None) -> None:
+    """Refuses a Python caller's arguments of the wrong kind in one line: one path for parity_images (it was read
+    letter by letter, each a missing file), and whiten="none" (failed deep in a comparison)."""
+    if isinstance(parity_images, (str, Path)):
+        raise RetrievalError(f"parity_images: a list of image files, not one file; write [{str(parity_images)!r}]")
+    if whiten is not None and (isinstance(whiten, bool) or not isinstance(whiten, (int, float))):
+        raise RetrievalError(f"whiten: a shrinkage in [0, 1], or None for no whitening; got {whiten!r}")
 
 
 def _real_images(paths: Sequence[Path], limit: int, size: int) -> list:
