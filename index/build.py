@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
 from index.backends import create_index, open_index
+from index.choice import parse_memory
 from index.disk import writer_lock
 from index.edit import commit_changes
 from index.faiss_ops import parsed_factory
@@ -71,7 +73,7 @@ def build_index(
     batch_size: int | None = None,
     progress: bool = True,
     factory: str | None = None,
-    memory: int | None = None,
+    memory: int | str | None = None,
     ray: RayOptions | None = None,
     milvus: MilvusOptions | None = None,
 ) -> IndexReport:
@@ -84,11 +86,20 @@ def build_index(
     files and their reasons are written to directory/skipped.json. With ray, the embedding runs on Ray
     Data (index.ray_engine) and everything else is the same. With milvus, a new index is a Milvus
     collection (index.milvus); an existing index keeps its backend. A path given for the collection is read as
-    load_collection reads it.
+    load_collection reads it, and memory may be written as --memory takes it ("4GB").
     """
     directory = Path(directory)
+    if not isinstance(collection, (Collection, str, os.PathLike)):
+        raise RetrievalError(
+            f"collection: a Collection or its path (a folder, a CSV or a .txt list of images), not a "
+            f"{type(collection).__name__}; to index a list of files, write them into a .txt list"
+        )
     if not isinstance(collection, Collection):
         collection = load_collection(collection)
+    if isinstance(memory, str):
+        memory = parse_memory(memory)
+    if batch_size is not None and batch_size < 1:
+        raise RetrievalError(f"batch_size must be at least 1, got {batch_size}")
     with writer_lock(directory):
         return _build_index(
             embedder, collection, directory, sync, rebuild, batch_size, progress, factory, memory, ray, milvus

@@ -19,6 +19,7 @@ from index.build import build_index, journal_path
 from index.journal import pending_rows
 from retrieval.data import load_collection, load_image
 from retrieval.embedders import OnnxEmbedder, iter_embedded
+from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir
 from tests.conftest import copy_classes, ctrl_c_when, icon_copies, write_bad_files
 
@@ -279,3 +280,17 @@ def test_the_core_takes_image_paths_and_collection_paths(embedder: OnnxEmbedder,
         shutil.move(image, queries / first.name / image.name)
     scored = evaluate_query_gallery(embedder, str(queries), gallery, progress=False)
     assert scored.metrics["queries"] == str(queries.resolve()) and 0 <= scored.metrics["recall@1"] <= 1
+
+
+def test_build_index_from_python_takes_memory_as_written_and_refuses_a_list(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:
+    """build_index(embedder, ["a.png"], ...) failed with "expected str, bytes or os.PathLike object, not list", and
+    memory="4GB" was taken as it was (a budget compared with numbers only for large galleries)."""
+    gallery = copy_classes(icons_root, tmp_path / "gallery", 2, split="test")
+    with pytest.raises(RetrievalError, match="^collection: a Collection or its path .*not a list; to index a list of files, write them into a .txt list$"):
+        build_index(embedder, [str(path) for path in gallery.glob("*/*")], tmp_path / "index", progress=False)  # type: ignore[arg-type]
+    with pytest.raises(RetrievalError, match="^--memory 'lots': give a size such as 4GB"):
+        build_index(embedder, gallery, tmp_path / "index", memory="lots", progress=False)
+    with pytest.raises(RetrievalError, match="^batch_size must be at least 1, got 0$"):
+        build_index(embedder, gallery, tmp_path / "index", batch_size=0, progress=False)
+    assert not (tmp_path / "index").exists()
+    assert build_index(embedder, gallery, tmp_path / "index", memory="4GB", progress=False).embedded == len(list(gallery.glob("*/*")))
