@@ -210,6 +210,10 @@ class SearchService:
     ) -> list[SearchResult]:
         """Answers a batch of image queries with one embedding call (index.search.search_images); labels mark hits."""
         only = list(only) if only is not None else [None] * len(paths)
+        given = {"ks": len(ks), "labels": len(labels), "depths": len(depths), "only": len(only)}
+        wrong = [f"{count} {name}" for name, count in given.items() if count != len(paths)]
+        if wrong:  # zip answered the shortest and dropped the rest without a word
+            raise RetrievalError(f"{len(paths)} images for {', '.join(wrong)}: give one of each per image")
         queries = [self.query(int(k), depth, label) for k, depth, label in zip(ks, depths, only)]
         snapshot = self.snapshot  # one version for the search and its wording (each look is a stat of the index)
         found = search_images(snapshot.index, self.embedder, paths, queries)

@@ -128,6 +128,8 @@ def test_unusual_images_are_searched(service: SearchService, tmp_path: Path) -> 
     results = service.search_images(list(odd.values()), [2, 2, 2], ["", "", ""], [None] * 3)
     assert all(len(result.hits) == 2 for result in results)
     assert "animated: searched with its first frame" in results[0].summary
+    with pytest.raises(RetrievalError, match=r"^3 images for 2 ks, 1 labels: give one of each per image$"):
+        service.search_images(list(odd.values()), [2, 2], [""], [None] * 3)  # answered the shortest, dropped the rest
 
 
 def test_browse_counts_and_thumbnails(service: SearchService) -> None:
