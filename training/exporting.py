@@ -111,14 +111,7 @@ def export(
         card = _model_card(run, config, model.embedding_dim, hashlib.sha256(model_bytes).hexdigest(), float16)
         card["whitening"] = whitening
         embedder = OnnxEmbedder(candidate, card)
-        inputs = [
-            np.random.default_rng(n).standard_normal((n, 3, size, size)).astype(np.float32) for n in PARITY_BATCH_SIZES
-        ]
-        real = _real_images(
-            parity_images or _training_images(config.data, config.benchmark), max(PARITY_BATCH_SIZES), size
-        )
-        if real:
-            inputs.append(preprocessing(real))
+        inputs = _parity_inputs(config, parity_images)
         parity = measure_parity(model, embedder, inputs, card["precision"])
         if not parity.ok:
             raise RetrievalError(
@@ -238,6 +231,21 @@ def _training_images(data: str, benchmark: str | None) -> list[Path]:
         return [item.path for item in load_training_data(data, benchmark).items]
     except RetrievalError:
         return []  # the training data may have moved since; random inputs still check the graph
+
+
+def _parity_inputs(config: TrainConfig, parity_images: Sequence[Path]) -> list[np.ndarray]:
+    """The batches the parity check runs: random inputs at each of PARITY_BATCH_SIZES, then real images (those given,
+    else the training data's) where any can be read."""
+    preprocessing = config.preprocessing
+    size = preprocessing.image_size
+    inputs = [
+        np.random.default_rng(n).standard_normal((n, 3, size, size)).astype(np.float32) for n in PARITY_BATCH_SIZES
+    ]
+    paths = parity_images or _training_images(config.data, config.benchmark)
+    real = _real_images(paths, max(PARITY_BATCH_SIZES), size)
+    if real:
+        inputs.append(preprocessing(real))
+    return inputs
 
 
 def _check_arguments(parity_images: Sequence[Path], whiten: float | None) -> None:
