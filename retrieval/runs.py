@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -156,10 +157,21 @@ class RunDir:
         )
 
     def _require_not_a_file(self) -> None:
-        """Says so where the run given is a file (a CSV, an image): no command can make a run there."""
+        """Says so where the run given is a file (a CSV, an image), an index's folder or a folder of images: what
+        to give instead, not to export or train "there" (`serve photos` said to run `retrieval export photos`)."""
         if self.root.exists() and not self.root.is_dir():
             raise RetrievalError(
                 f"{self.root}: a file, not a run directory; give the folder `retrieval train DATA --run RUN` made"
+            )
+        if self.holds_run() or self.config.is_file():
+            return
+        if holds_index(self.root):
+            owner = self.root.parent if RunDir(self.root.parent).holds_run() else "the run directory that made it"
+            raise RetrievalError(f"{self.root}: an index, not a run; give its run ({owner})")
+        if _holds_images(self.root):
+            raise RetrievalError(
+                f"{self.root}: a folder of images, not a run; give the run directory, or make one with "
+                f"`retrieval train {shell_path(self.root)} --run runs/NAME`"
             )
 
     def require_checkpoint(self) -> Path:
@@ -188,6 +200,17 @@ class RunDir:
                 f"run `retrieval export {shell_path(self.root)}` first"
             )
         return self.model
+
+
+def _holds_images(folder: Path, looked_at: int = 200) -> bool:
+    """Whether folder or one of its folders holds image files (the first entries of each looked at)."""
+    from retrieval.data import IMAGE_SUFFIXES  # here: retrieval.data imports this module
+
+    if not folder.is_dir():
+        return False
+    entries = list(islice(folder.iterdir(), looked_at))
+    inside = [entry for part in entries if part.is_dir() for entry in islice(part.iterdir(), looked_at)]
+    return any(entry.suffix.lower() in IMAGE_SUFFIXES and entry.is_file() for entry in entries + inside)
 
 
 def shell_path(path: Path | str) -> str:

@@ -537,6 +537,18 @@ def test_the_command_to_run_next_names_the_users_own_run_quoted(demo_run: RunDir
     assert f"train one with `retrieval train DATA --run '{tmp_path / 'no run'}'`" in capsys.readouterr().err
 
 
+def test_an_image_folder_or_an_index_given_as_the_run_says_what_to_give(demo_run: RunDir, small_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`retrieval serve photos` said to run `retrieval export photos`, and `serve runs/x/index` to export the index."""
+    from retrieval.commands import main
+
+    query = first_test_image(demo_run)
+    for argv in (["serve", str(small_folder)], ["search", str(small_folder), query], ["export", str(small_folder)]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == f"error: {small_folder}: a folder of images, not a run; give the run directory, or make one with `retrieval train {small_folder} --run runs/NAME`\n"
+    assert main(["search", str(demo_run.index), query]) == 2
+    assert capsys.readouterr().err == f"error: {demo_run.index}: an index, not a run; give its run ({demo_run.root})\n"
+
+
 def test_the_python_entry_points_take_a_run_or_a_collection_as_a_path(small_folder: Path, tmp_path: Path) -> None:
     """train(config, "runs/x"), export("runs/x"), OnnxEmbedder.from_run("runs/x") and evaluate_collection(embedder,
     "photos/test") ended in AttributeError ('str' object has no attribute 'root'); open_index("runs/x") said to build
