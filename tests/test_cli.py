@@ -179,6 +179,13 @@ def test_a_run_in_an_index_folder_is_refused(small_folder: Path, tmp_path: Path,
     assert (index / "skipped.json").read_text() == "[1]"
 
 
+def test_resuming_a_run_that_is_not_there_names_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A mistyped --run with --resume read "runs/nope/config.json: missing", as if the run were there."""
+    expect_error(["train", "--run", str(tmp_path / "nope"), "--resume"], capsys, f"--run {tmp_path / 'nope'}: no such run directory; nothing to resume")
+    (tmp_path / "empty").mkdir()
+    expect_error(["train", "--run", str(tmp_path / "empty"), "--resume"], capsys, f"{tmp_path / 'empty' / 'config.json'}: missing; nothing to resume")
+
+
 def test_every_training_option_is_a_config_field_stated_once() -> None:
     """`retrieval train` states each option once (commands.train.OPTIONS), for every TrainConfig field but data and
     mode (resolved from the data):

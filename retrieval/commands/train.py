@@ -167,7 +167,8 @@ def run_training(data: Path | None, run_dir: RunDir, resume: bool, overwrite: bo
         if images is not None and not given.get("benchmark"):
             _refuse_run_as_data(run_dir.root, Path(images))
     if resume and not run_dir.config.is_file():
-        raise RetrievalError(f"{run_dir.config}: missing; nothing to resume (start the run without --resume)")
+        what = f"{run_dir.config}: missing" if run_dir.root.is_dir() else f"--run {run_dir.root}: no such run directory"
+        raise RetrievalError(f"{what}; nothing to resume (start the run without --resume)")
     writable_folder(run_dir.root, "--run", make=False)  # a file there, or no folder to be made: said before torch loads
     require("torch", "train")
     from training.config import TrainConfig
