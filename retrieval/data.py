@@ -19,11 +19,8 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from retrieval.errors import ImageError, RetrievalError
-from retrieval.runs import RunDir, holds_index, write_json
+from retrieval.runs import IMAGE_SUFFIXES, RunDir, holds_index, write_json
 
-IMAGE_SUFFIXES = frozenset(
-    {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".avif", ".heic", ".heif"}
-)
 HEIF_BRANDS = frozenset({b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx"})  # ISO-BMFF brands of HEIC photos
 HEIF_ADVICE = "a HEIC/HEIF photo: install pillow-heif to read it (pip install pillow-heif), or convert it to JPEG"
 # Refuse decompression bombs: 64 megapixels is far above any retrieval input size.

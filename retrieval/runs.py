@@ -21,10 +21,11 @@ from typing import Any
 
 from retrieval.errors import RetrievalError
 
-INDEX_MANIFEST, INDEX_ITEMS = (
-    "manifest.json",
-    "items.sqlite",
-)  # an index's files (index/types.py takes them from here; the core knows them to leave indexes out of collections)
+IMAGE_SUFFIXES = frozenset(  # the files a collection reads as images (retrieval.data); a run is told apart from them
+    {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".avif", ".heic", ".heif"}
+)
+# an index's files (index/types.py takes them from here; the core knows them to leave indexes out of collections)
+INDEX_MANIFEST, INDEX_ITEMS = "manifest.json", "items.sqlite"
 
 
 def holds_index(folder: Path) -> bool:
@@ -204,8 +205,6 @@ class RunDir:
 
 def _holds_images(folder: Path, looked_at: int = 200) -> bool:
     """Whether folder or one of its folders holds image files (the first entries of each looked at)."""
-    from retrieval.data import IMAGE_SUFFIXES  # here: retrieval.data imports this module
-
     if not folder.is_dir():
         return False
     entries = list(islice(folder.iterdir(), looked_at))

@@ -93,7 +93,7 @@ def test_sigkill_then_resume_gives_the_uninterrupted_weights(icons_root: Path, t
 def test_resume_without_state_or_with_other_data_is_refused(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     assert main(["train", str(small_folder), "--run", str(run), "--resume"]) == 2
-    assert "config.json: missing" in capsys.readouterr().err.replace("\n", "")
+    assert f"--run {run}: no such run directory; nothing to resume" in capsys.readouterr().err.replace("\n", "")
     assert main(["train", str(small_folder), "--run", str(run), "--epochs", "1", "--batch-size", "8", "--image-size", "32"]) == 0
     assert main(["train", str(tmp_path), "--run", str(run), "--resume"]) == 2
     assert "on its own data" in capsys.readouterr().err.replace("\n", "")
