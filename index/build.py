@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
@@ -17,7 +16,7 @@ from index.journal import Journal
 from index.milvus import MilvusIndex, MilvusOptions
 from index.ray_engine import RayOptions, iter_embedded_ray
 from index.types import MANIFEST, SKIP_REPORT, Additions, GalleryBackend
-from retrieval.data import Collection, Item, Skipped, load_collection, write_skip_report
+from retrieval.data import Collection, Item, Skipped, as_collection, write_skip_report
 from retrieval.embedders import EmbeddedBatch, Embedder, OnnxEmbedder, iter_embedded
 from retrieval.errors import RetrievalError
 
@@ -89,13 +88,7 @@ def build_index(
     load_collection reads it, and memory may be written as --memory takes it ("4GB").
     """
     directory = Path(directory)
-    if not isinstance(collection, (Collection, str, os.PathLike)):
-        raise RetrievalError(
-            f"collection: a Collection or its path (a folder, a CSV or a .txt list of images), not a "
-            f"{type(collection).__name__}; to index a list of files, write them into a .txt list"
-        )
-    if not isinstance(collection, Collection):
-        collection = load_collection(collection)
+    collection = as_collection(collection, use="index")
     if isinstance(memory, str):
         memory = parse_memory(memory)
     if batch_size is not None and batch_size < 1:

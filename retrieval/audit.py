@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.data import COLLECTION_HINT, Collection, Item, Skipped, load_collection
+from retrieval.data import COLLECTION_HINT, Collection, Item, Skipped, as_collection
 from retrieval.duplicates import CANDIDATES, THUMBNAIL, CopyKind, CopyPair, copy_groups, find_copies
 from retrieval.embedders import Embedder, embed_items
 from retrieval.errors import RetrievalError
@@ -325,8 +325,7 @@ def embed_collection(
 ) -> AuditedCollection:
     """A collection (or its path, read as load_collection reads it) as the audit sees it: embedded with its
     thumbnails kept, on which the copies are checked; what cannot be read is kept as skipped."""
-    if not isinstance(collection, Collection):
-        collection = load_collection(collection)
+    collection = as_collection(collection)
     done = embed_items(embedder, collection.items, progress=progress, thumbnail=THUMBNAIL)
     if not done.items:
         raise RetrievalError(f"{collection.source}: none of its {len(collection.items)} image(s) could be read")

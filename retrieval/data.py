@@ -60,14 +60,24 @@ class Collection:
         return Counter(item.label for item in self.items if item.label)
 
 
+def as_collection(collection: Collection | str | os.PathLike, use: str = "read") -> Collection:
+    """A collection given as itself or as its path (read as load_collection reads it), as the Python entry points
+    take it; anything else (a list of files) is refused in one line, not a TypeError from deep inside."""
+    if isinstance(collection, Collection):
+        return collection
+    if isinstance(collection, (str, os.PathLike)):
+        return load_collection(collection)
+    raise RetrievalError(
+        f"collection: a Collection or its path (a folder, a CSV or a .txt list of images), not a "
+        f"{type(collection).__name__}; to {use} a list of files, write them into a .txt list"
+    )
+
+
 def as_items(items: Sequence[Item | str | Path] | Collection | str | Path) -> list[Item]:
-    """What a caller gives to embed as Items: a collection or its path (read as load_collection reads it), or a list of
-    Items or of image paths (unlabeled); a list of paths failed deep inside with "'str' object has no attribute
-    'path'"."""
-    if isinstance(items, (str, Path)):
-        items = load_collection(items)
-    if isinstance(items, Collection):
-        return items.items
+    """What a caller gives to embed as Items: a collection or its path, or a list of Items or of image paths
+    (unlabeled); a list of paths failed deep inside with "'str' object has no attribute 'path'"."""
+    if isinstance(items, (Collection, str, os.PathLike)):
+        return as_collection(items).items
     return [item if isinstance(item, Item) else Item(Path(item).resolve(), "") for item in items]
 
 

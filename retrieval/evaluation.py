@@ -18,6 +18,7 @@ from retrieval.data import (
     Collection,
     Item,
     Skipped,
+    as_collection,
     describe_variants,
     label_variants,
     load_collection,
@@ -120,8 +121,7 @@ def evaluate_collection(
     """Scores leave-one-out retrieval over a labeled collection (or over a seeded held-out fraction of its
     classes), with NMI/AMI and the embedding diagnostics; the lists re-ranked by rerank (retrieval.rerank). A path
     given for the collection is read as load_collection reads it."""
-    if not isinstance(collection, Collection):
-        collection = load_collection(collection)
+    collection = as_collection(collection)
     protocol = "leave-one-out"
     if split_classes:
         labeled = [item for item in collection.items if item.label]
@@ -169,7 +169,7 @@ def evaluate_query_gallery(
 ) -> Evaluation:
     """Scores each query against a separate gallery (neither contains the other's items: refused); a path is read as
     load_collection reads it."""
-    queries, gallery = (part if isinstance(part, Collection) else load_collection(part) for part in (queries, gallery))
+    queries, gallery = as_collection(queries), as_collection(gallery)
     _refuse_shared(queries, gallery)
     _refuse_disjoint(queries, gallery)
     query_vectors, query_items, skipped = _embed_labeled(embedder, queries, progress)
