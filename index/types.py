@@ -16,6 +16,7 @@ import numpy as np
 
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
+from retrieval.knn import require_searchable
 from retrieval.runs import INDEX_ITEMS, INDEX_MANIFEST, shell_path
 
 FORMAT_VERSION = 1
@@ -48,11 +49,7 @@ def search_queries(queries: np.ndarray, k: int, dim: int) -> np.ndarray:
     queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
     if queries.ndim != 2 or queries.shape[1] != dim:
         raise RetrievalError(f"queries have dimension {queries.shape[-1]}, the index {dim}")
-    finite = np.isfinite(queries).all(axis=1)
-    if not finite.all():
-        raise RetrievalError(f"query row {int(np.argmin(finite))} holds NaN or infinite values; give finite vectors")
-    if int(k) < 1:
-        raise RetrievalError(f"k must be at least 1, got {k}")
+    require_searchable(queries, int(k))
     return queries
 
 

@@ -39,7 +39,13 @@ def nearest_neighbours(
     With exclude_self, query i is gallery item i (leave-one-out) and is never its own neighbour.
     """
     queries = np.ascontiguousarray(queries, np.float32)
-    _refuse_unanswerable(queries, np.asarray(gallery), k)
+    require_searchable(queries, k)
+    rows = np.asarray(gallery)
+    if queries.ndim != 2 or rows.ndim != 2 or queries.shape[1] != rows.shape[1]:  # FAISS's bare AssertionError
+        raise RetrievalError(
+            f"queries of shape {queries.shape} against a gallery of shape {rows.shape}: give rows of one dimension"
+        )
+    require_searchable(rows, what="gallery")
     index = flat_index(gallery)
     k = min(k, index.ntotal - (1 if exclude_self else 0))  # type: ignore[attr-defined]
     if k < 1:  # a gallery of one item leaves none to a query that is that item
@@ -52,21 +58,14 @@ def nearest_neighbours(
     return indices, scores
 
 
-def _refuse_unanswerable(queries: np.ndarray, gallery: np.ndarray, k: int) -> None:
-    """One line for what no search can answer: k below 1, rows of another dimension (FAISS's bare AssertionError), and
-    NaN or infinite values (no neighbour found, without a word)."""
+def require_searchable(rows: np.ndarray, k: int = 1, what: str = "query") -> None:
+    """One line for what no search can answer (the core's k-NN and every index search ask it): k below 1, and rows
+    with NaN or infinite values, which found no neighbour without a word."""
     if k < 1:
         raise RetrievalError(f"k must be at least 1, got {k}")
-    if queries.ndim != 2 or gallery.ndim != 2 or queries.shape[1] != gallery.shape[1]:
-        raise RetrievalError(
-            f"queries of shape {queries.shape} against a gallery of shape {gallery.shape}: give rows of one dimension"
-        )
-    for what, rows in (("query", queries), ("gallery", gallery)):
-        finite = np.isfinite(rows.sum(axis=1))  # a row sum, not a mask the gallery's size: NaN and inf carry into it
-        if not finite.all():
-            raise RetrievalError(
-                f"{what} row {int(np.argmin(finite))} holds NaN or infinite values; give finite vectors"
-            )
+    finite = np.isfinite(rows.sum(axis=1))  # a row sum, not a mask the rows' size: NaN and inf carry into it
+    if not finite.all():
+        raise RetrievalError(f"{what} row {int(np.argmin(finite))} holds NaN or infinite values; give finite vectors")
 
 
 @dataclass(frozen=True)
