@@ -157,7 +157,7 @@ class RunDir:
             or (self.model.is_file() and self.model_card.is_file())
         )
 
-    def _require_not_a_file(self) -> None:
+    def _require_run_folder(self) -> None:
         """Says so where the run given is a file (a CSV, an image), an index's folder or a folder of images: what
         to give instead, not to export or train "there" (`serve photos` said to run `retrieval export photos`)."""
         if self.root.exists() and not self.root.is_dir():
@@ -177,7 +177,7 @@ class RunDir:
 
     def require_checkpoint(self) -> Path:
         """Returns the best checkpoint (when training validated) or the last one, or says to train first."""
-        self._require_not_a_file()
+        self._require_run_folder()
         if self.best_checkpoint.is_file():
             return self.best_checkpoint
         if not self.last_checkpoint.is_file():
@@ -189,7 +189,7 @@ class RunDir:
 
     def require_model(self) -> Path:
         """Returns the exported ONNX model, or says to export first."""
-        self._require_not_a_file()
+        self._require_run_folder()
         if not self.root.is_dir():
             raise RetrievalError(
                 f"{self.root}: no such run directory; "
