@@ -116,7 +116,7 @@ def search_tab(on: Handlers, labels: list[str], searching: dict) -> SearchTab:
     )
     unreadable = gr.State(False)
     searched = button.click(on.search_batch, tab.inputs, [*tab.outputs, unreadable], api_name="search", **searching)
-    searched.then(on.clear_unreadable, unreadable, query, api_name=False)
+    searched.then(on.clear_unreadable, unreadable, query, api_name=False, show_progress="hidden")
     item_id = gr.Number(visible=False, precision=0)
     gr.Button(visible=False).click(on.search_id, [item_id, k, depth], tab.outputs, api_name="search_id")
     return tab

@@ -97,6 +97,17 @@ def opened(url: str) -> Iterator[object]:
             browser.close()
 
 
+def watch_progress(page: object, box: str) -> None:
+    """Records in window.progressShown each time Gradio's progress overlay shows over the box (it dims it)."""
+    page.evaluate(  # type: ignore[attr-defined]
+        """box => { window.progressShown = []; const node = document.querySelector(box);
+            new MutationObserver(() => { const wrap = node.querySelector('.wrap');
+                if (wrap && !wrap.classList.contains('hide')) window.progressShown.push(wrap.className); })
+            .observe(node, {attributes: true, subtree: true, childList: true}); }""",
+        box,
+    )
+
+
 def test_a_query_uploaded_in_the_browser_shows_its_nearest_neighbour(page_url: tuple[str, SearchService], tmp_path: Path) -> None:
     from playwright.sync_api import expect
 
@@ -116,10 +127,13 @@ def test_a_query_uploaded_in_the_browser_shows_its_nearest_neighbour(page_url: t
         expect(page.locator("#summary")).to_contain_text("notes.png: not a readable image", timeout=60_000)
         expect(page.locator("#query img")).to_have_count(0)  # the query box showed a broken image beside the message
         page.locator("#query input[type=file]").set_input_files(str(query))
+        watch_progress(page, "#query")
         page.locator("#search").click()
         first = page.locator("#results .thumbnail-item").first
         expect(first).to_have_attribute("title", f"{Path(item.path).name} · id {item_id}", timeout=60_000)  # on hover
         expect(page.locator("#summary")).to_contain_text("results in")
+        page.wait_for_timeout(500)  # the step after the search (clear_unreadable) has run
+        assert page.evaluate("window.progressShown") == [], "the query box dimmed while its search ran"
         page.screenshot(path=str(ARTIFACTS / "app-search.png"), full_page=True)
         second = page.locator("#results .thumbnail-item").nth(1).get_attribute("title") or ""
         page.locator("#results .thumbnail-item").nth(1).click()  # searching with a result: its label is known
