@@ -31,6 +31,7 @@ from index.types import (
     Additions,
     Hit,
     HitArrays,
+    IndexFacts,
     Manifest,
     ManifestFacts,
     Row,
@@ -299,20 +300,11 @@ class MilvusIndex(ManifestFacts):
         ids = np.array(sorted(self.rows()), np.int64)
         return ids, self.vectors_of(ids.tolist())
 
-    def facts(self) -> dict:
+    def facts(self) -> IndexFacts:
         """The manifest's facts, as `retrieval index-stats` shows them."""
         manifest = self.manifest
-        return {
-            "count": len(self),
-            "backend": f"Milvus at {manifest.uri}, collection {self.collection}",
-            "type": manifest.index_type,
-            "parameters": manifest.index_params,
-            "chosen because": manifest.choice,
-            "search depth": manifest.search,
-            "dimension": self.dim,
-            "encoder sha256": self.encoder_sha256,
-            "updated": manifest.updated,
-        }
+        server = f"Milvus at {manifest.uri}, collection {self.collection}"
+        return IndexFacts.of(manifest, len(self), server=server, parameters=manifest.index_params)
 
 
 def _row(found: dict) -> Row:

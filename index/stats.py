@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,7 @@ import numpy as np
 from index.backends import open_index
 from index.search import deployed_ranking
 from index.tuning import leave_out, recall_at_10
-from index.types import GalleryBackend
+from index.types import GalleryBackend, IndexFacts
 from retrieval.copies import copy_figures
 from retrieval.embedders import Embedder
 from retrieval.errors import RetrievalError
@@ -20,9 +21,27 @@ from retrieval.metrics import uniformity
 from retrieval.rerank import NO_RERANK, Rerank
 
 
+@dataclass(frozen=True)
+class IndexStats:
+    """What `retrieval index-stats` reports: the backend's facts and the figures measured now (None where not
+    measured): recall@10 of the index for recall_queries of its own vectors against exact search, the uniformity of
+    its stored vectors, and for an index without labels, with its encoder, the figures of augmented copies."""
+
+    facts: IndexFacts
+    recall_now: float | None = None
+    recall_queries: int = 0
+    uniformity: float | None = None
+    copy_recall_at_1: float | None = None
+    copy_alignment: float | None = None
+
+    def to_dict(self) -> dict:
+        """As JSON values (the facts as an object of their own)."""
+        return asdict(self)
+
+
 def index_stats(
     directory: Path, sample: int = 1000, mmap: bool = False, seed: int = 0, embedder: Embedder | None = None
-) -> dict:
+) -> IndexStats:
     """The backend's facts (the manifest's, the sizes on disk) and recall@10 against exact search.
 
     Two recalls: the one tuned at build time, for gallery vectors held out of the index, and one
@@ -34,21 +53,22 @@ def index_stats(
     the figures of augmented copies of a sample of its images (retrieval.copies).
     """
     index = open_index(directory, mmap=mmap)
-    stats = index.facts()
+    measured: dict = {}
     stored = index.stored()
     if stored is not None:
-        stats.update(_measured_recall(index, *stored, sample, seed))
-        stats["uniformity (stored vectors)"] = uniformity(stored[1], sample, seed)
+        measured.update(_measured_recall(index, *stored, sample, seed))
+        measured["uniformity"] = uniformity(stored[1], sample, seed)
     items = index.items()
     own = embedder is not None and embedder.fingerprint == index.encoder_sha256  # the encoder that built it
     if own and len({item.label for item in items.values() if item.label}) < 2:
         figures = copy_figures(embedder, list(items.values()), sample, seed, progress=False).metrics  # type: ignore[arg-type]
-        stats.update({f"{key} (augmented copies)": figures[key] for key in ("copy recall@1", "alignment")})
-    return stats
+        measured.update(copy_recall_at_1=figures["copy recall@1"], copy_alignment=figures["alignment"])
+    return IndexStats(index.facts(), **measured)
 
 
 def _measured_recall(index: GalleryBackend, ids: np.ndarray, vectors: np.ndarray, sample: int, seed: int) -> dict:
-    """recall@10 of the index for a seeded sample of its own vectors, against exact search over all of them.
+    """recall@10 of the index for a seeded sample of its own vectors, against exact search over all of them, with the
+    number of those queries (IndexStats' recall_now and recall_queries).
 
     Each sample vector's own row is left out of both lists: it would find itself, a tenth of recall@10 for free.
     """
@@ -58,7 +78,7 @@ def _measured_recall(index: GalleryBackend, ids: np.ndarray, vectors: np.ndarray
         return {}
     exact = leave_out(ids[nearest_neighbours(vectors[chosen], vectors, k + 1)[0]], own, k)
     found = leave_out(index.search_arrays(vectors[chosen], k + 1).ids, own, k)
-    return {f"recall@10 (now, {len(chosen):,} own vectors left out)": recall_at_10(found, exact)}
+    return {"recall_now": recall_at_10(found, exact), "recall_queries": len(chosen)}
 
 
 def exact_and_deployed(

@@ -48,6 +48,7 @@ from index.types import (
     Additions,
     Hit,
     HitArrays,
+    IndexFacts,
     Manifest,
     ManifestFacts,
     Row,
@@ -292,26 +293,19 @@ class GalleryIndex(ManifestFacts):
         except RetrievalError:
             return None
 
-    def facts(self) -> dict:
+    def facts(self) -> IndexFacts:
         """The manifest's facts and the sizes on disk, as `retrieval index-stats` shows them."""
         manifest, vectors = self.manifest, (self.directory / VECTORS).stat().st_size
-        facts: dict = {
-            "count": len(self),
-            "type": manifest.index_type,
-            "chosen because": manifest.choice,
-            "search depth": manifest.search,
-            "dimension": self.dim,
-            "vectors.faiss MiB": vectors / 2**20,
-            "items.sqlite MiB": (self.directory / ITEMS).stat().st_size / 2**20,
-            "bytes per vector": vectors / max(len(self), 1),
-            "encoder sha256": self.encoder_sha256,
-            "updated": manifest.updated,
-        }
-        if self.kind != "flat" and manifest.recall_at_10 is not None:  # exact search has no depth to tune
-            facts["recall@10 (at build, held-out sample)"] = manifest.recall_at_10
-        if self.raw is not None:
-            facts["re-ranked candidates per result"] = manifest.rerank
-        return facts
+        return IndexFacts.of(
+            manifest,
+            len(self),
+            vectors_mib=vectors / 2**20,
+            items_mib=(self.directory / ITEMS).stat().st_size / 2**20,
+            bytes_per_vector=vectors / max(len(self), 1),
+            # exact search has no depth to tune
+            recall_at_build=manifest.recall_at_10 if self.kind != "flat" else None,
+            rerank=manifest.rerank if self.raw is not None else None,
+        )
 
     def items(self) -> dict[int, Item]:
         """Returns every indexed item by id."""

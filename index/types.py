@@ -190,6 +190,36 @@ class Manifest:
         return cls(**given)
 
 
+@dataclass(frozen=True)
+class IndexFacts:
+    """What an index holds and how it was built, as `retrieval index-stats` shows them: the manifest's facts, the
+    sizes on disk (FAISS; None for Milvus) and the server and its index parameters (Milvus; None and {} for FAISS)."""
+
+    count: int
+    index_type: str
+    choice: str  # why the type was chosen
+    search: dict[str, int]  # the tuned depth, {"nprobe": n} or {"efSearch": n}; {} for exact search
+    dim: int
+    encoder_sha256: str
+    updated: str
+    backend: str = "faiss"
+    server: str | None = None  # Milvus: "Milvus at URI, collection NAME"
+    parameters: dict = field(default_factory=dict)  # Milvus: the index parameters
+    vectors_mib: float | None = None
+    items_mib: float | None = None
+    bytes_per_vector: float | None = None
+    recall_at_build: float | None = (
+        None  # recall@10 tuned at build time for held-out gallery vectors (not exact search)
+    )
+    rerank: int | None = None  # compressed codes re-ranked with the exact vectors: candidates re-scored per result
+
+    @classmethod
+    def of(cls, manifest: Manifest, count: int, **more: object) -> IndexFacts:
+        """The manifest's facts, with count and the backend's own (sizes, server) given."""
+        kept = ("index_type", "choice", "search", "dim", "encoder_sha256", "updated", "backend")
+        return cls(count=count, **{name: getattr(manifest, name) for name in kept}, **more)  # type: ignore[arg-type]
+
+
 class ManifestFacts:
     """What a backend reads off its manifest: the vectors' dimension, the encoder that made them, the kind of depth."""
 
@@ -259,7 +289,7 @@ class GalleryBackend(Protocol):
         """(ids, vectors) of every item, as exact search compares them; None where only lossy codes are kept."""
         ...
 
-    def facts(self) -> dict:
+    def facts(self) -> IndexFacts:
         """What `retrieval index-stats` shows of this backend: type, parameters, sizes (before measured recall)."""
         ...
 

@@ -105,7 +105,7 @@ def test_compressed_codes_are_re_ranked_with_the_exact_vectors(tmp_path: Path) -
     np.testing.assert_allclose(exact_scores, np.sort(vectors[[hit.id - 1 for hit in index.search(vectors[:1], 5)[0]]] @ vectors[0])[::-1], rtol=1e-5)
     np.testing.assert_array_equal(index.vectors_of([7]), vectors[[6]])  # the exact vector, not its code
     stats = index_stats(tmp_path / "index", sample=300)
-    assert stats["re-ranked candidates per result"] == 8 and stats["recall@10 (now, 300 own vectors left out)"] >= choice.TARGET_RECALL
+    assert stats.facts.rerank == 8 and stats.recall_queries == 300 and stats.recall_now >= choice.TARGET_RECALL
     raw = tmp_path / "index" / "raw.f32"
     raw.write_bytes(raw.read_bytes()[:-4])
     with pytest.raises(RetrievalError, match="raw.f32: missing, or its bytes do not match the manifest's sha256"):
@@ -119,8 +119,8 @@ def test_the_automatic_choice_above_the_exact_limit(tmp_path: Path, monkeypatch:
     assert "a graph over them" in index.manifest.choice and "intrinsic dimension" in index.manifest.choice and "fit in 1.00 GB" in index.manifest.choice
     assert index.manifest.recall_at_10 >= choice.TARGET_RECALL and index.manifest.search["efSearch"] <= 1024
     stats = index_stats(tmp_path / "index", sample=300)
-    measured = next(value for key, value in stats.items() if key.startswith("recall@10 (now"))
-    assert measured >= 0.9 and stats["count"] == 6000 and stats["type"] == "HNSW32"
+    assert stats.recall_now >= 0.9 and stats.facts.count == 6000 and stats.facts.index_type == "HNSW32"
+    assert stats.facts.rerank is None and stats.facts.recall_at_build == index.manifest.recall_at_10
     # the vectors fit (6,000 x 40 bytes x 1.2 = 0.29 MB) but not with the graph's 272 bytes each (2.25 MB)
     index = GalleryIndex.create(tmp_path / "ivf", chunks(clustered()), "enc", 32, memory=2 * 10**6)
     assert index.manifest.index_type == "IVF256,Flat" and "with a graph over them they do not" in index.manifest.choice
@@ -158,7 +158,11 @@ def test_cli_index_choice_stats_and_depth(demo_run: RunDir, icons_root: Path, tm
     assert main(["index", str(demo_run.root), str(images), "--index", str(directory), "--faiss", "HNSW16"]) == 0
     assert main(["index-stats", str(directory), "--sample", "200"]) == 0
     shown = capsys.readouterr().out
-    assert "HNSW16" in shown and "efSearch=" in shown and "recall@10 (now" in shown
+    assert "HNSW16" in shown and "efSearch=" in shown and "recall@10 (now, 200 own vectors left out)" in shown
+    assert main(["index-stats", str(directory), "--sample", "200", "--json"]) == 0  # for scripts: one JSON object
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["index"] == str(directory) and stats["facts"]["index_type"] == "HNSW16" and stats["recall_queries"] == 200
+    assert 0.5 <= stats["recall_now"] <= 1 and set(stats["facts"]["search"]) == {"efSearch"} and stats["copy_recall_at_1"] is None
     query = next(images.rglob("*.png"))
     assert main(["search", str(demo_run.root), str(query), "--index", str(directory), "--depth", "64", "-k", "3"]) == 0
     capsys.readouterr()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
 
@@ -24,6 +25,7 @@ from retrieval.runs import INDEX_MANIFEST, RunDir
 
 if TYPE_CHECKING:
     from index.build import IndexReport
+    from index.stats import IndexStats
 
 IMAGES_HELP = (
     "Images to index: a folder (labels from ROOT/<label>/ when present), a CSV path,label, or a .txt list of paths."
@@ -170,6 +172,7 @@ def index_stats(
         int, typer.Option(help="Own vectors used as queries to measure recall@10 against exact search.", min=1)
     ] = 1000,
     mmap: Annotated[bool, typer.Option("--mmap", help="Open the index memory-mapped.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (facts, measured figures).")] = False,
 ) -> None:
     """Show an index's size, type, parameters and memory, and measure its recall@10 against exact search."""
     from index.stats import index_stats as measure
@@ -181,14 +184,45 @@ def index_stats(
         from retrieval.embedders import OnnxEmbedder
 
         embedder = OnnxEmbedder.from_run(run, spinning=False)
+    stats = measure(directory, sample, mmap, embedder=embedder)
+    if as_json:
+        print(json.dumps({"index": str(directory), **stats.to_dict()}, indent=2))
+        return
     table = Table(title=f"index {directory}")
     table.add_column("", no_wrap=True)
     table.add_column("", overflow="fold")
-    for key, value in measure(directory, sample, mmap, embedder=embedder).items():
+    for name, value in stat_rows(stats):
         shown = (
-            (", ".join(f"{name}={setting}" for name, setting in value.items()) or "none")
+            (", ".join(f"{key}={setting}" for key, setting in value.items()) or "none")
             if isinstance(value, dict)
             else format_value(value)
         )
-        table.add_row(key, shown)
+        table.add_row(name, shown)
     console.print(table)
+
+
+def stat_rows(stats: IndexStats) -> list[tuple[str, object]]:
+    """The rows of the index-stats table: each fact and figure with its name, those not measured or not of this
+    backend left out."""
+    facts = stats.facts
+    rows = [
+        ("count", facts.count),
+        ("backend", facts.server),
+        ("type", facts.index_type),
+        ("parameters", facts.parameters if facts.server else None),
+        ("chosen because", facts.choice),
+        ("search depth", facts.search),
+        ("dimension", facts.dim),
+        ("vectors.faiss MiB", facts.vectors_mib),
+        ("items.sqlite MiB", facts.items_mib),
+        ("bytes per vector", facts.bytes_per_vector),
+        ("encoder sha256", facts.encoder_sha256),
+        ("updated", facts.updated),
+        ("recall@10 (at build, held-out sample)", facts.recall_at_build),
+        ("re-ranked candidates per result", facts.rerank),
+        (f"recall@10 (now, {stats.recall_queries:,} own vectors left out)", stats.recall_now),
+        ("uniformity (stored vectors)", stats.uniformity),
+        ("copy recall@1 (augmented copies)", stats.copy_recall_at_1),
+        ("alignment (augmented copies)", stats.copy_alignment),
+    ]
+    return [(name, value) for name, value in rows if value is not None]
