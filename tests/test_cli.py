@@ -152,7 +152,7 @@ def test_a_refused_overwrite_keeps_the_run_it_would_have_replaced(small_folder: 
         (["index", "runs/x", ""], "IMAGES"),  # "$GALLERY" unset: it indexed the folder the user stood in
         (["train", "", "--run", "r"], "DATA"),  # it trained on the current folder
         (["evaluate", "", "photos"], "RUN"),
-        (["search", "runs/x", "--json", ""], "IMAGE"),  # after a flag, still an argument
+        (["search", "runs/x", "--json", ""], "IMAGES"),  # after a flag, still an argument
         (["audit", "runs/x", "photos", "--csv", ""], "--csv"),  # it wrote the four tables into the current folder
         (["audit", "runs/x", "photos", "--csv="], "--csv"),
         (["search", "runs/x", "q.png", "-k", " "], "-k"),

@@ -95,11 +95,11 @@ def test_a_tab_or_newline_in_a_label_or_path_stays_in_its_field(capsys: pytest.C
     """A folder named with a tab or a newline (Linux allows both) split a hit into more fields or lines when piped."""
     from index.search import QueryResult
     from index.types import Hit
-    from retrieval.commands.search import _print
+    from retrieval.commands.search import _print_hits
 
     hits = [Hit(7, "/g/a\nb.png", "cat\tdog", 0.5, ""), Hit(8, "/g/c\rd.png", "back\\slash", 0.25, "")]
     rows = [{"rank": rank, "id": hit.id, "score": hit.score, "label": hit.label, "path": hit.path, "match": None} for rank, hit in enumerate(hits, 1)]
-    _print(rows, "/q/new\nline.png", None, False, QueryResult(hits, notes=["a note\nover two lines"]))
+    _print_hits(rows, "/q/new\nline.png", None, QueryResult(hits, notes=["a note\nover two lines"]))
     lines = capsys.readouterr().out.splitlines()
     assert lines == [
         "# nearest to /q/new\\nline.png",
@@ -116,6 +116,28 @@ def test_search_as_json(demo_run: RunDir, capsys: pytest.CaptureFixture[str]) ->
     assert main(["search", str(demo_run.root), first_test_image(demo_run), "-k", "2", "--json"]) == 0
     hits = json.loads(capsys.readouterr().out)["hits"]
     assert [hit["rank"] for hit in hits] == [1, 2] and {"id", "score", "label", "path"} <= hits[0].keys()
+
+
+def test_search_with_several_images_answers_each_and_reports_the_unreadable(demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`retrieval search RUN a.png b.png` (a shell glob) was refused as "unexpected extra argument"; now each image is
+    answered, embedded together, and one that cannot be read is reported without stopping the others."""
+    from retrieval.commands import main
+
+    images = sorted(Path(first_test_image(demo_run)).parent.parent.rglob("*.png"))[:2]
+    (tmp_path / "notes.png").write_text("not a picture")
+    queries = [str(images[0]), str(tmp_path / "notes.png"), str(images[1])]
+    assert main(["search", str(demo_run.root), *queries, "-k", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    answers = json.loads(captured.out)
+    assert [answer["query"] for answer in answers] == queries and [len(answers[i]["hits"]) for i in (0, 2)] == [2, 2]
+    assert answers[1]["error"] == {"kind": "unreadable image", "message": "notes.png: not a readable image (not a format Pillow recognises)"}
+    assert "1 of 3 query images skipped" in captured.err and answers[0]["hits"] != answers[2]["hits"]
+    assert main(["search", str(demo_run.root), *queries, "-k", "1"]) == 0  # piped: a block per query
+    assert capsys.readouterr().out.count("# nearest to ") == 2
+    assert main(["search", str(demo_run.root), str(tmp_path / "notes.png"), str(tmp_path / "notes.png")]) == 2
+    assert "none of the 2 query images could be read" in capsys.readouterr().err
+    assert main(["search", str(demo_run.root), str(images[0]), str(tmp_path / "typo.png")]) == 2  # before the model loads
+    assert f"{tmp_path / 'typo.png'}: no such file or folder; give an image file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

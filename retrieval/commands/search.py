@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from retrieval.commands.output import AutoModelOption, IndexOption, RunArg, console, require_threshold
+from retrieval.commands.output import AutoModelOption, IndexOption, RunArg, console, errors, require_threshold
 from retrieval.data import require_source
 from retrieval.errors import RetrievalError
 from retrieval.rerank import SPEC_HELP as RERANK_HELP
@@ -20,11 +20,17 @@ from retrieval.runs import RunDir
 if TYPE_CHECKING:
     from index.search import QueryResult
 
-IMAGE_HELP = "Query image file (or give --id); a gallery file with the same bytes is the query itself, left out."
+IMAGE_HELP = (
+    "Query image files (or give --id); a gallery file with the same bytes is the query itself, left out. Several "
+    "(a shell glob) are embedded together; one that cannot be read is reported and the others answered."
+)
 ID_HELP = "Query with an item already in the index, by its id (itself left out)."
 DEPTH_HELP = "nprobe (IVF) or efSearch (HNSW) for this search (default: the value tuned at build time)."
 MMAP_HELP = "Leave the index's vectors on disk, memory-mapped (galleries larger than memory)."
-JSON_HELP = "Print the hits as JSON (rank, id, score, label, full path, match) for scripts."
+JSON_HELP = (
+    "Print the hits as JSON (rank, id, score, label, full path, match) for scripts: one object per query, a list of "
+    "them for several images."
+)
 THRESHOLD_HELP = (
     "The similarity a hit must reach to be a match (default: the one `retrieval evaluate --calibrate` stored in the "
     "model card; without either, hits are not marked)."
@@ -35,7 +41,7 @@ NO_DEFAULT = {"show_default": False}
 
 def search(
     run: RunArg,
-    image: Annotated[Path | None, typer.Argument(help=IMAGE_HELP, **NO_DEFAULT)] = None,
+    images: Annotated[list[Path] | None, typer.Argument(help=IMAGE_HELP, **NO_DEFAULT)] = None,
     item_id: Annotated[int | None, typer.Option("--id", help=ID_HELP, **NO_DEFAULT)] = None,
     k: Annotated[int, typer.Option("-k", "--k", help="Number of neighbours.")] = 10,
     index_dir: IndexOption = None,
@@ -49,9 +55,9 @@ def search(
     model: AutoModelOption = "auto",
     threshold: Annotated[float | None, typer.Option(help=THRESHOLD_HELP, **NO_DEFAULT)] = None,
 ) -> None:
-    """Print the k nearest gallery images to a query image, or to an indexed item (--id).
+    """Print the k nearest gallery images to each query image, or to an indexed item (--id).
 
-    On a terminal, a table with paths under the folder all hits share; piped or redirected, a
+    On a terminal, a table per query with paths under the folder all hits share; piped or redirected, per query a
     "# nearest to" line, then one tab-separated line per hit with full paths (a tab, newline or backslash in a
     label or path written \\t, \\n or \\\\); with --json, JSON.
     Where the run has a match threshold (or --threshold), each hit says whether it is a match, and
@@ -62,9 +68,9 @@ def search(
     from retrieval.calibration import match_similarity
     from retrieval.embedders import OnnxEmbedder
 
-    if (image is None) == (item_id is None):
-        raise RetrievalError("give a query IMAGE or --id of an indexed item (one of the two)")
-    if image is not None:
+    if bool(images) == (item_id is not None):
+        raise RetrievalError("give query IMAGE files or --id of an indexed item (one of the two)")
+    for image in images or []:
         require_source(image, hint="an image file")
     require_threshold(threshold)
     run_dir = RunDir(run)
@@ -73,42 +79,68 @@ def search(
     gallery = open_index(directory, embedder.fingerprint, embedder.dim, mmap=mmap)
     reranker = parse_rerank(rerank)
     query = Query(k, depth, label, reranker, match_similarity(embedder.card, reranker.describe(), threshold))
-    if image is not None:
-        result = search_images(gallery, embedder, [image], [query])[0]
+    if images:
+        answered = list(zip(map(str, images), search_images(gallery, embedder, images, query)))
     else:
-        result = search_item(gallery, int(item_id), query)  # type: ignore[arg-type]
-    if result.error is not None:
-        raise result.error.error()  # its kind and message: one line, exit status 2
-    rows = [
+        answered = [(item_id, search_item(gallery, int(item_id), query))]  # type: ignore[list-item, arg-type]
+    if len(answered) == 1 and answered[0][1].error is not None:
+        raise answered[0][1].error.error()  # its kind and message: one line, exit status 2
+    _print(answered, query.threshold, as_json)
+
+
+def _print(answered: list[tuple[str | int | None, QueryResult]], threshold: float | None, as_json: bool) -> None:
+    """Each query's hits, or why it failed (on stderr; in JSON, its error), as JSON, tables on a terminal or
+    tab-separated lines; a query that failed among several does not stop the others, but when none was answered
+    the command fails (exit status 2)."""
+    failed = [result.error for _, result in answered if result.error is not None]
+    if as_json:
+        shown = [_as_json(query, result, threshold) for query, result in answered]
+        print(json.dumps(shown[0] if len(shown) == 1 else shown, indent=2))
+    for query, result in answered:
+        if result.error is not None:
+            errors.print(f"error: {result.error.message}", soft_wrap=True, highlight=False, markup=False)
+        elif not as_json:
+            _print_hits(_rows(result), query, threshold, result)
+    if failed and len(failed) == len(answered):
+        raise RetrievalError(f"none of the {len(answered)} query images could be read (above); give image files")
+    if failed:
+        errors.print(f"{len(failed)} of {len(answered)} query images skipped (above)", highlight=False)
+
+
+def _rows(result: QueryResult) -> list[dict]:
+    """The hits as rows: rank, id, score, label, path, match."""
+    return [
         {"rank": rank, "id": hit.id, "score": hit.score, "label": hit.label, "path": hit.path, "match": hit.match}
         for rank, hit in enumerate(result.hits, 1)
     ]
-    _print(rows, str(image) if image is not None else item_id, query.threshold, as_json, result)
 
 
-def _print(
-    rows: list[dict], query: str | int | None, threshold: float | None, as_json: bool, result: QueryResult
-) -> None:
-    """The hits as JSON, a table on a terminal, or tab-separated lines; the match column only with a threshold; the
+def _as_json(query: str | int | None, result: QueryResult, threshold: float | None) -> dict:
+    """One query's JSON object: its hits, the gallery item it is (left out) and notes; or, for a query image that
+    could not be read, its error (kind and message)."""
+    if result.error is not None:
+        return {"query": query, "error": {"kind": result.error.kind.value, "message": result.error.message}}
+    itself = result.itself.id if result.itself is not None else None
+    return {"query": query, "threshold": threshold, "hits": _rows(result), "itself": itself, "notes": result.notes}
+
+
+def _print_hits(rows: list[dict], query: str | int | None, threshold: float | None, result: QueryResult) -> None:
+    """The hits as a table on a terminal, or tab-separated lines; the match column only with a threshold; the
     result's notes (e.g. the gallery item the query is, left out of its hits)."""
     title = f"nearest to {query if isinstance(query, str) else f'item {query}'}"
     unsure = threshold is not None and not (rows and rows[0]["match"])
-    if as_json:
-        itself = result.itself.id if result.itself is not None else None
-        shown = {"query": query, "threshold": threshold, "hits": rows, "itself": itself, "notes": result.notes}
-        print(json.dumps(shown, indent=2))
-    elif console.is_terminal:
+    if console.is_terminal:
         console.print(_table(rows, title + (f" ({NO_MATCH}: below {threshold:.4f})" if unsure else ""), threshold))
         for note in result.notes:
             console.print(f"note: {note}", highlight=False, soft_wrap=True)
-    else:
-        print(f"# {_escaped(title)}" + (f"\n# {NO_MATCH}: the best hit is below {threshold:.4f}" if unsure else ""))
-        print("".join(f"# note: {_escaped(note)}\n" for note in result.notes), end="")
-        columns = ("rank", "id", "similarity", "label", "path") + (("match",) if threshold is not None else ())
-        print("\t".join(columns))
-        for row in rows:
-            shown = (row["rank"], row["id"], f"{row['score']:.4f}", row["label"], row["path"], _yes(row["match"]))
-            print("\t".join(_escaped(str(value)) for value in shown[: len(columns)]))
+        return
+    print(f"# {_escaped(title)}" + (f"\n# {NO_MATCH}: the best hit is below {threshold:.4f}" if unsure else ""))
+    print("".join(f"# note: {_escaped(note)}\n" for note in result.notes), end="")
+    columns = ("rank", "id", "similarity", "label", "path") + (("match",) if threshold is not None else ())
+    print("\t".join(columns))
+    for row in rows:
+        shown = (row["rank"], row["id"], f"{row['score']:.4f}", row["label"], row["path"], _yes(row["match"]))
+        print("\t".join(_escaped(str(value)) for value in shown[: len(columns)]))
 
 
 def _escaped(text: str) -> str:
