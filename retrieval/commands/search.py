@@ -69,7 +69,7 @@ def search(
     from retrieval.embedders import OnnxEmbedder
 
     if bool(images) == (item_id is not None):
-        raise RetrievalError("give query IMAGE files or --id of an indexed item (one of the two)")
+        raise RetrievalError("give a query IMAGE or --id of an indexed item (one of the two)")
     for image in images or []:
         require_source(image, hint="an image file")
     require_threshold(threshold)
