@@ -12,18 +12,20 @@ from pathlib import Path
 from index.disk import read_manifest
 from index.milvus import MilvusIndex, MilvusOptions
 from index.store import GalleryIndex
-from index.types import MANIFEST, Additions, GalleryBackend
+from index.types import MANIFEST, Additions, GalleryBackend, index_folder
 from retrieval.extras import require
+from retrieval.runs import RunDir
 
 
 def open_index(
-    directory: Path, encoder_sha256: str | None = None, dim: int | None = None, mmap: bool = False
+    directory: Path | str | RunDir, encoder_sha256: str | None = None, dim: int | None = None, mmap: bool = False
 ) -> GalleryBackend:
-    """Opens the index at directory with its own backend, refusing one built by another encoder (or dimension).
+    """Opens the index at directory (a run given as its RunDir: the run's own, RUN/index) with its own backend,
+    refusing one built by another encoder (or dimension).
 
     mmap (FAISS): leave the vectors on disk, memory-mapped, for galleries larger than memory.
     """
-    directory = Path(directory)
+    directory = index_folder(directory)
     manifest = read_manifest(directory, encoder_sha256, dim)
     if manifest.backend == "milvus":
         return MilvusIndex.open(directory, manifest)

@@ -15,10 +15,11 @@ from index.faiss_ops import parsed_factory
 from index.journal import Journal
 from index.milvus import MilvusIndex, MilvusOptions
 from index.ray_engine import RayOptions, iter_embedded_ray
-from index.types import MANIFEST, SKIP_REPORT, Additions, GalleryBackend
+from index.types import MANIFEST, SKIP_REPORT, Additions, GalleryBackend, index_folder
 from retrieval.data import Collection, Item, Skipped, as_collection, write_skip_report
 from retrieval.embedders import EmbeddedBatch, Embedder, OnnxEmbedder, iter_embedded
 from retrieval.errors import RetrievalError
+from retrieval.runs import RunDir
 
 SYNC_SAMPLE = 20  # indexed files looked for before --sync may empty an index for another folder
 
@@ -66,7 +67,7 @@ def _current_only(chunks: Iterator[Additions], current: dict[str, str]) -> Itera
 def build_index(
     embedder: Embedder,
     collection: Collection | str | Path,
-    directory: str | Path,
+    directory: str | Path | RunDir,
     sync: bool = False,
     rebuild: bool = False,
     batch_size: int | None = None,
@@ -85,9 +86,10 @@ def build_index(
     files and their reasons are written to directory/skipped.json. With ray, the embedding runs on Ray
     Data (index.ray_engine) and everything else is the same. With milvus, a new index is a Milvus
     collection (index.milvus); an existing index keeps its backend. A path given for the collection is read as
-    load_collection reads it, and memory may be written as --memory takes it ("4GB").
+    load_collection reads it, and memory may be written as --memory takes it ("4GB"); a run given as its RunDir
+    stands for its own index (RUN/index).
     """
-    directory = Path(directory)
+    directory = index_folder(directory)
     collection = as_collection(collection, use="index")
     if isinstance(memory, str):
         memory = parse_memory(memory)

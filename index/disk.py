@@ -48,6 +48,8 @@ def _refuse_foreign_folder(directory: Path) -> None:
         )
     if not directory.is_dir() or (directory / MANIFEST).is_file():
         return  # a new folder, or an index (a damaged one without its manifest holds only INDEX_FILES)
+    if RunDir(directory).config.is_file():
+        raise RetrievalError(f"index {directory}: a run, not an index's folder; its index is {RunDir(directory).index}")
     other = sorted(path.name for path in directory.iterdir() if path.name not in INDEX_FILES)
     if other:
         raise RetrievalError(

@@ -17,6 +17,7 @@ import hashlib
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from numbers import Integral
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,14 @@ class Query:
     threshold: float | None = None
 
     def __post_init__(self) -> None:
+        """Refuses values of the wrong type where they would fail deep inside the search (k "5" or 2.5, label 5), and
+        k below 1; whole numbers of other types (numpy's) are kept as int."""
+        for name, value in (("k", self.k), ("depth", self.depth)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)):
+                raise RetrievalError(f"Query {name}={value!r}: give a whole number")
+            object.__setattr__(self, name, None if value is None else int(value))
+        if self.label is not None and not isinstance(self.label, str):
+            raise RetrievalError(f"Query label={self.label!r}: give the label as text, or None for any label")
         if self.k < 1:
             raise RetrievalError(f"k must be at least 1, got {self.k}")
 

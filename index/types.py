@@ -17,7 +17,7 @@ import numpy as np
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
 from retrieval.knn import require_searchable
-from retrieval.runs import INDEX_ITEMS, INDEX_MANIFEST, shell_path
+from retrieval.runs import INDEX_ITEMS, INDEX_MANIFEST, RunDir, shell_path
 
 FORMAT_VERSION = 1
 MANIFEST = INDEX_MANIFEST  # named in the core, whose collections leave an index kept among images out
@@ -26,6 +26,11 @@ ITEMS = INDEX_ITEMS
 SKIP_REPORT = "skipped.json"  # the files the last indexing job skipped, and why
 RAW = "raw.f32"  # compressed types only: the exact float32 vectors, row id - 1, read memory-mapped to re-rank
 INDEX_FILES = {MANIFEST, VECTORS, ITEMS, SKIP_REPORT, RAW}  # what an index's folder holds
+
+
+def index_folder(directory: str | Path | RunDir) -> Path:
+    """The index's folder: the path given, or for a run given as its RunDir, the run's own index (RUN/index)."""
+    return directory.index if isinstance(directory, RunDir) else Path(directory)
 
 
 def index_command(directory: Path, rebuild: bool = False) -> str:

@@ -17,7 +17,7 @@ from PIL import Image
 from retrieval.data import Collection, Item, Skipped, as_items, decode_image, read_image_bytes
 from retrieval.errors import ImageError, RetrievalError
 from retrieval.extras import require
-from retrieval.preprocess import Preprocessing
+from retrieval.preprocess import Preprocessing, require_images
 from retrieval.progress import progress as progress_bar
 from retrieval.runs import RunDir, read_json, shell_path
 
@@ -173,7 +173,7 @@ class PixelEmbedder(Embedder):
     def prepare(self, images: Sequence[Image.Image]) -> np.ndarray:
         rows = [
             np.asarray(image.convert("L").resize((self.size, self.size), Image.Resampling.BILINEAR), np.float32).ravel()
-            for image in images
+            for image in require_images(images)
         ]
         return np.stack(rows) if rows else np.zeros((0, self.dim), np.float32)
 

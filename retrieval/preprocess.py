@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from retrieval.errors import RetrievalError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -34,7 +37,9 @@ class Preprocessing:
         )
 
     def __call__(self, images: Sequence[Image.Image]) -> np.ndarray:
-        """Returns float32 [N, 3, S, S] normalised input for RGB images."""
+        """Returns float32 [N, 3, S, S] normalised input for RGB images ([0, 3, S, S] for none)."""
+        if not require_images(images):
+            return np.zeros((0, 3, self.image_size, self.image_size), np.float32)
         return self.normalise_pixels(np.stack([self.pixels(image) for image in images]))
 
     def pixels(self, image: Image.Image) -> np.ndarray:
@@ -77,3 +82,22 @@ def resize_and_crop(image: Image.Image, size: int) -> Image.Image:
     left = int(round((new_size[0] - size) / 2.0))
     top = int(round((new_size[1] - size) / 2.0))
     return image.crop((left, top, left + size, top + size))
+
+
+def require_images(images: Sequence[Image.Image]) -> Sequence[Image.Image]:
+    """The images, refusing what an embedder cannot take: one image not in a list, or a path (files are read by
+    retrieval.embedders.embed_items, which skips and reports those that cannot be read)."""
+    if isinstance(images, (str, Path)):
+        raise RetrievalError(
+            f"images: {str(images)!r} is a path, not a list of PIL images; embed files with "
+            "retrieval.embed_items(embedder, [path])"
+        )
+    if isinstance(images, Image.Image):
+        raise RetrievalError("images: a list of images, not one image; write [image]")
+    wrong = next((image for image in images if not isinstance(image, Image.Image)), None)
+    if wrong is not None:
+        raise RetrievalError(
+            f"images: {wrong!r} is a {type(wrong).__name__}, not a PIL image; open it with PIL.Image.open, or embed "
+            "files with retrieval.embed_items(embedder, paths)"
+        )
+    return images

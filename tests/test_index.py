@@ -183,3 +183,55 @@ def test_an_image_indexed_twice_leaves_one_copy_out_and_k_hits(tmp_path: Path) -
     (hits,) = search_vectors(index, vectors[[3]], Query(3), itself=[lambda hit: hit.sha256 == "dup"])
     assert len(hits) == 3 and hits[0].id == 8 and hits[0].score == pytest.approx(1.0, abs=1e-5)  # item 4 is its own
     assert 4 not in [hit.id for hit in hits]
+
+
+def test_a_query_of_the_wrong_type_is_refused_where_it_is_made(tmp_path: Path) -> None:
+    """Query(k="5") failed with "'<' not supported between 'str' and 'int'", Query(k=2.5) inside numpy and
+    Query(label=5) inside difflib; numpy's whole numbers are taken."""
+    from index.search import Query, search_vectors
+
+    for given, said in [({"k": "5"}, "Query k='5': give a whole number"), ({"k": 2.5}, "Query k=2.5: give a whole number"), ({"k": True}, "Query k=True: give a whole number"), ({"depth": 1.5}, "Query depth=1.5: give a whole number"), ({"label": 5}, "Query label=5: give the label as text, or None for any label")]:
+        with pytest.raises(RetrievalError) as refused:
+            Query(**given)
+        assert str(refused.value) == said
+    index, vectors = build(tmp_path / "index")
+    query = Query(k=np.int64(3))
+    assert type(query.k) is int and [len(hits) for hits in search_vectors(index, vectors[:2], query)] == [3, 3]
+
+
+def test_a_run_given_where_its_index_goes(tmp_path: Path) -> None:
+    """open_index(RunDir) failed in pathlib ("expected str, bytes or os.PathLike object, not RunDir"); building an
+    index into the run's own folder said it held "files that are not an index's (.index.lock, ...)"."""
+    from index.build import build_index
+    from retrieval.embedders import PixelEmbedder
+    from retrieval.runs import RunDir
+    from tests.conftest import write_bad_files
+
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.config.write_text("{}")
+    images = write_bad_files(tmp_path / "images" / "red")["text"].parent
+    with pytest.raises(RetrievalError) as refused:
+        build_index(PixelEmbedder(8), images, run.root, progress=False)
+    assert str(refused.value) == f"index {run.root}: a run, not an index's folder; its index is {run.index}"
+    report = build_index(PixelEmbedder(8), images, run, progress=False)  # the run's own index
+    assert (run.index / MANIFEST).is_file() and len(report.skipped) == 3
+    assert len(open_index(run)) == 1 == len(open_index(str(run.index)))
+
+
+def test_an_embedder_given_paths_or_one_image_says_what_to_give() -> None:
+    """embed(["a.png"]) failed with "'str' object has no attribute 'size'" deep in preprocessing, embed([]) in
+    numpy's stack; an empty list now gives no rows."""
+    from PIL import Image
+
+    from retrieval.embedders import PixelEmbedder
+    from retrieval.preprocess import Preprocessing
+
+    embedder, image = PixelEmbedder(8), Image.new("RGB", (10, 10))
+    for given, said in [(["a.png"], "images: 'a.png' is a str, not a PIL image; open it with PIL.Image.open, or embed files with retrieval.embed_items(embedder, paths)"), ("a.png", "images: 'a.png' is a path, not a list of PIL images; embed files with retrieval.embed_items(embedder, [path])"), (image, "images: a list of images, not one image; write [image]")]:
+        for embed in (embedder.embed, Preprocessing(16)):
+            with pytest.raises(RetrievalError) as refused:
+                embed(given)
+            assert str(refused.value) == said
+    assert Preprocessing(16)([]).shape == (0, 3, 16, 16) and embedder.embed([]).shape == (0, 64)
+    assert embedder.embed([image]).shape == (1, 64)
