@@ -75,7 +75,7 @@ def test_train_on_missing_empty_and_one_class_folders(tmp_path: Path, small_fold
     one = tmp_path / "one"
     one.mkdir()
     sorted(small_folder.iterdir())[0].rename(one / "only")
-    expect_error(["train", str(one), "--run", str(tmp_path / "r")], capsys, "only class 'only'", "at least two")
+    expect_error(["train", str(one), "--run", str(tmp_path / "r")], capsys, "only class 'only' is labeled; training needs at least two labeled classes (ROOT/<label>/<image>)")
     expect_error(["evaluate", str(tmp_path / "r"), str(one)], capsys, "no such run directory")  # failed trainings leave no run behind
 
 

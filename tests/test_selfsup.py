@@ -240,7 +240,7 @@ def test_labels_withheld_partly_labeled_and_adapted_runs(icons_root: Path, tmp_p
         ("identical", [], "every image has the same content"),
         ("labeled", ["--adapt", "{tmp}/nowhere"], "--adapt {tmp}/nowhere: no such file or folder"),
         ("labeled", ["--adapt", "{tmp}/empty"], "no images found"),
-        ("one class and loose", [], "only class 'a' is labeled"),
+        ("one class and loose", [], "only class 'a' is labeled; training needs at least two labeled classes: label images of a second class, or train --self-supervised"),
         ("labeled", ["--self-supervised", "--loss", "npair"], "--loss npair needs labels"),
         ("labeled", ["--loss", "moco"], "--loss moco is a self-supervised method"),
         ("labeled", ["--ssl-loss", "moco"], "--ssl-loss and --ssl-temperature need a self-supervised part"),
