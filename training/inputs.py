@@ -157,7 +157,9 @@ def _refuse(config: TrainConfig, data: TrainingData, distinct: int) -> None:
         refuse_batch_shape(config.batch_size, config.images_per_class)
     if config.mode != SELF_SUPERVISED and len(data.classes) < 2:
         found = f"only class {data.classes[0]!r} is labeled" if data.classes else "no readable labeled image"
-        remedy = ": label images of a second class, or train --self-supervised" if data.pool else " (ROOT/<label>/<image>)"
+        remedy = (
+            ": label images of a second class, or train --self-supervised" if data.pool else " (ROOT/<label>/<image>)"
+        )
         raise RetrievalError(f"{config.data}: {found}; training needs at least two labeled classes{remedy}")
     if config.mode != SUPERVISED and len(data.pool) < 2:
         raise RetrievalError(
