@@ -158,6 +158,8 @@ def test_search_refuses_what_finds_nothing(demo_run: RunDir, options: list[str],
     assert message in err and err.count("\n") == 1
     if "--id" in options:
         assert "id column of `retrieval search`" in err
+    if not options:  # a folder: its images are searched with a glob
+        assert err.strip().endswith(f"a folder, not an image file; give an image file, or the folder's images as {query[0]}/*")
 
 
 def test_search_of_a_web_address_says_to_download_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,7 +15,7 @@ from retrieval.data import require_source
 from retrieval.errors import RetrievalError
 from retrieval.rerank import SPEC_HELP as RERANK_HELP
 from retrieval.rerank import parse_rerank
-from retrieval.runs import RunDir
+from retrieval.runs import RunDir, shell_path
 
 if TYPE_CHECKING:
     from index.search import QueryResult
@@ -72,6 +72,11 @@ def search(
         raise RetrievalError("give a query IMAGE or --id of an indexed item (one of the two)")
     for image in images or []:
         require_source(image, hint="an image file")
+    if images and len(images) == 1 and images[0].is_dir():
+        raise RetrievalError(
+            f"{images[0]}: a folder, not an image file; give an image file, or the folder's images as "
+            f"{shell_path(images[0])}/*"
+        )
     require_threshold(threshold)
     run_dir = RunDir(run)
     directory = index_dir or run_dir.index
