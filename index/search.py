@@ -84,6 +84,8 @@ class QueryResult:
 
 
 Itself = Callable[[Hit], bool]  # whether a hit is the query itself (its id, or its image's sha256)
+TIED = 1 - 1e-4  # a candidate scoring this may tie with the query's own item (its own picture scores about 1)
+WIDEST = 1024  # the deepest a query searches for its own item hidden behind ties
 
 
 def search_vectors(
@@ -127,7 +129,7 @@ def _search(
         if reranker.active:
             hits_of, owns = _reranked(index, vectors[rows], own, max(k, reranker.shortlist + 1), depth, label, reranker)
         else:
-            hits_of, owns = _split_off(index.search(vectors[rows], k, depth, label=label), own)
+            hits_of, owns = _candidates(index, vectors[rows], k, depth, label, own)
         for row, hits, mine in zip(rows, hits_of, owns):
             found[row], left_out[row] = _marked(hits[: queries[row].k], queries[row].threshold), mine
     return found, left_out
@@ -138,6 +140,32 @@ def _marked(hits: list[Hit], threshold: float | None) -> list[Hit]:
     if threshold is None:
         return hits
     return [replace(hit, match=hit.score >= threshold) for hit in hits]
+
+
+def _candidates(
+    index: GalleryBackend,
+    vectors: np.ndarray,
+    k: int,
+    depth: int | None,
+    label: str | None,
+    itself: Sequence[Itself | None],
+) -> tuple[list[list[Hit]], list[Hit | None]]:
+    """Each query's k candidates from the index other than the query itself, and its own item (None: not there).
+
+    Where the own item is not among them but the last of them still scores about 1, copies of its picture under
+    other bytes (or of its vector) tie with it and, listed first by id, hid it: the query searches deeper, up to
+    WIDEST, for it, so that the note names it (its hits are the same)."""
+    lists, owns = _split_off(index.search(vectors, k, depth, label=label), itself)
+    for row, mine in enumerate(itself):
+        width, hits = k, lists[row]
+        while mine is not None and owns[row] is None and len(hits) == width and hits[-1].score >= TIED:
+            if width >= min(WIDEST, len(index)):
+                break
+            width = min(width * 4, WIDEST, len(index))
+            hits = index.search(vectors[row : row + 1], width, depth, label=label)[0]
+            [kept], [owns[row]] = _split_off([hits], [mine])
+            lists[row] = kept[: k - 1] if owns[row] is not None else lists[row]
+    return lists, owns
 
 
 def _split_off(lists: Sequence[list[Hit]], itself: Sequence[Itself | None]) -> tuple[list[list[Hit]], list[Hit | None]]:
@@ -164,7 +192,7 @@ def _reranked(
 ) -> tuple[list[list[Hit]], list[Hit | None]]:
     """Each query's shortlist from the index, re-ranked by spec (database augmentation with the index's neighbours),
     and its own item left out of it."""
-    lists, owns = _split_off(index.search(vectors, shortlist, depth, label=label), itself)
+    lists, owns = _candidates(index, vectors, shortlist, depth, label, itself)
     own = [hit.id if hit is not None else -2 for hit in owns]  # -2: no own item (rerank's leave-out id)
     ids, scores = hit_arrays(lists, max((len(hits) for hits in lists), default=0))
 

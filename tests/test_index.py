@@ -235,3 +235,30 @@ def test_an_embedder_given_paths_or_one_image_says_what_to_give() -> None:
             assert str(refused.value) == said
     assert Preprocessing(16)([]).shape == (0, 3, 16, 16) and embedder.embed([]).shape == (0, 64)
     assert embedder.embed([image]).shape == (1, 64)
+
+
+def test_the_query_behind_ties_with_copies_of_its_picture_is_still_named(tmp_path: Path) -> None:
+    """A white picture among white pictures of other sizes (the same embedding, other bytes): the copies with lower
+    ids filled its k + 1 candidates, so its own gallery item was not found and no note named it ("itself": null)."""
+    from PIL import Image
+
+    from index.build import build_index
+    from index.search import Query, search_images, search_items
+    from retrieval.embedders import PixelEmbedder
+
+    folder = tmp_path / "images" / "white"
+    folder.mkdir(parents=True)
+    for side in range(1, 9):
+        Image.new("RGB", (side, side), "white").save(folder / f"{side}.png")
+    Image.linear_gradient("L").convert("RGB").save(folder / "x-gradient.png")
+    build_index(PixelEmbedder(8), folder.parent, tmp_path / "index", progress=False)
+    index = open_index(tmp_path / "index")
+    own = next(i for i, row in index.rows().items() if row.path.endswith("8.png"))
+    for k in (1, 3):
+        [result] = search_images(index, PixelEmbedder(8), [folder / "8.png"], Query(k=k))
+        assert result.itself is not None and result.itself.id == own and len(result.hits) == k
+        assert own not in {hit.id for hit in result.hits} and all(hit.score > 0.999 for hit in result.hits)
+        assert result.notes == [f"the query is gallery item {own}, 8.png, left out of its hits"]
+    assert [len(hits) for hits in search_items(index, [own], Query(k=2))] == [2]
+    [other] = search_images(index, PixelEmbedder(8), [folder / "x-gradient.png"], Query(k=2))
+    assert other.itself is not None and other.itself.path.endswith("x-gradient.png")  # no tie: found at once
