@@ -596,3 +596,16 @@ def test_the_python_entry_points_take_a_run_or_a_collection_as_a_path(small_fold
         assert len(service.items) == len(load_collection(small_folder).items)
     finally:
         service.close()
+
+
+def test_classes_beyond_the_icons_are_all_of_them_said_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """`demo --classes 100000` used every class without a word, and was not reused by a later `make demo` (its
+    settings differed); now it is the whole demo, said in one line."""
+    from retrieval.commands.demo import _all_or
+    from retrieval.datasets import icons
+
+    available = sum(1 for path in (icons() / "train").iterdir() if path.is_dir())
+    assert _all_or(None) is None and _all_or(available - 1) == available - 1 and capsys.readouterr().out == ""
+    assert _all_or(100_000) is None and _all_or(available) is None
+    said = capsys.readouterr().out.splitlines()
+    assert said == [f"--classes {n}: the icons have {available} training classes; all are used" for n in (100_000, available)]

@@ -66,6 +66,7 @@ def demo(
     run_dir.refuse_foreign_folder()
     if not retrain:
         _refuse_another_run(run_dir)
+    classes = _all_or(classes)
     outcome = None if retrain else finished_demo(run_dir, epochs, classes)
     if outcome is None:
         require("torch", "train")
@@ -249,6 +250,18 @@ def self_supervised(run: RunDir, train_source: Path, test: Collection, epochs: i
     metrics = evaluate_collection(OnnxEmbedder.from_run(ssl_run), test, progress=progress).metrics
     ssl_run.save_metrics(f"icons-{test.source.stem}", metrics)
     return metrics
+
+
+def _all_or(classes: int | None) -> int | None:
+    """--classes as the demo takes it: None (all of them) where it is at least the number of training classes, said
+    in one line (the whole demo runs, and a finished one is reused, as without the option)."""
+    if classes is None:
+        return None
+    available = sum(1 for path in (icons() / "train").iterdir() if path.is_dir())
+    if classes < available:
+        return classes
+    console.print(f"--classes {classes}: the icons have {available} training classes; all are used", highlight=False)
+    return None
 
 
 def _split(folder: Path, classes: int | None, csv_path: Path) -> Path:
