@@ -16,7 +16,7 @@ from PIL import Image
 
 from index.backends import open_index
 from index.disk import writer_lock
-from index.types import Additions, GalleryBackend
+from index.types import Additions, GalleryBackend, item_ids
 from retrieval.data import IMAGE_SUFFIXES, Item, Skipped, decode_image, read_image_bytes
 from retrieval.embedders import Embedder
 from retrieval.errors import ImageError, RetrievalError
@@ -46,6 +46,8 @@ def add_images(
 
     Returns the new ids and the files left out (unreadable, or already indexed) with the reason.
     """
+    if isinstance(paths, (str, Path)):
+        raise RetrievalError(f"paths: a list of image files, not one file; write [{str(paths)!r}]")
     label = label.strip()
     added: list[Item] = []
     images, hashes, skipped = [], [], []
@@ -79,7 +81,7 @@ def remove_items(
     directory: Path, embedder: Embedder, ids: Sequence[int], uploads: Path | None = None, wait: float = WRITE_WAIT
 ) -> int:
     """Removes items from the index in one atomic update; their files are deleted only where they lie in uploads."""
-    ids = sorted({int(i) for i in ids})
+    ids = sorted(set(item_ids(ids)))
     if not ids:
         raise RetrievalError("no item to remove: pick one in the Browse tab or give its id")
     with writer_lock(directory, wait):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from index.types import GalleryBackend, Hit
+from index.types import GalleryBackend, Hit, item_ids
 from retrieval.data import decode, read_image_bytes
 from retrieval.embedders import Embedder
 from retrieval.errors import ErrorKind, Failure, ImageError, RetrievalError
@@ -229,8 +229,7 @@ def hit_arrays(
 
 def search_items(index: GalleryBackend, ids: Sequence[int], query: Query = Query()) -> list[list[Hit]]:
     """The hits of items already indexed, by their stored vectors, each item itself left out."""
-    if isinstance(ids, (int, np.integer)):
-        raise RetrievalError(f"ids: a list of item ids, not one id; write [{ids}]")
+    ids = item_ids(ids)
     itself = [_same_id(item) for item in ids]
     return search_vectors(index, index.vectors_of(ids), [query] * len(ids), itself)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
+from numbers import Integral
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -26,6 +27,18 @@ ITEMS = INDEX_ITEMS
 SKIP_REPORT = "skipped.json"  # the files the last indexing job skipped, and why
 RAW = "raw.f32"  # compressed types only: the exact float32 vectors, row id - 1, read memory-mapped to re-rank
 INDEX_FILES = {MANIFEST, VECTORS, ITEMS, SKIP_REPORT, RAW}  # what an index's folder holds
+
+
+def item_ids(ids: Sequence[int]) -> list[int]:
+    """Item ids given as a list, as ints: one id, or text, is refused (the text "34" was read as the ids 3 and 4)."""
+    if isinstance(ids, Integral):
+        raise RetrievalError(f"ids: a list of item ids, not one id; write [{ids}]")
+    if isinstance(ids, (str, bytes)):
+        raise RetrievalError(f"ids: {ids!r} is text, not a list of item ids; give whole numbers, e.g. [3, 4]")
+    wrong = next((i for i in ids if isinstance(i, bool) or not isinstance(i, Integral)), None)
+    if wrong is not None:
+        raise RetrievalError(f"ids: {wrong!r} is not an item id; give whole numbers (the id column of search)")
+    return [int(i) for i in ids]
 
 
 def index_folder(directory: str | Path | RunDir) -> Path:

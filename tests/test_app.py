@@ -211,6 +211,15 @@ def test_add_and_remove_are_persisted_and_seen_by_the_next_search(app_run: RunDi
     assert ids[0] not in read_only.items and not added.path.exists()
     with pytest.raises(RetrievalError, match="no item with id 999999"):
         service.remove_items([999999])
+    count = len(service.items)  # one file or id not in a list: "34" removed items 3 and 4, a path added nothing
+    for given, said in [("34", "ids: '34' is text, not a list of item ids; give whole numbers, e.g. [3, 4]"), (3, "ids: a list of item ids, not one id; write [3]"), ([2.5], "ids: 2.5 is not an item id; give whole numbers (the id column of search)")]:
+        with pytest.raises(RetrievalError) as refused:
+            service.remove_items(given)  # type: ignore[arg-type]
+        assert str(refused.value) == said
+    with pytest.raises(RetrievalError) as refused:
+        service.add_images(str(new), "x")  # type: ignore[arg-type]
+    assert str(refused.value) == f"paths: a list of image files, not one file; write [{str(new)!r}]"
+    assert len(SearchService(app_run).items) == count
 
 
 def test_an_index_job_and_the_app_take_turns(app_run: RunDir, service: SearchService, tmp_path: Path) -> None:
