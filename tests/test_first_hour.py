@@ -596,6 +596,14 @@ def test_the_python_entry_points_take_a_run_or_a_collection_as_a_path(small_fold
         assert len(service.items) == len(load_collection(small_folder).items)
     finally:
         service.close()
+    config = TrainConfig(data=str(small_folder), epochs=1, batch_size=8, image_size=32)
+    model = (RunDir(run).model).read_bytes()
+    with pytest.raises(RetrievalError) as refused:  # a notebook cell run again trained over the run, its model kept
+        train(config, run, progress=False)
+    assert str(refused.value).startswith(f"{run} already holds a run (1 epoch(s) trained); continue it with")
+    assert str(refused.value).endswith("(from Python: train(..., resume=True) or overwrite=True)")
+    assert RunDir(run).model.read_bytes() == model and RunDir(run).last_checkpoint.is_file()
+    assert train(config, run, progress=False, overwrite=True).final_loss > 0
 
 
 def test_classes_beyond_the_icons_are_all_of_them_said_once(capsys: pytest.CaptureFixture[str]) -> None:

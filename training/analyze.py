@@ -44,7 +44,7 @@ def temperature_sweep(
     runs = [(loss, t) for loss in losses for t in temperatures]
     for loss, temperature in progress_bar(runs, desc="temperature sweep", unit="run", enabled=progress):
         run = RunDir(out / "runs" / f"{loss}-t{temperature:g}")
-        train(replace(base, loss=loss, temperature=temperature), run, progress=False)
+        train(replace(base, loss=loss, temperature=temperature), run, progress=False, overwrite=True)
         last = json.loads(run.train_log.read_text(encoding="utf-8").splitlines()[-1])
         row = {"loss": loss, "temperature": temperature, "epochs": last["epoch"]}
         row.update({name.removeprefix("val_"): value for name, value in last.items() if name.startswith("val_")})

@@ -54,7 +54,7 @@ def fold_models(
         config = replace(config, checkpoint_every=0, tensorboard=False)
         said(f"fold {number + 1}/{int(fold.max()) + 1}: training on {len(kept)} images for {epochs} epoch(s)")
         target = RunDir(work / f"fold-{number}")
-        train(config, target, progress=False)
+        train(config, target, progress=False, overwrite=True)
         export(target)
         models.append(target)
     return models

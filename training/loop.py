@@ -140,8 +140,11 @@ def warmup_cosine(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def train(config: TrainConfig, run: RunDir | str | Path, progress: bool = True, resume: bool = False) -> TrainResult:
-    """Trains an encoder on config.data and writes config, log, skip report and checkpoints to run.
+def train(
+    config: TrainConfig, run: RunDir | str | Path, progress: bool = True, resume: bool = False, overwrite: bool = False
+) -> TrainResult:
+    """Trains an encoder on config.data and writes config, log, skip report and checkpoints to run; a run that holds
+    a trained run is continued (resume) or started over (overwrite), never replaced silently.
 
     With resume, training continues from the last saved trainer state of run (the model, optimizer,
     schedule, memory queue, random state and validation record of checkpoints/trainer.safetensors,
@@ -151,6 +154,8 @@ def train(config: TrainConfig, run: RunDir | str | Path, progress: bool = True, 
     """
     run = RunDir.of(run)
     run.refuse_foreign_folder()
+    if not resume:
+        refuse_existing(run, overwrite)
     ranks, device = start(config.device)
     try:
         with training_lock(run) if ranks.is_main else contextlib.nullcontext():
@@ -165,6 +170,20 @@ def train(config: TrainConfig, run: RunDir | str | Path, progress: bool = True, 
         raise _out_of_memory(error, config) from None
     finally:
         stop()
+
+
+def refuse_existing(run: RunDir, overwrite: bool) -> None:
+    """A run directory that holds a run is continued (--resume) or started over (--overwrite), never silently: its
+    model, index and metrics would stay beside checkpoints of another training. A config.json that is not a run's
+    (`--run .` in a project) is refused by RunDir.refuse_foreign_folder."""
+    if overwrite or not (run.trainer_state.is_file() or run.last_checkpoint.is_file()):
+        return  # nothing trained yet (a run killed before its first save): nothing to lose
+    trained = len(run.train_log.read_text(encoding="utf-8").splitlines()) if run.train_log.is_file() else 0
+    raise RetrievalError(
+        f"{run.root} already holds a run ({trained} epoch(s) trained); continue it with "
+        f"`retrieval train --run {shell_path(run.root)} --resume`, or start over with --overwrite (from Python: "
+        "train(..., resume=True) or overwrite=True)"
+    )
 
 
 def _out_of_memory(error: BaseException, config: TrainConfig) -> RetrievalError:

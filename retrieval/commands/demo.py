@@ -222,7 +222,7 @@ def _train_demo(config: TrainConfig, run: RunDir, settings: dict, progress: bool
     if done is not None and done >= config.epochs:
         console.print(f"the model of an earlier, stopped demo is trained ({done} epochs): going on from it")
         return
-    train(config, run, progress=progress, resume=bool(done))  # resuming says so, with the epoch
+    train(config, run, progress=progress, resume=bool(done), overwrite=True)  # resuming says so, with the epoch
 
 
 def _saved_epochs(run: RunDir) -> int | None:
@@ -245,7 +245,7 @@ def self_supervised(run: RunDir, train_source: Path, test: Collection, epochs: i
 
     ssl_run = RunDir(run.root / "self-supervised")
     config = TrainConfig(data=str(train_source), self_supervised=True, epochs=epochs or SSL_EPOCHS)
-    train(config, ssl_run, progress=progress)
+    train(config, ssl_run, progress=progress, overwrite=True)
     export(ssl_run)
     metrics = evaluate_collection(OnnxEmbedder.from_run(ssl_run), test, progress=progress).metrics
     ssl_run.save_metrics(f"icons-{test.source.stem}", metrics)

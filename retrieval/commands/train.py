@@ -183,10 +183,9 @@ def run_training(data: Path | None, run_dir: RunDir, resume: bool, overwrite: bo
             raise RetrievalError(
                 "give DATA: an image folder ROOT/<label>/<image> or a CSV path,label (or --resume a run)"
             )
-        _refuse_existing(run_dir, overwrite)
         config = TrainConfig(data=str(data.expanduser().resolve()), **given)
     try:
-        result = train(config, run_dir, resume=resume)
+        result = train(config, run_dir, resume=resume, overwrite=overwrite)
     except KeyboardInterrupt:
         _interrupted(run_dir)
     if not result.reporting:
@@ -222,18 +221,6 @@ def _resumed(run_dir: RunDir, data: Path | None, given: dict) -> TrainConfig:
     if record is not None:  # said before every image is checked again
         refuse_finished(run_dir, record, config)
     return replace(config, **{name: given[name] for name in RESUME_MAY_CHANGE if name in given})
-
-
-def _refuse_existing(run: RunDir, overwrite: bool) -> None:
-    """A run directory that holds a run is continued (--resume) or started over (--overwrite), never silently; a
-    config.json that is not a run's (`--run .` in a project) is refused where training starts (training.loop.train)."""
-    if overwrite or not (run.trainer_state.is_file() or run.last_checkpoint.is_file()):
-        return  # nothing trained yet (a run killed before its first save): nothing to lose
-    trained = len(run.train_log.read_text(encoding="utf-8").splitlines()) if run.train_log.is_file() else 0
-    raise RetrievalError(
-        f"{run.root} already holds a run ({trained} epoch(s) trained); continue it with "
-        f"`retrieval train --run {shell_path(run.root)} --resume`, or start over with --overwrite"
-    )
 
 
 def _interrupted(run: RunDir) -> NoReturn:
