@@ -15,7 +15,7 @@ import gradio as gr
 import numpy as np
 
 from app.components import PageData, refused, tile_gallery
-from app.service import SearchService
+from app.service import SearchService, as_text
 from retrieval.audit import DEPTH, LABELED_HINT, Suspect, agreement, describe_agreement, suspects
 from retrieval.decisions import LABELS_CSV, Decision, LabelDecision, decide, decided_labels, read_decisions
 from retrieval.errors import RetrievalError
@@ -117,7 +117,7 @@ class AuditHandlers:
         """The suspects table, its rows' data, and a line saying how many (and what to do)."""
         labeled = sum(bool(item.label) for item in self.service.items.values())
         if not labeled:
-            return [], [], f"No label is judged: no image of the gallery has a label ({LABELED_HINT})."
+            return [], [], f"No label is judged: no image of the gallery has a label ({as_text(LABELED_HINT)})."
         found = gallery_suspects(self.service)
         if not found.total:
             return [], [], "No suspected wrong label: every image's closest images agree with its label."

@@ -10,6 +10,7 @@ The index is reloaded when a writer (this app, or a `retrieval index` job) has r
 from __future__ import annotations
 
 import hashlib
+import html
 import io
 import shutil
 import tempfile
@@ -372,11 +373,11 @@ def worded(result: QueryResult, label: str, known: frozenset[str] | None = None)
     """A search result for people: its hits and one line (the failure, or the count, time and hits of the label).
     known: the gallery's labels; a label outside them marks nothing (every hit would be a miss) and says so."""
     if result.error is not None:
-        return SearchResult([], f"⚠️ {result.error.message}", label, result.error)
-    notes = list(result.notes)
+        return SearchResult([], f"⚠️ {as_text(result.error.message)}", label, result.error)
+    notes = [as_text(note) for note in result.notes]
     if label and known is not None and label not in known:
         closest = closest_labels(label, known)
-        notes.append(f"no gallery item has the label {label!r}, so hits are not marked; closest: {closest}")
+        notes.append(as_text(f"no gallery item has the label {label!r}, so hits are not marked; closest: {closest}"))
         label = ""
     unsure = bool(result.hits) and result.hits[0].match is False
     summary = f"{len(result.hits)} results in {result.seconds * 1000:.0f} ms" + (
@@ -387,8 +388,14 @@ def worded(result: QueryResult, label: str, known: frozenset[str] | None = None)
     if label:
         first = next((rank for rank, hit in enumerate(result.hits, 1) if hit.label == label), None)
         hits = f"{sum(hit.label == label for hit in result.hits)}/{len(result.hits)} hits"
-        summary += f" · label **{label}**: {hits}" + (f", first hit at rank {first}" if first else "")
+        summary += f" · label **{as_text(label)}**: {hits}" + (f", first hit at rank {first}" if first else "")
     return SearchResult(result.hits, summary + "".join(f" ({note})" for note in notes), label)
+
+
+def as_text(text: str) -> str:
+    """Plain text (a message, a label, a file name) as the app's Markdown shows it whole: `<`, `>` and `&` as
+    entities, or `ROOT/<label>/<image>` lost its parts as unknown HTML tags."""
+    return html.escape(text, quote=False)
 
 
 def _folder_safe(label: str | None) -> str:

@@ -459,3 +459,17 @@ def answers(url: str) -> bool:
             return True
     except OSError:
         return False
+
+
+def test_text_in_the_summary_is_shown_whole() -> None:
+    """A label or message with <...> lost it in the app's Markdown (read as an HTML tag)."""
+    from app.service import worded
+    from index.search import QueryResult
+    from index.types import Hit
+    from retrieval.errors import ErrorKind, Failure
+
+    hits = [Hit(1, "/g/a.png", "<cat>", 0.9, ""), Hit(2, "/g/b.png", "dog", 0.8, "")]
+    shown = worded(QueryResult(hits, notes=["a <note> & more"]), "<cat>", frozenset({"<cat>", "dog"}))
+    assert "label **&lt;cat&gt;**: 1/2 hits" in shown.summary and "(a &lt;note&gt; &amp; more)" in shown.summary
+    failed = worded(QueryResult(error=Failure(ErrorKind.INVALID, "put images in ROOT/<label>/<image>")), "")
+    assert failed.summary == "⚠️ put images in ROOT/&lt;label&gt;/&lt;image&gt;"

@@ -477,7 +477,9 @@ def test_images_without_labels_are_said_not_judged_not_found_right(demo_run: Run
     found = json.loads(capsys.readouterr().out)
     assert found["labeled"] == 0 and found["labels"] == [] and found["images"] == len(list(flat.iterdir()))
     unlabeled = SimpleNamespace(items={1: Item(flat / "a.png", ""), 2: Item(flat / "b.png", "")})
-    assert audit_tab.AuditHandlers(unlabeled).audit()[2].startswith("No label is judged: no image of the gallery has a label")  # type: ignore[arg-type]
+    line = audit_tab.AuditHandlers(unlabeled).audit()[2]  # type: ignore[arg-type]
+    assert line.startswith("No label is judged: no image of the gallery has a label")
+    assert "ROOT/&lt;label&gt;/&lt;image&gt;" in line  # Markdown showed "ROOT//": <label> and <image> read as HTML tags
 
 
 def test_the_audit_tab_counts_every_suspect_beyond_those_it_shows(audit_run: tuple[RunDir, Item], monkeypatch: pytest.MonkeyPatch) -> None:
