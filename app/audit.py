@@ -103,7 +103,7 @@ def record(service: SearchService, shown: ShownSuspect, accept: bool) -> str:
     label = shown.suggested if accept else shown.label
     decision = LabelDecision(path, label, shown.label, Decision.ACCEPTED if accept else Decision.KEPT)
     decisions = decide(target, [items[i] for i in sorted(items)], decision)  # decide applies the earlier ones
-    done = f"**{path.name}**: " + (f"{shown.label} → {label}" if accept else f"kept as {label}")
+    done = f"**{as_text(path.name)}**: " + as_text(f"{shown.label} → {label}" if accept else f"kept as {label}")
     return f"{done}; {len(decisions)} decision(s) in `{target}` (train on it: `retrieval train {shell_path(target)}`)"
 
 
@@ -141,8 +141,8 @@ class AuditHandlers:
             for i, p in zip(ids[1:], pictures[1:])
         ]
         line = (
-            f"**{Path(shown.path).name}** is labeled **{shown.label}**; its closest images suggest "
-            f"**{shown.suggested}** (score {shown.score:.3f})"
+            f"**{as_text(Path(shown.path).name)}** is labeled **{as_text(shown.label)}**; its closest images suggest "
+            f"**{as_text(shown.suggested)}** (score {shown.score:.3f})"
         )
         return tiles, line, asdict(shown)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import gradio as gr
 
 from app.components import refused
-from app.service import SearchResult, SearchService, worded
+from app.service import SearchResult, SearchService, as_text, worded
 from index.search import ImageQuery, Query, QueryResult
 from index.types import Hit
 from retrieval.data import read_image_bytes
@@ -305,7 +305,8 @@ class Handlers:
         right = sum(hit["hit_label"] == label for hit in found)
         return (
             tiles,
-            f"**{label}**: {len(found)} queries, {right} with a first hit of their class (query, then its first hit)",
+            f"**{as_text(label)}**: {len(found)} queries, {right} with a first hit of their class (query, then its "
+            "first hit)",
         )
 
     def metric_source(self, name: str) -> str:
@@ -314,7 +315,8 @@ class Handlers:
         if not metrics:
             return "No evaluation yet: run `retrieval evaluate RUN IMAGES`, or evaluate the index below."
         where = metrics.get("images") or f"{metrics.get('queries', '')} against {metrics.get('gallery', '')}"
-        line = f"**{name}**: {metrics.get('protocol', '')} over `{where}`, {metrics.get('num_queries', '?')} queries"
+        line = f"**{as_text(name)}**: {as_text(str(metrics.get('protocol', '')))} over `{where}`, "
+        line += f"{metrics.get('num_queries', '?')} queries"
         baseline = self.service.baseline
         if baseline and baseline.get("images") == metrics.get("images"):
             figures = ", ".join(f"{key} {baseline[key]:.3f}" for key in ("recall@1", "recall@5", "map@r"))

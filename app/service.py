@@ -232,7 +232,7 @@ class SearchService:
         if item is None:
             return worded(QueryResult(error=unknown_id(snapshot.index, int(item_id))), "")
         result = worded(search_item(snapshot.index, int(item_id), self.query(k, depth, only)), item.label)
-        result.summary = f"item {item_id} ({item.path.name}): {result.summary}"
+        result.summary = f"item {item_id} ({as_text(item.path.name)}): {result.summary}"
         return result
 
     # browsing
