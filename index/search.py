@@ -156,15 +156,14 @@ def _candidates(
     other bytes (or of its vector) tie with it and, listed first by id, hid it: the query searches deeper, up to
     WIDEST, for it, so that the note names it (its hits are the same)."""
     lists, owns = _split_off(index.search(vectors, k, depth, label=label), itself)
+    deepest = min(WIDEST, len(index))
     for row, mine in enumerate(itself):
         width, hits = k, lists[row]
-        while mine is not None and owns[row] is None and len(hits) == width and hits[-1].score >= TIED:
-            if width >= min(WIDEST, len(index)):
-                break
-            width = min(width * 4, WIDEST, len(index))
-            hits = index.search(vectors[row : row + 1], width, depth, label=label)[0]
-            [kept], [owns[row]] = _split_off([hits], [mine])
-            lists[row] = kept[: k - 1] if owns[row] is not None else lists[row]
+        while mine is not None and owns[row] is None and len(hits) == width < deepest and hits[-1].score >= TIED:
+            width = min(width * 4, deepest)
+            [hits], [owns[row]] = _split_off(index.search(vectors[row : row + 1], width, depth, label=label), [mine])
+        if owns[row] is not None and hits is not lists[row]:  # found deeper: the hits before it, as without ties
+            lists[row] = hits[: k - 1]
     return lists, owns
 
 

@@ -226,9 +226,8 @@ class IndexFacts:
     vectors_mib: float | None = None
     items_mib: float | None = None
     bytes_per_vector: float | None = None
-    recall_at_build: float | None = (
-        None  # recall@10 tuned at build time for held-out gallery vectors (not exact search)
-    )
+    # recall@10 tuned at build time for held-out gallery vectors (None for exact search)
+    recall_at_build: float | None = None
     rerank: int | None = None  # compressed codes re-ranked with the exact vectors: candidates re-scored per result
 
     @classmethod
