@@ -98,8 +98,7 @@ def test_a_tab_or_newline_in_a_label_or_path_stays_in_its_field(capsys: pytest.C
     from retrieval.commands.search import _print_hits
 
     hits = [Hit(7, "/g/a\nb.png", "cat\tdog", 0.5, ""), Hit(8, "/g/c\rd.png", "back\\slash", 0.25, "")]
-    rows = [{"rank": rank, "id": hit.id, "score": hit.score, "label": hit.label, "path": hit.path, "match": None} for rank, hit in enumerate(hits, 1)]
-    _print_hits(rows, "/q/new\nline.png", None, QueryResult(hits, notes=["a note\nover two lines"]))
+    _print_hits(QueryResult(hits, notes=["a note\nover two lines"]), "/q/new\nline.png", None)
     lines = capsys.readouterr().out.splitlines()
     assert lines == [
         "# nearest to /q/new\\nline.png",

@@ -105,7 +105,7 @@ def _print(answered: list[tuple[str | int | None, QueryResult]], threshold: floa
         if result.error is not None:
             errors.print(f"error: {result.error.message}", soft_wrap=True, highlight=False, markup=False)
         elif not as_json:
-            _print_hits(_rows(result), query, threshold, result)
+            _print_hits(result, query, threshold)
     if failed and len(failed) == len(answered):
         raise RetrievalError(f"none of the {len(answered)} query images could be read (above); give image files")
     if failed:
@@ -129,9 +129,10 @@ def _as_json(query: str | int | None, result: QueryResult, threshold: float | No
     return {"query": query, "threshold": threshold, "hits": _rows(result), "itself": itself, "notes": result.notes}
 
 
-def _print_hits(rows: list[dict], query: str | int | None, threshold: float | None, result: QueryResult) -> None:
+def _print_hits(result: QueryResult, query: str | int | None, threshold: float | None) -> None:
     """The hits as a table on a terminal, or tab-separated lines; the match column only with a threshold; the
     result's notes (e.g. the gallery item the query is, left out of its hits)."""
+    rows = _rows(result)
     title = f"nearest to {query if isinstance(query, str) else f'item {query}'}"
     unsure = threshold is not None and not (rows and rows[0]["match"])
     if console.is_terminal:
