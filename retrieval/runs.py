@@ -63,6 +63,19 @@ class RunDir:
                 "folder of its own, e.g. runs/photos"
             )
 
+    def refuse_trained(self) -> None:
+        """Refuses to start a training over a run that holds one (a trainer state or a checkpoint): it is continued
+        (--resume) or started over (--overwrite), never silently, or its model, index and metrics would stay beside
+        checkpoints of another training. A run killed before its first save has nothing to lose."""
+        if not (self.trainer_state.is_file() or self.last_checkpoint.is_file()):
+            return
+        trained = len(self.train_log.read_text(encoding="utf-8").splitlines()) if self.train_log.is_file() else 0
+        raise RetrievalError(
+            f"{self.root} already holds a run ({trained} epoch(s) trained); continue it with "
+            f"`retrieval train --run {shell_path(self.root)} --resume`, or start over with --overwrite (from Python: "
+            "train(..., resume=True) or overwrite=True)"
+        )
+
     @classmethod
     def of(cls, run: RunDir | str | os.PathLike) -> RunDir:
         """A run given as a RunDir or as its directory's path ("runs/photos"), as the Python entry points take it."""

@@ -154,8 +154,8 @@ def train(
     """
     run = RunDir.of(run)
     run.refuse_foreign_folder()
-    if not resume:
-        refuse_existing(run, overwrite)
+    if not (resume or overwrite):
+        run.refuse_trained()
     ranks, device = start(config.device)
     try:
         with training_lock(run) if ranks.is_main else contextlib.nullcontext():
@@ -170,20 +170,6 @@ def train(
         raise _out_of_memory(error, config) from None
     finally:
         stop()
-
-
-def refuse_existing(run: RunDir, overwrite: bool) -> None:
-    """A run directory that holds a run is continued (--resume) or started over (--overwrite), never silently: its
-    model, index and metrics would stay beside checkpoints of another training. A config.json that is not a run's
-    (`--run .` in a project) is refused by RunDir.refuse_foreign_folder."""
-    if overwrite or not (run.trainer_state.is_file() or run.last_checkpoint.is_file()):
-        return  # nothing trained yet (a run killed before its first save): nothing to lose
-    trained = len(run.train_log.read_text(encoding="utf-8").splitlines()) if run.train_log.is_file() else 0
-    raise RetrievalError(
-        f"{run.root} already holds a run ({trained} epoch(s) trained); continue it with "
-        f"`retrieval train --run {shell_path(run.root)} --resume`, or start over with --overwrite (from Python: "
-        "train(..., resume=True) or overwrite=True)"
-    )
 
 
 def _out_of_memory(error: BaseException, config: TrainConfig) -> RetrievalError:
