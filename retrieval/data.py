@@ -448,7 +448,8 @@ def decode(data: bytes, name: str | Path = "image", min_size: int = 0) -> Decode
         with warnings.catch_warnings():
             # Pillow's notes on damaged metadata: the image is used or refused anyway
             warnings.simplefilter("ignore", UserWarning)
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            # Pillow warns from 89 MP: the limit below refuses such images with their size in the message
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
             width, height = image.size
             if width * height > MAX_PIXELS:
@@ -463,8 +464,9 @@ def decode(data: bytes, name: str | Path = "image", min_size: int = 0) -> Decode
             return Decoded(_to_rgb(image), animated)
     except ImageError:
         raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise ImageError(name, "too many pixels (decompression bomb guard); downscale it first") from None
+    except Image.DecompressionBombError:
+        limit = f"{2 * Image.MAX_IMAGE_PIXELS:,}" if Image.MAX_IMAGE_PIXELS else "Pillow's limit"
+        raise ImageError(name, f"over {limit} pixels (a decompression bomb guard); downscale it first") from None
     except UnidentifiedImageError:
         raise ImageError(name, "not a readable image (not a format Pillow recognises)") from None
     except (OSError, SyntaxError, ValueError, TypeError, EOFError) as error:

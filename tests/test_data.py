@@ -179,6 +179,20 @@ def test_decompression_bombs_are_refused(tmp_path: Path, monkeypatch: pytest.Mon
         load_image(path)
 
 
+def test_images_pillow_warns_of_are_refused_with_their_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between Pillow's warning (MAX_IMAGE_PIXELS) and its error (twice that), the message names the size; above
+    the error, Pillow's limit."""
+    path = tmp_path / "big.png"
+    Image.new("L", (300, 200)).save(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 40_000)
+    monkeypatch.setattr(data, "MAX_PIXELS", 50_000)
+    with pytest.raises(ImageError, match="300x200 pixels is over the limit of 50,000"):
+        load_image(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 20_000)
+    with pytest.raises(ImageError, match="over 40,000 pixels \\(a decompression bomb guard\\); downscale it"):
+        load_image(path)
+
+
 @pytest.mark.parametrize(
     "image",
     [
