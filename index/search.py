@@ -263,6 +263,7 @@ def unknown_id(index: GalleryBackend, item_id: int) -> Failure:
 def search_item(index: GalleryBackend, item_id: int, query: Query = Query()) -> QueryResult:
     """The hits of one indexed item (itself left out), or an unknown-id failure when the index lacks it."""
     started = time.perf_counter()
+    (item_id,) = item_ids([item_id])  # the text "3" was looked up as no item
     if item_id not in index.rows([item_id]):
         return QueryResult(error=unknown_id(index, item_id))
     result = QueryResult(search_items(index, [item_id], query)[0], seconds=time.perf_counter() - started)

@@ -21,6 +21,7 @@ from retrieval.knn import require_searchable
 from retrieval.runs import INDEX_ITEMS, INDEX_MANIFEST, RunDir, shell_path
 
 FORMAT_VERSION = 1
+UNIT_TOLERANCE = 1e-4  # a row whose squared length is this close to 1 is taken as unit, as float32 embeddings are
 MANIFEST = INDEX_MANIFEST  # named in the core, whose collections leave an index kept among images out
 VECTORS = "vectors.faiss"
 ITEMS = INDEX_ITEMS
@@ -62,13 +63,32 @@ def rebuild_advice(directory: Path) -> str:
 
 
 def search_queries(queries: np.ndarray, k: int, dim: int) -> np.ndarray:
-    """The query rows as a contiguous float32 matrix, refusing what no index search can answer: another dimension, a
-    row with NaN or infinite values (it found no hit, without a word) and k below 1 (it was read as 1)."""
+    """The query rows as a contiguous float32 matrix of unit rows, refusing what no index search can answer: another
+    dimension, a row with NaN or infinite values (it found no hit, without a word), a row of zeros and k below 1 (it
+    was read as 1)."""
     queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
-    if queries.ndim != 2 or queries.shape[1] != dim:
+    if queries.ndim != 2:
+        raise RetrievalError(f"queries: a matrix of one row per query, not an array of shape {queries.shape}")
+    if queries.shape[1] != dim:
         raise RetrievalError(f"queries have dimension {queries.shape[-1]}, the index {dim}")
     require_searchable(queries, int(k))
-    return queries
+    return unit_rows(queries, "query")
+
+
+def unit_rows(rows: np.ndarray, what: str) -> np.ndarray:
+    """The float32 rows, those not of unit length scaled to it: an index scores by cosine similarity, and a row of
+    length 2 scored up to 2, above every match threshold. Unit rows (an embedder's) are kept bit for bit; a row of
+    zeros, which has no direction, is refused."""
+    squared = np.einsum("ij,ij->i", rows, rows)
+    off = np.flatnonzero(np.abs(squared - 1.0) > UNIT_TOLERANCE)
+    if not len(off):
+        return rows
+    zero = off[squared[off] == 0]
+    if len(zero):
+        raise RetrievalError(f"{what} row {int(zero[0])} is all zeros: it has no direction to search by")
+    rows = rows.copy()
+    rows[off] /= np.sqrt(squared[off])[:, None]
+    return rows
 
 
 class Row(NamedTuple):
@@ -132,11 +152,24 @@ class HitArrays:
 
 @dataclass(frozen=True)
 class Additions:
-    """A chunk of new items with their vectors and file hashes."""
+    """A chunk of new items with their vectors (as unit float32 rows) and file hashes."""
 
     vectors: np.ndarray
     items: list[Item]
     hashes: list[str]
+
+    def __post_init__(self) -> None:
+        """Refuses a vector no search could find (NaN or infinite values, zeros), naming its item, and scales the
+        others to unit length (vectors made outside an embedder)."""
+        vectors = np.ascontiguousarray(np.atleast_2d(self.vectors), dtype=np.float32)
+        finite = np.isfinite(vectors.sum(axis=1))
+        squared = np.einsum("ij,ij->i", vectors, vectors)
+        bad = np.flatnonzero(~finite | (squared == 0))
+        if len(bad) and len(self.items) == len(vectors):
+            row = int(bad[0])
+            said = "NaN or infinite values" if not finite[row] else "only zeros"
+            raise RetrievalError(f"the vector of {self.items[row].path} holds {said}; it cannot be indexed")
+        object.__setattr__(self, "vectors", unit_rows(vectors, "added vector") if len(vectors) else vectors)
 
 
 DEPTH_NAMES = {"ivf": "nprobe", "hnsw": "efSearch"}  # the search depth of each kind of index, as FAISS names it

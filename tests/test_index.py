@@ -170,6 +170,33 @@ def test_queries_no_search_can_answer_are_refused(tmp_path: Path) -> None:
     assert [hits[0].id for hits in search_items(index, [3], Query(1))] != [3]  # the item itself is left out
 
 
+def test_vectors_not_of_unit_length_are_scaled_and_zeros_refused(tmp_path: Path) -> None:
+    """A query vector of length 3 scored 3 (above any match threshold), a row of zeros was answered with score-0 hits,
+    an index built from raw vectors scored by their lengths, and search_item(index, "3") said item 3 did not exist."""
+    from index.search import Query, search_item, search_vectors
+
+    index, vectors = build(tmp_path / "index")
+    (scaled,) = search_vectors(index, 3 * vectors[[4]], Query(3))
+    assert scaled == search_vectors(index, vectors[[4]], Query(3))[0] and scaled[0].score == pytest.approx(1.0, abs=1e-5)
+    assert search_vectors(index, vectors[[4]], Query(3))[0][0].score == index.search(vectors[[4]], 1)[0][0].score
+    with pytest.raises(RetrievalError, match=r"^query row 1 is all zeros: it has no direction to search by$"):
+        search_vectors(index, np.stack([vectors[0], np.zeros(8, np.float32)]), Query(3))
+    with pytest.raises(RetrievalError, match=r"^queries: a matrix of one row per query, not an array of shape \(1, 1, 8\)$"):
+        search_vectors(index, vectors[None, :1], Query(3))
+    with pytest.raises(RetrievalError, match=r"^ids: '3' is not an item id; give whole numbers"):
+        search_item(index, "3", Query(3))  # type: ignore[arg-type]
+    items = [Item(Path(f"/gallery/img{i}.png"), "a") for i in range(20)]
+    raw = GalleryIndex.build(tmp_path / "raw", 5 * vectors, items, [f"sha{i}" for i in range(20)], "enc-a")
+    assert raw.search(vectors[[2]], 1)[0][0].score == pytest.approx(1.0, abs=1e-5)
+    broken = vectors.copy()
+    broken[6] = 0
+    with pytest.raises(RetrievalError, match=r"^the vector of /gallery/img6.png holds only zeros; it cannot be indexed$"):
+        GalleryIndex.build(tmp_path / "broken", broken, items, [f"sha{i}" for i in range(20)], "enc-a")
+    broken[6] = np.nan
+    with pytest.raises(RetrievalError, match=r"^the vector of /gallery/img6.png holds NaN or infinite values"):
+        GalleryIndex.build(tmp_path / "broken", broken, items, [f"sha{i}" for i in range(20)], "enc-a")
+
+
 def test_an_image_indexed_twice_leaves_one_copy_out_and_k_hits(tmp_path: Path) -> None:
     """A query whose bytes the gallery held twice lost both copies from its hits: k=3 answered 2, and the copy that
     was not the query itself was hidden."""

@@ -199,6 +199,7 @@ def test_a_journal_keeps_many_vectors_a_page_and_one_left_with_small_pages_still
     from retrieval.data import Item
 
     vectors = np.random.default_rng(0).standard_normal((200, 512)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)  # an embedder's unit rows, which Additions keeps as they are
     items = [Item(tmp_path / f"{n}.png", "x") for n in range(200)]
     digests = [f"{n:064x}" for n in range(200)]
     for name, page in (("new.sqlite", PAGE_SIZE), ("old.sqlite", 4096)):
