@@ -364,7 +364,10 @@ def test_a_folder_given_relative_with_a_file_of_another_type_prints_its_tables_w
     (root / "movie.mp4").write_bytes(b"not a picture")
     monkeypatch.chdir(tmp_path)
     assert main(["audit", str(demo_run.root), "pics"]) == 0
-    assert "movie.mp4" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    images = sum(1 for path in root.rglob("*.png"))
+    assert "movie.mp4" in printed  # counted apart: "audited N images" counted the file that is not one among them
+    assert f"audited {images} images (1 more file could not be read: the outliers above)" in printed
     assert main(["audit", str(demo_run.root), "pics", "--json"]) == 0
     unreadable = [row for row in json.loads(capsys.readouterr().out)["outliers"] if row["kind"] == "unreadable"]
     assert [row["path"] for row in unreadable] == [str(root.resolve() / "movie.mp4")]

@@ -187,7 +187,7 @@ def _fold_spaces(
 def _print(found: Audit, shown: int, leaks: bool) -> None:
     """The tables (the first `shown` rows of each; leaks only when there was --against), paths relative to the folder
     they share; a table with no row is one line saying none."""
-    from retrieval.audit import LABELED_HINT, describe_agreement
+    from retrieval.audit import LABELED_HINT, OutlierKind, describe_agreement
 
     every = [s.path for s in found.labels] + [p for d in found.duplicates for p in d.paths]
     every += [leak.path for leak in found.leaks] + [o.path for o in found.outliers]
@@ -222,5 +222,10 @@ def _print(found: Audit, shown: int, leaks: bool) -> None:
         if len(rows) > shown:
             table.add_row(f"… and {len(rows) - shown} more (--json or --csv: all)", *[""] * (len(columns) - 1))
         console.print(table)
+    unread = sum(outlier.kind is OutlierKind.UNREADABLE for outlier in found.outliers)
+    read = found.images - unread
+    line = f"audited {read:,} image{'s' * (read != 1)}"
+    if unread:
+        line += f" ({unread:,} more file{'s' * (unread != 1)} could not be read: the outliers above)"
     agreement = describe_agreement(found.agreement)
-    console.print(f"audited {found.images} image(s)" + (f"; {agreement}" if agreement else ""), soft_wrap=True)
+    console.print(line + (f"; {agreement}" if agreement else ""), soft_wrap=True)
