@@ -22,6 +22,7 @@ from retrieval.runs import read_json
 from training.checkpoints import load_encoder
 from training.loop import train
 from tests.conftest import copy_classes
+from retrieval.commands import main
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +100,13 @@ def test_float16_export_keeps_float32_io_and_passes_its_check(trained: RunDir, t
     vectors = embedder.embed_prepared(np.random.default_rng(0).standard_normal((3, 3, 40, 40)).astype(np.float32))
     assert vectors.dtype == np.float32 and np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-3)
     assert run.model.stat().st_size < 0.6 * trained.model.stat().st_size
+    from training.quantise import export_int8
+
+    with pytest.raises(RetrievalError, match=r"model.onnx: a float16 model; int8 is quantised from the float32 one"):
+        export_int8(run)  # it quantised the float16 graph, warned from inside ONNX Runtime and failed its gate
+    before = run.model.read_bytes()
+    assert main(["export", str(run.root), "--fp16", "--int8"]) == 2
+    assert run.model.read_bytes() == before and not run.int8_model.exists()
 
 
 class SwappedSession:
@@ -155,7 +163,7 @@ def test_arguments_of_the_wrong_kind_from_python_are_one_line(trained: RunDir) -
     """export(run, whiten="none") failed in "'<=' not supported between instances of 'int' and 'str'", and
     export(run, parity_images="query.png") read the path letter by letter, each letter a missing image."""
     before = trained.model.read_bytes() if trained.model.is_file() else None
-    for options, said in [({"whiten": "none"}, "whiten: a shrinkage in [0, 1], or None for no whitening; got 'none'"), ({"parity_images": "query.png"}, "parity_images: a list of image files, not one file; write ['query.png']")]:
+    for options, said in [({"whiten": "none"}, "whiten: a shrinkage in [0, 1], or None for no whitening; got 'none'"), ({"parity_images": "query.png"}, "parity_images: a list of image files, not one file; write ['query.png']"), ({"whiten": None, "whiten_dim": 8}, "--whiten-dim 8 keeps that many whitened dimensions, and --whiten none exports none: drop one of the two")]:
         with pytest.raises(RetrievalError) as refused:
             export(trained, **options)
         assert str(refused.value) == said

@@ -92,7 +92,7 @@ def export(
     check leaves no new model.onnx and raises RetrievalError with the measured differences.
     """
     run = RunDir.of(run)
-    _check_arguments(parity_images, whiten)
+    _check_arguments(parity_images, whiten, whiten_dim)
     model, config = load_encoder(run)
     preprocessing = config.preprocessing
     size = preprocessing.image_size
@@ -248,9 +248,15 @@ def _parity_inputs(config: TrainConfig, parity_images: Sequence[Path]) -> list[n
     return inputs
 
 
-def _check_arguments(parity_images: Sequence[Path], whiten: float | None) -> None:
+def _check_arguments(parity_images: Sequence[Path], whiten: float | None, whiten_dim: int | None) -> None:
     """Refuses a Python caller's arguments of the wrong kind in one line: one path for parity_images (it was read
-    letter by letter, each a missing file), and whiten="none" (failed deep in a comparison)."""
+    letter by letter, each a missing file), and whiten="none" (failed deep in a comparison); and a whiten_dim
+    without whitening, which was dropped without a word."""
+    if whiten is None and whiten_dim is not None:
+        raise RetrievalError(
+            f"--whiten-dim {whiten_dim} keeps that many whitened dimensions, and --whiten none exports none: drop "
+            "one of the two"
+        )
     if isinstance(parity_images, (str, Path)):
         raise RetrievalError(f"parity_images: a list of image files, not one file; write [{str(parity_images)!r}]")
     if whiten is not None and (isinstance(whiten, bool) or not isinstance(whiten, (int, float))):

@@ -75,6 +75,11 @@ def export_int8(run: RunDir | str | Path, method: str = DEFAULT_METHOD) -> Int8R
     if method not in METHODS:
         raise RetrievalError(f"unknown calibration method {method!r}; choose one of {', '.join(METHODS)}")
     float32 = OnnxEmbedder.from_run(run)
+    if float32.card.get("precision") == "float16":
+        raise RetrievalError(
+            f"{run.model}: a float16 model; int8 is quantised from the float32 one: export "
+            "again without --fp16, then with --int8"
+        )
     calibration, held_out = _samples(run)
     with tempfile.TemporaryDirectory(dir=run.root, prefix=".int8-") as scratch:
         candidate = Path(scratch) / "model.int8.onnx"

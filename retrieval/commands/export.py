@@ -41,6 +41,10 @@ def export(
 
     if calibration not in METHODS:  # said before the float export (seconds), not after it
         raise RetrievalError(f"--calibration {calibration!r}: choose one of {', '.join(METHODS)}")
+    if fp16 and int8:  # said before the float export replaces model.onnx, not after it
+        raise RetrievalError(
+            "--fp16 and --int8: give one; RUN/model.onnx is float16 for GPUs, or float32 with an int8 copy for CPUs"
+        )
     if calibration != DEFAULT_METHOD and not int8:
         raise RetrievalError(f"--calibration {calibration} sets how --int8 quantises: add --int8")
 
