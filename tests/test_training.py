@@ -14,7 +14,7 @@ from retrieval.runs import RunDir, read_json
 from training.config import TrainConfig
 from training.memory import MemoryQueue
 from training.model import BACKBONES, PROJECTION_DIM, Encoder
-from training.loop import warmup_cosine
+from training.loop import train, warmup_cosine
 
 
 @pytest.mark.parametrize("backbone", [*BACKBONES, "timm:resnet10t"])
@@ -348,3 +348,7 @@ def test_a_config_refuses_values_of_the_wrong_type_and_takes_paths(small_folder:
         with pytest.raises(RetrievalError, match=f"TrainConfig {field}: give {wanted}, got {value!r}"):
             TrainConfig(data=str(small_folder), **{field: value})
     assert TrainConfig(data=str(small_folder), temperature=1, ema=0).temperature == 1  # a whole number is a number
+    named = TrainConfig(data=str(small_folder), loss="SupCon", ssl_loss="SimCLR")  # as the papers write them
+    assert (named.loss, named.ssl_loss) == ("supcon", "simclr")
+    with pytest.raises(RetrievalError, match=r"^config: a TrainConfig, not a dict; write TrainConfig\(data=\.\.\., "):
+        train({"data": str(small_folder)}, RunDir(small_folder.parent / "dict-run"))  # type: ignore[arg-type]

@@ -105,6 +105,9 @@ class TrainConfig:
             if isinstance(getattr(self, name), Path):
                 setattr(self, name, os.fspath(getattr(self, name)))
         _check_types(self)
+        for name in ("loss", "ssl_loss"):  # SupCon, InfoNCE, as the papers write them
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, getattr(self, name).lower())
         if not hasattr(self, "asked"):  # the mode-dependent values as given, to resolve again for another mode
             self.asked = {name: getattr(self, name) for name in MODE_DEPENDENT}
         if self.pretrained is None:

@@ -152,6 +152,11 @@ def train(
     as a run that was never interrupted. Under torchrun, each process trains on its own batches and
     the loss sees the batches of all of them; process 0 validates and writes the run directory.
     """
+    if not isinstance(config, TrainConfig):  # a dict failed in "'dict' object has no attribute 'device'"
+        raise RetrievalError(
+            f"config: a TrainConfig, not a {type(config).__name__}; write TrainConfig(data=..., epochs=...)"
+            + (" or TrainConfig(**values)" if isinstance(config, dict) else "")
+        )
     run = RunDir.of(run)
     run.refuse_foreign_folder()
     if not (resume or overwrite):
