@@ -14,7 +14,8 @@ from tests.conftest import copy_classes
 def test_temperature_sweep_writes_json_and_plot(icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = copy_classes(icons_root, tmp_path / "data", 6)
     out = tmp_path / "sweep"
-    options = ["--out", str(out), "--temperatures", "0.1,0.5", "--epochs", "1", "--batch-size", "8", "--image-size", "32", "--val-classes", "0.34"]
+    # a value or loss given twice is swept once (it trained the same run twice); SupCon as the paper writes it
+    options = ["--out", str(out), "--temperatures", "0.1,0.5,0.1", "--losses", "SupCon,hard,supcon", "--epochs", "1", "--batch-size", "8", "--image-size", "32", "--val-classes", "0.34"]
     assert main(["analyze", str(data), *options]) == 0
     rows = json.loads((out / "temperature_sweep.json").read_text())["rows"]
     assert [(row["loss"], row["temperature"]) for row in rows] == [("supcon", 0.1), ("supcon", 0.5), ("hard", 0.1), ("hard", 0.5)]
@@ -53,6 +54,15 @@ def test_a_sweep_without_enough_labeled_classes_is_one_line(icons_root: Path, tm
     assert main(["analyze", str(data), "--out", str(tmp_path / "sweep")]) == 2
     err = capsys.readouterr().err
     assert f"{data}: {found}; the sweep trains on some classes" in err and err.count("\n") == 1
+
+
+def test_a_sweep_out_into_a_file_is_one_line(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--out naming a file ended in "File exists; check the path and its permissions" after the checks."""
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(["analyze", str(small_folder), "--out", str(tmp_path / "notes.txt")]) == 2
+    said = capsys.readouterr().err.replace("\n", "")
+    assert f"--out {tmp_path / 'notes.txt'}: a file is there, not a folder; give a folder" in said
+    assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def test_a_sweep_into_its_own_images_is_refused(small_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -253,7 +253,7 @@ def _sweep_losses(losses: str | None, self_supervised: bool) -> list[str]:
     from training.config import LOSSES, SSL_LOSSES
 
     given = ("simclr,hard" if self_supervised else "supcon,hard") if losses is None else losses  # "" is given: empty
-    names = [part.strip() for part in given.split(",")]
+    names = list(dict.fromkeys(part.strip().lower() for part in given.split(",")))  # SupCon; a name given twice: once
     unknown = [name for name in names if name and name not in LOSSES and name not in SSL_LOSSES]
     choices = ", ".join(sorted({*LOSSES, *SSL_LOSSES}))
     if unknown:
@@ -283,9 +283,10 @@ def _refuse_run_as_data(run: Path, data: Path) -> None:
 
 
 def _numbers(text: str) -> list[float]:
-    """--temperatures "0.05,0.1" -> [0.05, 0.1], or one line saying what it takes."""
+    """--temperatures "0.05,0.1" -> [0.05, 0.1] (a value given twice: once, not a second identical run), or one line
+    saying what it takes."""
     try:
-        values = [float(part) for part in text.split(",") if part.strip()]
+        values = list(dict.fromkeys(float(part) for part in text.split(",") if part.strip()))
     except ValueError:
         values = []
     if not values or min(values) <= 0:
@@ -365,6 +366,7 @@ def analyze(
     values = _numbers(temperatures)
     names = _sweep_losses(losses, self_supervised)
     _refuse_out_in_data(out, data)
+    writable_folder(out, "--out", make=False)
     settings = {"epochs": epochs, "batch_size": batch_size, "image_size": image_size, "backbone": backbone}
     settings.update(device=device, seed=seed, self_supervised=self_supervised)
     base = TrainConfig(data=str(data.expanduser().resolve()), val_classes=val_classes, **settings)
