@@ -16,11 +16,11 @@ from PIL import Image
 
 from index.backends import open_index
 from index.disk import writer_lock
-from index.types import Additions, GalleryBackend, item_ids
+from index.types import Additions, GalleryBackend, index_folder, item_ids
 from retrieval.data import IMAGE_SUFFIXES, Item, Skipped, decode_image, read_image_bytes
 from retrieval.embedders import Embedder
 from retrieval.errors import ImageError, RetrievalError
-from retrieval.runs import write_atomic
+from retrieval.runs import RunDir, write_atomic
 
 WRITE_WAIT = 30.0  # seconds an add or remove waits for another writer
 
@@ -35,20 +35,23 @@ def commit_changes(base: GalleryBackend, additions: Iterable[Additions], removal
 
 
 def add_images(
-    directory: Path,
+    directory: str | Path | RunDir | GalleryBackend,
     embedder: Embedder,
     paths: Sequence[str | Path],
     label: str,
-    uploads: Path,
+    uploads: str | Path,
     wait: float = WRITE_WAIT,
 ) -> tuple[list[int], list[Skipped]]:
-    """Copies readable images into uploads/<label>/ and adds them to the index with label, in one atomic update.
+    """Copies readable images into uploads/<label>/ and adds them to the index (its folder, its run, or the opened
+    index) with label ("": none), in one atomic update.
 
     Returns the new ids and the files left out (unreadable, or already indexed) with the reason.
     """
     if isinstance(paths, (str, Path)):
         raise RetrievalError(f"paths: a list of image files, not one file; write [{str(paths)!r}]")
-    label = label.strip()
+    if not isinstance(label, str):
+        raise RetrievalError(f'label: {label!r} is not text; give the images\' label, or "" for none')
+    directory, uploads, label = index_folder(directory), Path(uploads), label.strip()
     added: list[Item] = []
     images, hashes, skipped = [], [], []
     with writer_lock(directory, wait):
@@ -78,9 +81,15 @@ def add_images(
 
 
 def remove_items(
-    directory: Path, embedder: Embedder, ids: Sequence[int], uploads: Path | None = None, wait: float = WRITE_WAIT
+    directory: str | Path | RunDir | GalleryBackend,
+    embedder: Embedder,
+    ids: Sequence[int],
+    uploads: str | Path | None = None,
+    wait: float = WRITE_WAIT,
 ) -> int:
-    """Removes items from the index in one atomic update; their files are deleted only where they lie in uploads."""
+    """Removes items from the index (its folder, its run, or the opened index) in one atomic update; their files are
+    deleted only where they lie in uploads."""
+    directory, uploads = index_folder(directory), None if uploads is None else Path(uploads)
     ids = sorted(set(item_ids(ids)))
     if not ids:
         raise RetrievalError("no item to remove: pick one in the Browse tab or give its id")

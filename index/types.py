@@ -7,6 +7,7 @@ The FAISS store (index.store) and the Milvus collection (index.milvus) both impl
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from numbers import Integral
@@ -42,9 +43,20 @@ def item_ids(ids: Sequence[int]) -> list[int]:
     return [int(i) for i in ids]
 
 
-def index_folder(directory: str | Path | RunDir) -> Path:
-    """The index's folder: the path given, or for a run given as its RunDir, the run's own index (RUN/index)."""
-    return directory.index if isinstance(directory, RunDir) else Path(directory)
+def index_folder(directory: str | Path | RunDir | GalleryBackend) -> Path:
+    """The index's folder: the path given, for a run given as its RunDir the run's own index (RUN/index), and for an
+    opened index (open_index's) its folder."""
+    if isinstance(directory, RunDir):
+        return directory.index
+    if isinstance(directory, (str, os.PathLike)):
+        return Path(directory)
+    opened = getattr(directory, "directory", None)  # a GalleryBackend
+    if isinstance(opened, Path):
+        return opened
+    raise RetrievalError(
+        f"index: {directory!r} is a {type(directory).__name__}; give the index's folder, its run's RunDir or the "
+        "opened index"
+    )
 
 
 def index_command(directory: Path, rebuild: bool = False) -> str:

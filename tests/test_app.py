@@ -222,6 +222,28 @@ def test_add_and_remove_are_persisted_and_seen_by_the_next_search(app_run: RunDi
     assert len(SearchService(app_run).items) == count
 
 
+def test_add_and_remove_from_python_take_the_opened_index_its_run_and_text_paths(app_run: RunDir, tmp_path: Path) -> None:
+    """add_images(open_index(run), ...) failed in "expected str, bytes or os.PathLike object, not GalleryIndex", uploads
+    given as text in "unsupported operand type(s) for /", and a label None in "'NoneType' object has no attribute
+    'strip'"."""
+    from index import add_images, open_index, remove_items
+    from retrieval.embedders import OnnxEmbedder
+
+    embedder = OnnxEmbedder.from_run(app_run)
+    new = tmp_path / "magenta.png"
+    Image.new("RGB", (64, 64), (200, 10, 130)).save(new)
+    count = len(open_index(app_run))
+    ids, skipped = add_images(open_index(app_run), embedder, [new], "magenta", str(tmp_path / "uploads"))
+    assert len(ids) == 1 and not skipped and len(list((tmp_path / "uploads" / "magenta").iterdir())) == 1
+    with pytest.raises(RetrievalError) as refused:
+        add_images(app_run, embedder, [new], None, tmp_path / "uploads")  # type: ignore[arg-type]
+    assert str(refused.value) == 'label: None is not text; give the images\' label, or "" for none'
+    with pytest.raises(RetrievalError, match="^index: 5 is a int; give the index's folder, its run's RunDir or"):
+        remove_items(5, embedder, ids)  # type: ignore[arg-type]
+    assert remove_items(open_index(app_run), embedder, ids, str(tmp_path / "uploads")) == 1
+    assert len(open_index(app_run)) == count and not any((tmp_path / "uploads").rglob("*.png"))
+
+
 def test_an_index_job_and_the_app_take_turns(app_run: RunDir, service: SearchService, tmp_path: Path) -> None:
     holder = subprocess.Popen(
         [sys.executable, "-c", f"from index.disk import writer_lock; import time\nwith writer_lock(__import__('pathlib').Path({str(service.index_dir)!r})):\n    print('held', flush=True); time.sleep(30)"],
