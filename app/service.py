@@ -39,7 +39,7 @@ from index.search import (
     unknown_id,
 )
 from index.stats import exact_and_deployed
-from index.types import MANIFEST, GalleryBackend, Hit
+from index.types import MANIFEST, GalleryBackend, Hit, item_ids
 from retrieval.calibration import match_similarity
 from retrieval.copies import CopyEvaluation, copy_figures
 from retrieval.data import Collection, Item, Skipped, decode_image, read_image_bytes
@@ -227,11 +227,12 @@ class SearchService:
     def search_item(self, item_id: int, k: int = 10, depth: int | None = None, only: str | None = None) -> SearchResult:
         """The k nearest gallery items to an indexed item (itself left out), marked by its label; an unknown id is
         the result's failure, as it is for index.search.search_item."""
+        (item_id,) = item_ids([item_id])  # "abc" failed in int()
         snapshot = self.snapshot
-        item = snapshot.items.get(int(item_id))
+        item = snapshot.items.get(item_id)
         if item is None:
-            return worded(QueryResult(error=unknown_id(snapshot.index, int(item_id))), "")
-        result = worded(search_item(snapshot.index, int(item_id), self.query(k, depth, only)), item.label)
+            return worded(QueryResult(error=unknown_id(snapshot.index, item_id)), "")
+        result = worded(search_item(snapshot.index, item_id, self.query(k, depth, only)), item.label)
         result.summary = f"item {item_id} ({as_text(item.path.name)}): {result.summary}"
         return result
 

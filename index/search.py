@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -278,6 +279,12 @@ def search_images(
     image's exact bytes (the first, where there are copies) is left out."""
     if isinstance(images, (str, Path)):
         raise RetrievalError(f"images: a list of image files, not one file; write [{str(images)!r}]")
+    wrong = next((image for image in images if not isinstance(image, (str, os.PathLike))), None)
+    if wrong is not None:  # a PIL image failed in "expected str, bytes or os.PathLike object"
+        raise RetrievalError(
+            f"images: a {type(wrong).__name__} object is not an image file's path; give paths, or search an image in "
+            "memory by its vector: search_vectors(index, embedder.embed([image]), query)"
+        )
     queries = _per_query(queries, len(images), "images")
     read: list[ImageQuery | Failure] = []
     for path in images:

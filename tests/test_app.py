@@ -241,6 +241,10 @@ def test_add_and_remove_from_python_take_the_opened_index_its_run_and_text_paths
     with pytest.raises(RetrievalError, match="^index: 5 is a int; give the index's folder, its run's RunDir or"):
         remove_items(5, embedder, ids)  # type: ignore[arg-type]
     assert remove_items(open_index(app_run), embedder, ids, str(tmp_path / "uploads")) == 1
+    service = SearchService(app_run)
+    with pytest.raises(RetrievalError, match=r"^ids: 'abc' is not an item id; give whole numbers"):
+        service.search_item("abc")  # type: ignore[arg-type]  # it failed in int()
+    service.close()
     assert len(open_index(app_run)) == count and not any((tmp_path / "uploads").rglob("*.png"))
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from index.backends import open_index
 from index.store import GalleryIndex
@@ -143,6 +144,8 @@ def test_one_query_serves_every_vector_and_a_list_of_another_length_is_refused(t
     with pytest.raises(RetrievalError) as refused:
         search_images(index, None, "query.jpg", [Query(3)])  # type: ignore[arg-type]
     assert str(refused.value) == "images: a list of image files, not one file; write ['query.jpg']"
+    with pytest.raises(RetrievalError, match=r"^images: a Image object is not an image file's path; give paths, or search an"):
+        search_images(index, None, [Image.new("RGB", (8, 8))], Query(3))  # type: ignore[arg-type]  # a TypeError
     with pytest.raises(RetrievalError, match="^2 images for 3 queries"):
         search_images(index, None, ["a.jpg", "b.jpg"], [Query(3)] * 3)  # type: ignore[arg-type]
 
