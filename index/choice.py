@@ -45,6 +45,7 @@ from retrieval.errors import RetrievalError
 
 EXACT_LIMIT = 100_000
 TARGET_RECALL = 0.95
+RECALL_SAMPLE = 2000  # gallery vectors held out as queries to tune recall@10 against exact search (at most a tenth)
 OVERHEAD = 1.2  # FAISS's lists, centroids and allocator slack over the raw codes and ids
 ID_BYTES = 8
 GRAPH_BYTES = 272  # HNSW32's links per vector: 64 at the bottom layer, 32 on the few upper ones (measured at 1M)
@@ -156,3 +157,9 @@ def choose_index(count: int, dim: int, memory: int | None = None, intrinsic: flo
         f"--memory {budget / 1e9:.2f} GB is too small for {count:,} {dim}-d "
         f"vectors: the smallest index here needs {need}; raise --memory"
     )
+
+
+def held_out(count: int) -> int:
+    """Of a new index's count vectors, how many are held out as queries that tune its recall@10 against exact search
+    (at most a tenth, RECALL_SAMPLE at most): the others train it."""
+    return min(RECALL_SAMPLE, count // 10)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from index.choice import held_out
 from index.types import index_kind
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
@@ -35,6 +36,10 @@ def parsed_factory(factory: str, dim: int, gallery: int | None = None) -> faiss.
     """An empty index of the factory type (inner product), or one line saying why FAISS cannot build it; given the
     gallery's size, also when the type needs more vectors to train on than it has (checked before the gallery is
     embedded, and again when the index is made)."""
+    if "IDMap" in factory:  # wrapped twice, its first addition failed in a RuntimeError
+        raise RetrievalError(
+            f"--faiss {factory!r}: the index maps ids itself; leave IDMap out (e.g. {factory.split(',', 1)[-1]!r})"
+        )
     for part, size in re.findall(r"(HNSW|NSG|IVF)(\d+)", factory):
         if int(size) < SMALLEST[part]:
             raise RetrievalError(
@@ -48,25 +53,37 @@ def parsed_factory(factory: str, dim: int, gallery: int | None = None) -> faiss.
             f"--faiss {factory!r}: FAISS cannot build it ({first_line(error)}); see the FAISS index factory "
             "documentation (e.g. Flat, HNSW32, IVF4096,Flat, IVF4096,SQ8)"
         ) from None
-    if gallery is not None and not index.is_trained and gallery < _needed(index, factory):
-        raise _too_few(factory, _needed(index, factory), gallery)
+    if gallery is not None and not index.is_trained and gallery - held_out(gallery) < _needed(index, factory):
+        raise _too_few(factory, _needed(index, factory), gallery - held_out(gallery), gallery)
     return index
 
 
 def _needed(index: faiss.Index, factory: str) -> int:
-    """The fewest vectors the type trains on: one per inverted list, or 256 (PQ's and SQ's codebooks)."""
-    return faiss.extract_index_ivf(index).nlist if index_kind(factory) == "ivf" else 256
+    """The fewest vectors the type trains on: one per inverted list (or 256 for a type without lists: PQ's and SQ's
+    codebooks), a PQ codebook's centroids (2^bits), and an OPQ rotation's output width (below it, FAISS corrupts its
+    memory and the process aborts: OPQ16,PQ16 on 511 vectors of 512 dimensions, measured)."""
+    needed = [faiss.extract_index_ivf(index).nlist if index_kind(factory) == "ivf" else 256]
+    needed += [2 ** int(bits or 8) for bits in re.findall(r"(?<!O)PQ\d+(?:x(\d+))?", factory)]
+    needed += [int(width or index.d) for width in re.findall(r"OPQ\d+(?:_(\d+))?", factory)]
+    return max(needed)
 
 
-def _too_few(factory: str, needed: int, count: int) -> RetrievalError:
+def _too_few(factory: str, needed: int, count: int, gallery: int | None = None) -> RetrievalError:
+    """The refusal of a type that needs more vectors to train on than count (of a gallery of that many, where given:
+    a tenth of it is held out to measure the index's recall)."""
+    had = (
+        f"the gallery has {gallery:,}, of which {count:,} train it"
+        if gallery and gallery != count
+        else f"it has {count:,}"
+    )
     return RetrievalError(
-        f"--faiss {factory!r} needs at least {needed:,} vectors to train on, the gallery has {count:,}; "
-        "use a smaller type (e.g. Flat)"
+        f"--faiss {factory!r} needs at least {needed:,} vectors to train on, {had}; use a smaller type (e.g. Flat)"
     )
 
 
-def new_index(factory: str, dim: int, sample: np.ndarray) -> faiss.Index:
-    """An empty FAISS index of the factory type, trained on sample when the type needs training.
+def new_index(factory: str, dim: int, sample: np.ndarray, gallery: int | None = None) -> faiss.Index:
+    """An empty FAISS index of the factory type, trained on sample (of a gallery of that many, for the refusal of a
+    sample too small) when the type needs training.
 
     IVF types keep the ids they are given (with a hash table from id to vector, so items can be
     found by id); the others are wrapped in IDMap2.
@@ -84,10 +101,13 @@ def new_index(factory: str, dim: int, sample: np.ndarray) -> faiss.Index:
         wanted = PQ_TRAIN
     if not index.is_trained:
         if len(sample) < needed:
-            raise _too_few(factory, needed, len(sample))
+            raise _too_few(factory, needed, len(sample), gallery)
         if ivf is not None and gpu_count():  # k-means of the inverted lists on the GPUs; the index stays a CPU one
             ivf.clustering_index = on_gpus(faiss.IndexFlatIP(dim), "flat")
-        index.train(sample[:wanted])
+        try:
+            index.train(sample[:wanted])
+        except RuntimeError as error:  # a requirement of FAISS's not checked above
+            raise RetrievalError(f"--faiss {factory!r}: FAISS cannot train it ({first_line(error)})") from None
     return index
 
 

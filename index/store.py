@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from index.choice import IndexChoice, approximate, choose_index
+from index.choice import IndexChoice, approximate, choose_index, held_out
 from index.disk import create_items, open_raw, read_only, staging_directory, swap_into_place
 from index.faiss_ops import (
     compressed,
@@ -39,7 +39,7 @@ from index.faiss_ops import (
     search_parameters,
     stored_vectors,
 )
-from index.tuning import RECALL_SAMPLE, RecallProbe, intrinsic_dimension, sample_rows, tune_depth
+from index.tuning import RecallProbe, intrinsic_dimension, sample_rows, tune_depth
 from index.types import (
     ITEMS,
     MANIFEST,
@@ -413,7 +413,7 @@ class _Draft:
             raise RetrievalError(f"{directory}: nothing to index (no readable images)")
         intrinsic = intrinsic_dimension(sample) if approximate(count) and not factory else None
         choice = IndexChoice(factory, "given with --faiss") if factory else choose_index(count, dim, memory, intrinsic)
-        queries = min(RECALL_SAMPLE, count // 10)
+        queries = held_out(count)
         probe = None if choice.factory == "Flat" or not queries else RecallProbe(sample[:queries])
         create_items(staging / ITEMS)
         manifest = Manifest(
@@ -428,7 +428,7 @@ class _Draft:
             rerank=RERANK if compressed(choice.factory) else 0,
         )
         training = sample[len(probe.queries) :] if probe else sample  # the probe's vectors stay unseen
-        return cls(new_index(choice.factory, dim, training), manifest, probe)
+        return cls(new_index(choice.factory, dim, training, count), manifest, probe)
 
     @classmethod
     def of(cls, base: GalleryIndex, staging: Path) -> _Draft:

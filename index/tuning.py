@@ -21,7 +21,6 @@ from index.faiss_ops import TRAIN_PER_LIST, faiss, search_ids, search_parameters
 from index.types import Additions
 from retrieval.knn import nearest_neighbours
 
-RECALL_SAMPLE = 2000  # gallery vectors held out as queries to tune recall@10 against exact search (at most a tenth)
 PLATEAU = 0.002  # recall@10 gained by one step of the search depth below which tuning stops
 CONFIDENCE = 2.0  # the probe's recall must exceed TARGET_RECALL by this many standard errors of its mean
 SAMPLE_LIMIT = TRAIN_PER_LIST * 16_384  # enough to train the lists of up to about 17 million vectors

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 from index import choice
 from index.backends import open_index
 from index.stats import index_stats
-from index.faiss_ops import faiss, new_index, search_ids, search_parameters, stored_vectors
+from index.faiss_ops import faiss, new_index, parsed_factory, search_ids, search_parameters, stored_vectors
 from index.search import Query, search_items
 from index.store import Additions, GalleryIndex
 from index.tuning import CONFIDENCE, RecallProbe, intrinsic_dimension, leave_out, recall_at_10, tune_depth
@@ -150,6 +151,16 @@ def test_search_depth_vectors_by_id_and_mistakes(tmp_path: Path) -> None:
         GalleryIndex.create(tmp_path / "bad", chunks(vectors), "enc", 32, factory="IVF,Nonsense")
     with pytest.raises(RetrievalError, match="needs at least 4,096 vectors to train on"):
         GalleryIndex.create(tmp_path / "small", chunks(vectors[:500]), "enc", 32, factory="IVF4096,Flat")
+    wide = np.random.default_rng(1).standard_normal((300, 512)).astype(np.float32)
+    for factory, said in [
+        ("OPQ16,PQ16", "needs at least 512 vectors to train on, the gallery has 300, of which 270 train it"),  # FAISS corrupted its memory: an abort
+        ("IVF8,PQ16x12", "needs at least 4,096 vectors to train on"),  # a RuntimeError from inside FAISS
+        ("IDMap,Flat", "the index maps ids itself; leave IDMap out (e.g. 'Flat')"),  # a RuntimeError at the first add
+    ]:
+        with pytest.raises(RetrievalError, match=re.escape(f"--faiss {factory!r}: {said}" if "IDMap" in factory else said)):
+            GalleryIndex.create(tmp_path / "wide", chunks(wide), "enc", 512, factory=factory)
+    with pytest.raises(RetrievalError, match=r"needs at least 512 vectors to train on, the gallery has 520, of which 468"):
+        parsed_factory("OPQ16,IVF8,PQ16", 512, 520)  # a tenth is held out to measure recall: 468 train it
 
 
 def test_cli_index_choice_stats_and_depth(demo_run: RunDir, icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
