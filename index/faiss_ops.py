@@ -23,7 +23,12 @@ faiss = require("faiss", "cpu")  # or the gpu extra: faiss-gpu provides the same
 
 TRAIN_PER_LIST = 40  # IVF training vectors per inverted list (FAISS warns below 39)
 PQ_TRAIN = 16_384  # at least 64 vectors for each of PQ's 256 centroids
-SMALLEST = {"HNSW": 2, "NSG": 8, "IVF": 1}  # links or lists below which FAISS aborts, segfaults or hangs (measured)
+SMALLEST = {"HNSW": 2, "IVF": 1}  # links or lists below which FAISS aborts or segfaults (measured)
+REFUSED = {  # parts of a factory string whose index cannot grow or be searched as this store does (measured)
+    "NSG": "an NSG graph is built once and takes no additions (every `retrieval index` adds); give HNSW32",
+    "Refine": "leave Refine out: SQ and PQ types re-score their candidates with the exact vectors already",
+    "RFlat": "leave RFlat out: SQ and PQ types re-score their candidates with the exact vectors already",
+}
 EF_CONSTRUCTION = 80  # HNSW's candidates while linking a new vector (FAISS: 40); a better graph for 2x the build
 
 
@@ -40,11 +45,14 @@ def parsed_factory(factory: str, dim: int, gallery: int | None = None) -> faiss.
         raise RetrievalError(
             f"--faiss {factory!r}: the index maps ids itself; leave IDMap out (e.g. {factory.split(',', 1)[-1]!r})"
         )
-    for part, size in re.findall(r"(HNSW|NSG|IVF)(\d+)", factory):
+    for part, reason in REFUSED.items():  # a RuntimeError at the first addition or search
+        if part in factory:
+            raise RetrievalError(f"--faiss {factory!r}: {reason}")
+    for part, size in re.findall(r"(HNSW|IVF)(\d+)", factory):
         if int(size) < SMALLEST[part]:
             raise RetrievalError(
-                f"--faiss {factory!r}: {part}{size} is below {part}{SMALLEST[part]}, where FAISS fails, crashes or "
-                f"never finishes; give {part}{SMALLEST[part]} or more (e.g. HNSW32, IVF4096,Flat)"
+                f"--faiss {factory!r}: {part}{size} is below {part}{SMALLEST[part]}, where FAISS fails or crashes; "
+                f"give {part}{SMALLEST[part]} or more (e.g. HNSW32, IVF4096,Flat)"
             )
     try:
         index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)

@@ -189,7 +189,8 @@ def test_cli_index_choice_stats_and_depth(demo_run: RunDir, icons_root: Path, tm
     assert main(["search", str(demo_run.root), str(query), "--index", str(directory), "--depth", "99999"]) == 2
     assert "--depth 99999: this HNSW16 index has" in capsys.readouterr().err
     refusals = [("IVF,Nonsense", "FAISS cannot build it (could not parse"), ("IVF4096,Flat", "needs at least 4,096")]
-    refusals += [("HNSW1", "HNSW1 is below HNSW2"), ("IVF16_HNSW0,Flat", "HNSW0 is below HNSW2"), ("NSG4", "NSG4 is below NSG8")]  # FAISS segfaulted, aborted, hung
+    refusals += [("HNSW1", "HNSW1 is below HNSW2"), ("IVF16_HNSW0,Flat", "HNSW0 is below HNSW2"), ("NSG4", "an NSG graph is built once")]  # FAISS segfaulted, aborted, hung
+    refusals += [("NSG32", "takes no additions (every `retrieval index` adds); give HNSW32"), ("IVF8,Flat,Refine(Flat)", "leave Refine out")]  # RuntimeErrors at the add
     for factory, said in refusals:
         assert main(["index", str(demo_run.root), str(images), "--index", str(tmp_path / "refused"), "--faiss", factory]) == 2
         captured = capsys.readouterr()  # refused before the gallery is embedded, without FAISS's C++ location
