@@ -30,6 +30,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel
+from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.service import SearchService
 from index.search import ImageQuery, QueryResult, search_item
@@ -247,7 +249,7 @@ async def _upload(request: Request, limit: int) -> ImageQuery:
     if declared is not None and declared.isdigit() and int(declared) > limit + 4096:
         raise _too_large(limit)
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
-        form = await request.form()
+        form = await _form(request)
         files = sorted({name for name, value in form.multi_items() if not isinstance(value, str)} - {"image"})
         options = sorted({name for name, value in form.multi_items() if isinstance(value, str)})
         uploads = form.getlist("image")
@@ -268,6 +270,18 @@ async def _upload(request: Request, limit: int) -> ImageQuery:
     if not data:
         raise ImageError(name, "empty file")
     return ImageQuery(name, data)
+
+
+async def _form(request: Request) -> FormData:
+    """The multipart form, or what to send when it cannot be parsed (Starlette said "Invalid multipart data.")."""
+    try:
+        return await request.form()
+    except StarletteHTTPException as error:
+        raise HTTPException(
+            400,
+            f"the body is not multipart form data that can be read ({str(error.detail).rstrip('.')}): send the image "
+            'as the multipart field "image" (curl -F image=@query.jpg), or its bytes as the body',
+        ) from None
 
 
 def _refuse_text_body(content_type: str) -> None:
