@@ -138,6 +138,8 @@ def test_careless_thresholds_are_one_line_each(
         ("evaluate", str(calibrated.root), train, "--calibrate"): f"--calibrate: {train} is what {calibrated.root} trained on,",
         ("evaluate", str(calibrated.root), train, "--calibrate", "--target-precision", "1.5"): "between 0 and 1",
         ("evaluate", str(tmp_path / "nowhere"), train, "--calibrate"): "no such run directory",
+        # a target without --calibrate was ignored, the evaluation run as if it had not been given
+        ("evaluate", str(calibrated.root), train, "--target-precision", "0.8"): "--target-precision 0.8 sets what --calibrate fits: add --calibrate",
     }
     for arguments, words in cases.items():
         capsys.readouterr()

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from retrieval.calibration import DEFAULT_TARGET
 from retrieval.commands.output import (
     BenchmarkOption,
     IndexOption,
@@ -76,7 +77,7 @@ def evaluate(
     index_dir: IndexOption = None,
     linear: Annotated[bool, typer.Option("--linear", help=LINEAR_HELP)] = False,
     calibrate: Annotated[bool, typer.Option("--calibrate", help=CALIBRATE_HELP)] = False,
-    target_precision: Annotated[float, typer.Option(help=TARGET_HELP)] = 0.9,
+    target_precision: Annotated[float, typer.Option(help=TARGET_HELP)] = DEFAULT_TARGET,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Score retrieval on images; writes RUN/metrics/<set>.json, RUN/metrics.json (the latest), RUN/plots/.
@@ -134,7 +135,7 @@ def _evaluate(
         raise RetrievalError(
             f"--split-classes {split_classes:g}: give a fraction of the classes from 0 (all) to below 1, e.g. 0.5"
         )
-    _refuse_early(run, compare, target_precision if calibrate else None)
+    _refuse_early(run, compare, target_precision, calibrate)
     if deployed:
         if images is not None or query is not None or benchmark or compare is not None or calibrate:
             raise RetrievalError(
@@ -165,16 +166,18 @@ def _evaluate(
     _say_if_trained_on(RunDir(run), [source for source in sources if source is not None])
 
 
-def _refuse_early(run: Path, compare: Path | None, target_precision: float | None) -> None:
-    """A --compare run that is this one or has no model, and --calibrate's target (given unless None) out of range or
-    without a model: said before this run's images are embedded."""
+def _refuse_early(run: Path, compare: Path | None, target_precision: float, calibrate: bool) -> None:
+    """A --compare run that is this one or has no model, --calibrate's target out of range or without a model, and a
+    target given without --calibrate (it was ignored): said before this run's images are embedded."""
+    from retrieval.calibration import require_target
+
     if compare is not None:
         if compare.resolve() == run.resolve():
             raise RetrievalError(f"--compare {compare}: the run being evaluated; give another run to compare it with")
         RunDir(compare).require_model()
-    if target_precision is not None:
-        from retrieval.calibration import require_target
-
+    if not calibrate and target_precision != DEFAULT_TARGET:
+        raise RetrievalError(f"--target-precision {target_precision:g} sets what --calibrate fits: add --calibrate")
+    if calibrate:
         require_target(target_precision)
         RunDir(run).require_model()
 
