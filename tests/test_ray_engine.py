@@ -87,3 +87,10 @@ def test_without_ray_the_engine_says_how_to_install_it(demo_run: RunDir, small_f
     assert main(["index", str(demo_run.root), str(small_folder), "--index", str(tmp_path / "ix"), "--engine", "ray"]) == 2
     assert "pip install 'retrieval[ray]'" in capsys.readouterr().err
     assert main(["index", str(demo_run.root), str(small_folder), "--index", str(tmp_path / "ix"), "--engine", "spark"]) == 2
+    capsys.readouterr()
+    for option, value in (("--address", "10.0.0.5:6379"), ("--workers", "4")):  # ignored without --engine ray
+        assert main(["index", str(demo_run.root), str(small_folder), "--index", str(tmp_path / "ix"), option, value]) == 2
+        assert f"{option} sets how --engine ray embeds: add --engine ray, or leave {option} out" in capsys.readouterr().err
+    assert main(["index", str(demo_run.root), str(small_folder), "--index", str(tmp_path / "ix"), "--milvus-index", "HNSW"]) == 2
+    assert "--milvus-index sets a Milvus collection's index: add --backend milvus --uri URI" in capsys.readouterr().err
+    assert not (tmp_path / "ix").exists()

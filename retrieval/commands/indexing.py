@@ -154,6 +154,13 @@ def _engine_and_backend(
         raise RetrievalError(f"--engine {engine!r}: use local or ray")
     if engine == "ray":
         require("ray", "ray")
+    ray_only = [name for name, value in (("--address", address), ("--workers", workers)) if value is not None]
+    if engine != "ray" and ray_only:  # they were ignored: this process embedded, as without them
+        raise RetrievalError(
+            f"{ray_only[0]} sets how --engine ray embeds: add --engine ray, or leave {ray_only[0]} out"
+        )
+    if uri is None and milvus_index is not None:
+        raise RetrievalError("--milvus-index sets a Milvus collection's index: add --backend milvus --uri URI")
     if backend not in ("faiss", "milvus") or (backend == "milvus") != (uri is not None):
         raise RetrievalError(
             f"--backend {backend!r}: use faiss, or milvus with --uri (a Milvus address, or a file for Milvus Lite)"
