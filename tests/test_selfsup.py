@@ -248,6 +248,13 @@ def test_labels_withheld_partly_labeled_and_adapted_runs(icons_root: Path, tmp_p
         ("labeled", ["--adapt", "{tmp}/data", "--queue-size", "64"], "only --ssl-loss moco keeps a queue"),
         ("labeled", ["--adapt", "{tmp}/data", "--ssl-loss", "joint", "--ssl-temperature", "0.3"], "drop --ssl-temperature"),
         ("labeled", ["--adapt", "{tmp}/data", "--ssl-loss", "joint", "--ssl-weight", "2"], "drop --ssl-weight"),
+        # options of a part the run does not have were ignored without a word
+        ("labeled", ["--momentum", "0.99"], "--momentum moves the key encoder of a memory queue: add --queue-size (or use moco), or leave --momentum out"),
+        ("labeled", ["--ssl-weight", "2"], "--ssl-weight weighs a self-supervised part beside labels: add --adapt GALLERY"),
+        ("labeled", ["--self-supervised", "--ssl-batch", "64"], "--ssl-batch sizes a self-supervised part beside labels"),
+        ("labeled", ["--ssl-augment", "crop"], "--ssl-augment makes the views of a self-supervised part"),
+        ("labeled", ["--adapt", "{tmp}/data", "--proximal", "1"], "--proximal sets instdisc's memory bank: use --ssl-loss instdisc"),
+        ("labeled", ["--self-supervised", "--loss", "simclr", "--nce-negatives", "8"], "--nce-negatives sets instdisc's memory bank"),
     ],
 )
 def test_what_cannot_train_without_labels_is_one_line(make: str, options: list[str], words: str, small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

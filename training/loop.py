@@ -33,7 +33,7 @@ from retrieval.progress import progress as progress_bar
 from retrieval.progress import say
 from retrieval.runs import RunDir, folder_lock, shell_path, write_atomic
 from training.checkpoints import Progress, TrainerState, save_checkpoint
-from training.config import SELF_SUPERVISED, TrainConfig
+from training.config import SELF_SUPERVISED, TrainConfig, refuse_unused
 from training.distributed import Ranks, broadcast_object, gather_rows, start, stop
 from training.images import VIEWS, AugmentedImages, Batch, ViewedImages, collate
 from training.inputs import TrainingData, prepare_data, write_inputs
@@ -165,6 +165,8 @@ def train(
     try:
         with training_lock(run) if ranks.is_main else contextlib.nullcontext():
             data = prepare_data(config, progress and ranks.is_main, ranks)
+            if not resume:
+                refuse_unused(data.config)
             trainer = Trainer(data.config, run, data, ranks, device, progress and ranks.is_main)
             if ranks.is_main:
                 write_inputs(run, data)
