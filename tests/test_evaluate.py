@@ -113,6 +113,9 @@ def test_class_recall_and_worst_queries_by_hand() -> None:
         (["--query", "q", "--gallery", "g", "--split-classes", "0.5"], "does not apply to --query"),
         (["--query", "q", "--gallery", "g", "--benchmark", "cub"], "--benchmark reads IMAGES"),
         (["IMAGES", "--benchmark", "mnist"], "choose one of cub"),
+        # ignored without the option they go with: the evaluation ran as if they had not been given
+        (["IMAGES", "--seed", "3"], "--seed 3 seeds --split-classes and --linear: add one, or leave --seed out"),
+        (["IMAGES", "--index", "elsewhere"], "--index elsewhere names the index --deployed scores: add --deployed"),
     ],
 )
 def test_protocol_mistakes_are_explained(demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str], arguments: list[str], message: str) -> None:

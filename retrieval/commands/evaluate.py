@@ -68,7 +68,7 @@ def evaluate(
     ] = None,
     gallery: Annotated[Path | None, typer.Option("--gallery", help="Gallery images for --query.")] = None,
     split_classes: Annotated[float, typer.Option(help=SPLIT_HELP)] = 0.0,
-    seed: Annotated[int, typer.Option(help="Seed of --split-classes.", min=0)] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of --split-classes and --linear.", min=0)] = 0,
     benchmark: BenchmarkOption = None,
     compare: Annotated[Path | None, typer.Option("--compare", help=COMPARE_HELP, show_default=False)] = None,
     rerank: Annotated[str, typer.Option(help=RERANK_HELP)] = "none",
@@ -136,6 +136,10 @@ def _evaluate(
             f"--split-classes {split_classes:g}: give a fraction of the classes from 0 (all) to below 1, e.g. 0.5"
         )
     _refuse_early(run, compare, target_precision, calibrate)
+    if index_dir is not None and not deployed:  # it was ignored: the images were scored against each other
+        raise RetrievalError(f"--index {index_dir} names the index --deployed scores: add --deployed")
+    if seed and not (split_classes or linear):
+        raise RetrievalError(f"--seed {seed} seeds --split-classes and --linear: add one, or leave --seed out")
     if deployed:
         if images is not None or query is not None or benchmark or compare is not None or calibrate:
             raise RetrievalError(
