@@ -425,6 +425,10 @@ def test_careless_audits_are_one_line_each(
             f"the same images as DATA ({audited_folder}); give another collection, e.g. the training images",
         ),
         "too many folds": ([str(demo_run.root), str(audited_folder), "--folds", "50"], "--folds 50"),
+        "--fold-epochs alone": (  # it was ignored
+            [str(demo_run.root), str(audited_folder), "--fold-epochs", "3"],
+            "--fold-epochs 3 sets the length of each --folds run: add --folds K",
+        ),
         "missing files": ([str(demo_run.root), str(listed)], "not there"),
         "wrong path": ([str(demo_run.root), str(tmp_path / "nowhere")], "no such file or folder"),
         "--csv on a file": ([str(demo_run.root), str(audited_folder), "--csv", str(listed)], "a file is there"),

@@ -36,6 +36,7 @@ FOLDS_HELP = (
     "the other folds (for auditing the run's own training images; needs torch)."
 )
 FOLD_EPOCHS_HELP = "Epochs of each --folds run."
+FOLD_EPOCHS = 10
 JSON_HELP = "Print one JSON object (labels, duplicates, leaks, outliers; absolute paths) instead of tables."
 CSV_HELP = "Also write labels.csv, duplicates.csv, leaks.csv and outliers.csv into this folder."
 SHOWN_HELP = "Rows shown per table (--json and --csv hold them all)."
@@ -47,7 +48,7 @@ def audit(
     data: Annotated[Path, typer.Argument(help=DATA_HELP, show_default=False)],
     against: Annotated[Path | None, typer.Option("--against", help=AGAINST_HELP, show_default=False)] = None,
     folds: Annotated[int, typer.Option("--folds", help=FOLDS_HELP)] = 0,
-    fold_epochs: Annotated[int, typer.Option(help=FOLD_EPOCHS_HELP)] = 10,
+    fold_epochs: Annotated[int, typer.Option(help=FOLD_EPOCHS_HELP)] = FOLD_EPOCHS,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
     csv_dir: Annotated[Path | None, typer.Option("--csv", help=CSV_HELP, show_default=False)] = None,
     shown: Annotated[int, typer.Option(help=SHOWN_HELP, min=0)] = 15,
@@ -77,6 +78,8 @@ def audit(
         require_csv_folder(csv_dir)
     if folds:
         _check_folds(collection, folds, fold_epochs)
+    elif fold_epochs != FOLD_EPOCHS:  # it was ignored: no fold was trained
+        raise RetrievalError(f"--fold-epochs {fold_epochs} sets the length of each --folds run: add --folds K")
     if not as_json:  # a script's --json is left quiet
         _say_before(run_dir, collection, shared, folds)
     from retrieval.audit import audit as run_audit
