@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import difflib
+import logging
 import re
 import secrets
 from typing import Annotated
@@ -94,6 +95,9 @@ def build_api(service: SearchService, credentials: tuple[str, str] | None, max_u
         description="Image search over the run's gallery index: the same index, model and rules as the app at /.",
     )
     _errors(api)
+    # a body that is not multipart form data is answered with what to send (_form); the parser's own warning
+    # ("Expected boundary character 45, got 103 at index 2") went to the server's terminal as well
+    logging.getLogger("python_multipart").setLevel(logging.ERROR)
     allowed = [Depends(_basic_auth(credentials))]
     _search_routes(api, service, parse_size(max_upload), allowed)
     _info_routes(api, service, allowed)

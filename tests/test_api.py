@@ -181,3 +181,11 @@ def test_a_path_the_api_does_not_have_names_its_routes_and_the_one_meant(served:
     unknown = httpx.get(f"{url}/api/v1/everything")
     assert unknown.status_code == 404 and unknown.json()["detail"].startswith("no route /api/v1/everything; the API's routes:")
     assert httpx.get(f"{url}/api/v1/health").json()["status"] == "ok" and httpx.get(f"{url}/").status_code == 200  # the rest as it was
+
+
+def test_a_body_that_is_not_a_form_leaves_the_servers_terminal_quiet(served: tuple[SearchService, str], caplog: pytest.LogCaptureFixture) -> None:
+    """Beside its answer (what to send), the server printed the parser's "Expected boundary character 45, got 103"."""
+    _, url = served
+    response = httpx.post(f"{url}/api/v1/search", content=b"garbage", headers={"content-type": "multipart/form-data; boundary=x"})
+    assert response.status_code == 400 and "send the image as the multipart field" in response.json()["detail"]
+    assert not [record for record in caplog.records if record.name.startswith("python_multipart")]
