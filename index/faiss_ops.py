@@ -24,10 +24,12 @@ faiss = require("faiss", "cpu")  # or the gpu extra: faiss-gpu provides the same
 TRAIN_PER_LIST = 40  # IVF training vectors per inverted list (FAISS warns below 39)
 PQ_TRAIN = 16_384  # at least 64 vectors for each of PQ's 256 centroids
 SMALLEST = {"HNSW": 2, "IVF": 1}  # links or lists below which FAISS aborts or segfaults (measured)
+RESCORED = "SQ and PQ types re-score their candidates with the exact vectors already"
 REFUSED = {  # parts of a factory string whose index cannot grow or be searched as this store does (measured)
+    "IDMap": "the index maps ids itself; leave IDMap out (e.g. {rest!r})",
     "NSG": "an NSG graph is built once and takes no additions (every `retrieval index` adds); give HNSW32",
-    "Refine": "leave Refine out: SQ and PQ types re-score their candidates with the exact vectors already",
-    "RFlat": "leave RFlat out: SQ and PQ types re-score their candidates with the exact vectors already",
+    "Refine": f"leave Refine out: {RESCORED}",
+    "RFlat": f"leave RFlat out: {RESCORED}",
 }
 EF_CONSTRUCTION = 80  # HNSW's candidates while linking a new vector (FAISS: 40); a better graph for 2x the build
 
@@ -41,13 +43,9 @@ def parsed_factory(factory: str, dim: int, gallery: int | None = None) -> faiss.
     """An empty index of the factory type (inner product), or one line saying why FAISS cannot build it; given the
     gallery's size, also when the type needs more vectors to train on than it has (checked before the gallery is
     embedded, and again when the index is made)."""
-    if "IDMap" in factory:  # wrapped twice, its first addition failed in a RuntimeError
-        raise RetrievalError(
-            f"--faiss {factory!r}: the index maps ids itself; leave IDMap out (e.g. {factory.split(',', 1)[-1]!r})"
-        )
     for part, reason in REFUSED.items():  # a RuntimeError at the first addition or search
         if part in factory:
-            raise RetrievalError(f"--faiss {factory!r}: {reason}")
+            raise RetrievalError(f"--faiss {factory!r}: {reason.format(rest=factory.split(',', 1)[-1])}")
     for part, size in re.findall(r"(HNSW|IVF)(\d+)", factory):
         if int(size) < SMALLEST[part]:
             raise RetrievalError(
@@ -61,8 +59,10 @@ def parsed_factory(factory: str, dim: int, gallery: int | None = None) -> faiss.
             f"--faiss {factory!r}: FAISS cannot build it ({first_line(error)}); see the FAISS index factory "
             "documentation (e.g. Flat, HNSW32, IVF4096,Flat, IVF4096,SQ8)"
         ) from None
-    if gallery is not None and not index.is_trained and gallery - held_out(gallery) < _needed(index, factory):
-        raise _too_few(factory, _needed(index, factory), gallery - held_out(gallery), gallery)
+    if gallery is not None and not index.is_trained:
+        needed, trained_on = _needed(index, factory), gallery - held_out(gallery)
+        if trained_on < needed:
+            raise _too_few(factory, needed, trained_on, gallery)
     return index
 
 

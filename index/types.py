@@ -87,11 +87,11 @@ def search_queries(queries: np.ndarray, k: int, dim: int) -> np.ndarray:
     return unit_rows(queries, "query")
 
 
-def unit_rows(rows: np.ndarray, what: str) -> np.ndarray:
+def unit_rows(rows: np.ndarray, what: str, squared: np.ndarray | None = None) -> np.ndarray:
     """The float32 rows, those not of unit length scaled to it: an index scores by cosine similarity, and a row of
     length 2 scored up to 2, above every match threshold. Unit rows (an embedder's) are kept bit for bit; a row of
-    zeros, which has no direction, is refused."""
-    squared = np.einsum("ij,ij->i", rows, rows)
+    zeros, which has no direction, is refused. squared: the rows' squared lengths, where the caller has them."""
+    squared = np.einsum("ij,ij->i", rows, rows) if squared is None else squared
     off = np.flatnonzero(np.abs(squared - 1.0) > UNIT_TOLERANCE)
     if not len(off):
         return rows
@@ -174,14 +174,13 @@ class Additions:
         """Refuses a vector no search could find (NaN or infinite values, zeros), naming its item, and scales the
         others to unit length (vectors made outside an embedder)."""
         vectors = np.ascontiguousarray(np.atleast_2d(self.vectors), dtype=np.float32)
-        finite = np.isfinite(vectors.sum(axis=1))
-        squared = np.einsum("ij,ij->i", vectors, vectors)
-        bad = np.flatnonzero(~finite | (squared == 0))
+        squared = np.einsum("ij,ij->i", vectors, vectors, dtype=np.float64)  # NaN, inf carry into it; 0: zeros
+        bad = np.flatnonzero(~np.isfinite(squared) | (squared == 0))
         if len(bad) and len(self.items) == len(vectors):
             row = int(bad[0])
-            said = "NaN or infinite values" if not finite[row] else "only zeros"
+            said = "only zeros" if squared[row] == 0 else "NaN or infinite values"
             raise RetrievalError(f"the vector of {self.items[row].path} holds {said}; it cannot be indexed")
-        object.__setattr__(self, "vectors", unit_rows(vectors, "added vector") if len(vectors) else vectors)
+        object.__setattr__(self, "vectors", unit_rows(vectors, "added vector", squared) if len(vectors) else vectors)
 
 
 DEPTH_NAMES = {"ivf": "nprobe", "hnsw": "efSearch"}  # the search depth of each kind of index, as FAISS names it

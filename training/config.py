@@ -301,27 +301,20 @@ def refuse_unused(config: TrainConfig) -> None:
     method, both = config.ssl_method, config.mode in (PARTLY_LABELED, ADAPTED)
     bank = "sets instdisc's memory bank: use --ssl-loss instdisc (or --loss instdisc --self-supervised)"
     beside = "a self-supervised part beside labels: add --adapt GALLERY (or give unlabeled images)"
-    unused = {
-        "--momentum": "moves the key encoder of a memory queue: add --queue-size (or use moco)",
-        "--bank-momentum": bank,
-        "--nce-negatives": bank,
-        "--proximal": bank,
-        "--ssl-weight": f"weighs {beside}",
-        "--ssl-batch": f"sizes {beside}",
-        "--ssl-augment": "makes the views of a self-supervised part: add --adapt GALLERY or --self-supervised",
-    }
-    given = {
-        "--momentum": config.momentum != defaults["momentum"] and not (config.queue_size or method == "moco"),
-        "--bank-momentum": config.bank_momentum != defaults["bank_momentum"] and method != "instdisc",
-        "--nce-negatives": config.nce_negatives != defaults["nce_negatives"] and method != "instdisc",
-        "--proximal": config.proximal != defaults["proximal"] and method != "instdisc",
-        "--ssl-weight": config.ssl_weight != defaults["ssl_weight"] and not both,
-        "--ssl-batch": config.ssl_batch is not None and not both,
-        "--ssl-augment": config.ssl_augment not in (None, SSL_AUGMENT) and method is None,
-    }
-    name = next((name for name, ignored in given.items() if ignored), None)
-    if name is not None:
-        raise RetrievalError(f"{name} {unused[name]}, or leave {name} out")
+    unused = [  # (option, given where it is not used, what it is for)
+        ("--momentum", config.momentum != defaults["momentum"] and not (config.queue_size or method == "moco"),
+         "moves the key encoder of a memory queue: add --queue-size (or use moco)"),
+        ("--bank-momentum", config.bank_momentum != defaults["bank_momentum"] and method != "instdisc", bank),
+        ("--nce-negatives", config.nce_negatives != defaults["nce_negatives"] and method != "instdisc", bank),
+        ("--proximal", config.proximal != defaults["proximal"] and method != "instdisc", bank),
+        ("--ssl-weight", config.ssl_weight != defaults["ssl_weight"] and not both, f"weighs {beside}"),
+        ("--ssl-batch", config.ssl_batch is not None and not both, f"sizes {beside}"),
+        ("--ssl-augment", config.ssl_augment not in (None, SSL_AUGMENT) and method is None,
+         "makes the views of a self-supervised part: add --adapt GALLERY or --self-supervised"),
+    ]  # fmt: skip
+    for name, ignored, why in unused:
+        if ignored:
+            raise RetrievalError(f"{name} {why}, or leave {name} out")
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:

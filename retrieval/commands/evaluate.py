@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from retrieval.calibration import DEFAULT_TARGET
+from retrieval.calibration import DEFAULT_TARGET, require_target
 from retrieval.commands.output import (
     BenchmarkOption,
     IndexOption,
@@ -173,8 +173,6 @@ def _evaluate(
 def _refuse_early(run: Path, compare: Path | None, target_precision: float, calibrate: bool) -> None:
     """A --compare run that is this one or has no model, --calibrate's target out of range or without a model, and a
     target given without --calibrate (it was ignored): said before this run's images are embedded."""
-    from retrieval.calibration import require_target
-
     if compare is not None:
         if compare.resolve() == run.resolve():
             raise RetrievalError(f"--compare {compare}: the run being evaluated; give another run to compare it with")
