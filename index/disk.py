@@ -138,11 +138,22 @@ def open_raw(directory: Path, rows: int, dim: int) -> np.ndarray:
     return np.memmap(path, np.float32, "r", shape=(rows, dim)) if rows else np.zeros((0, dim), np.float32)
 
 
+def _folder_advice(parent: Path) -> str:
+    """Where the index is when a file was named in its place: the file's own folder, its run's, or neither."""
+    if (parent / MANIFEST).is_file():
+        return f"give its folder, {parent}"
+    if (RunDir(parent).index / MANIFEST).is_file():
+        return f"its run's index is {RunDir(parent).index}"
+    return "give the folder `retrieval index` wrote (a run's index/, or the one its --index named)"
+
+
 MANIFEST_KEYS = {"format_version", "dim", "count", "next_id", "encoder_sha256", "created"}
 
 
 def read_manifest(directory: Path, encoder_sha256: str | None = None, dim: int | None = None) -> Manifest:
     """The manifest of an index directory, refused when incomplete, of another format, or of another encoder."""
+    if directory.is_file():
+        raise RetrievalError(f"{directory}: a file, not an index's folder; {_folder_advice(directory.parent)}")
     if not (directory / MANIFEST).is_file() and (RunDir(directory).index / MANIFEST).is_file():
         raise RetrievalError(f"{directory}: a run, not an index; its index is {RunDir(directory).index}")
     if not (directory / MANIFEST).is_file():

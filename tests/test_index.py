@@ -249,6 +249,26 @@ def test_a_run_given_where_its_index_goes(tmp_path: Path) -> None:
     assert len(open_index(run)) == 1 == len(open_index(str(run.index)))
 
 
+def test_a_file_given_where_an_index_goes_names_the_folder_to_give(tmp_path: Path) -> None:
+    """open_index("run/model.json") said to build an index with `--index run/model.json`, which index refuses."""
+    from retrieval.runs import RunDir
+
+    run = RunDir(tmp_path / "run")
+    build(run.index)
+    (run.root / "model.json").write_text("{}")
+    (tmp_path / "photo.png").write_bytes(b"x")
+    said = {
+        run.index / MANIFEST: f"{run.index / MANIFEST}: a file, not an index's folder; give its folder, {run.index}",
+        run.root / "model.json": f"{run.root}/model.json: a file, not an index's folder; its run's index is {run.index}",
+        tmp_path / "photo.png": f"{tmp_path}/photo.png: a file, not an index's folder; give the folder `retrieval index` "
+        "wrote (a run's index/, or the one its --index named)",
+    }
+    for path, message in said.items():
+        with pytest.raises(RetrievalError) as refused:
+            open_index(path)
+        assert str(refused.value) == message
+
+
 def test_an_embedder_given_paths_or_one_image_says_what_to_give() -> None:
     """embed(["a.png"]) failed with "'str' object has no attribute 'size'" deep in preprocessing, embed([]) in
     numpy's stack; an empty list now gives no rows."""
