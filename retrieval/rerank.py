@@ -55,8 +55,16 @@ class Rerank:
         if self.shortlist < 1:
             raise RetrievalError(f"the re-ranking shortlist must be at least 1, got {self.shortlist}")
         for name, value in self.parameters.items():
-            if name in ("n", "k1", "k2") and (value < 1 or value != int(value)):
+            if name in ("n", "k1", "k2") and not (np.isfinite(value) and value >= 1 and value == int(value)):
                 raise RetrievalError(f"{self.method}'s {name} must be a whole number of at least 1, got {value:g}")
+            if name == "alpha" and not 0 <= value < np.inf:
+                raise RetrievalError(
+                    f"{self.method}'s alpha (the neighbours' weight: similarity^alpha) must be 0 or more, got {value:g}"
+                )
+            if name == "lambda" and not 0 <= value <= 1:
+                raise RetrievalError(
+                    f"kreciprocal's lambda (the original distance's share) must be between 0 and 1, got {value:g}"
+                )
 
     def __hash__(self) -> int:
         return hash((self.method, tuple(sorted(self.parameters.items())), self.shortlist))
@@ -95,6 +103,10 @@ def parse_rerank(text: str) -> Rerank:
         if not equals or number is None:
             raise RetrievalError(f"re-ranking parameter {part!r} is not name=number, e.g. dba:n=1,alpha=3")
         if name.strip() == "shortlist":
+            if not (np.isfinite(number) and number >= 1 and number == int(number)):
+                raise RetrievalError(
+                    f"the re-ranking shortlist must be a whole number of at least 1, got {value.strip()}"
+                )
             shortlist = int(number)
         else:
             parameters[name.strip()] = number
@@ -122,7 +134,7 @@ def rerank(
         n, alpha = int(spec.value("n")), spec.value("alpha")
         new = _database_augmentation(queries, ids, vectors, neighbours, own, n, alpha)
     else:
-        candidates = vectors(np.maximum(ids, 0).ravel()).reshape(*ids.shape, -1)
+        candidates = _gather(vectors, ids, queries.shape[1])
         if spec.method == "qe":
             new = _query_expansion(queries, candidates, scores, valid, int(spec.value("n")), spec.value("alpha"))
         else:
@@ -131,6 +143,15 @@ def rerank(
     new = np.where(valid, new, -np.inf).astype(np.float32)
     order = np.lexsort((np.where(valid, ids, np.iinfo(np.int64).max), -new), axis=-1)
     return np.take_along_axis(ids, order, axis=1), np.take_along_axis(new, order, axis=1)
+
+
+def _gather(vectors: Vectors, ids: np.ndarray, dim: int) -> np.ndarray:
+    """The gallery rows of ids [...], shaped [..., dim]; zeros where an id is -1 (a shorter list's padding)."""
+    rows = np.zeros((ids.size, dim), np.float32)
+    present = ids.ravel() >= 0
+    if present.any():
+        rows[present] = vectors(ids.ravel()[present])
+    return rows.reshape(*ids.shape, dim)
 
 
 def _normalise(rows: np.ndarray) -> np.ndarray:
@@ -166,11 +187,14 @@ def _database_augmentation(
     """
     unique, rows = np.unique(np.where(ids >= 0, ids, -1), return_inverse=True)
     rows = rows.reshape(ids.shape)
-    found, found_scores = neighbours(np.maximum(unique, 0), n + 1)  # one more, in case one is the query
-    found = np.where(unique[:, None] >= 0, found, -1)
+    found = np.full((len(unique), n + 1), -1, np.int64)
+    found_scores = np.zeros((len(unique), n + 1), np.float32)
+    present = unique >= 0
+    if present.any():  # one more neighbour than n, in case one is the query
+        found[present], found_scores[present] = neighbours(unique[present], n + 1)
     own_ids = own if own is not None else np.full(len(ids), -2)
-    centre = vectors(np.maximum(unique, 0))
-    around = vectors(np.maximum(found, 0).ravel()).reshape(*found.shape, -1)
+    centre = _gather(vectors, unique, queries.shape[1])
+    around = _gather(vectors, found, queries.shape[1])
     new = np.empty(ids.shape, np.float32)
     for q in range(len(ids)):
         mine = found[rows[q]]  # [S, n + 1]

@@ -232,9 +232,33 @@ def test_index_search_and_evaluation_rank_alike(tmp_path: Path, spec: str) -> No
     assert [[hit.id - 1 for hit in hits] for hits in searched] == evaluated.neighbours.tolist()
 
 
+@pytest.mark.parametrize("spec", ["qe:n=2", "dba:n=1", "dba:n=500", "kreciprocal:k1=4,k2=2"])
+def test_a_batch_of_queries_with_shortlists_of_two_lengths_is_reranked_as_each_alone(tmp_path: Path, spec: str) -> None:
+    """An indexed image searched beside a new one (its shortlist one shorter: itself left out), or dba with more
+    neighbours than the gallery holds, failed: "no item with id(s) 0 in this index" (the lists' padding read as an id)."""
+    from index.search import search_vectors
+
+    rng = np.random.default_rng(2)
+    vectors = rng.standard_normal((30, 8)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    items = [Item(tmp_path / f"{n}.png", f"c{n % 3}") for n in range(30)]
+    index = GalleryIndex.build(tmp_path / "index", vectors, items, [f"{n:064x}" for n in range(30)], "0" * 64)
+    query = Query(5, rerank=parse_rerank(spec))  # the shortlist (100) is longer than the gallery
+    fresh = rng.standard_normal((1, 8)).astype(np.float32)
+    own = lambda hit: hit.id == 4  # noqa: E731
+    together = search_vectors(index, np.concatenate([vectors[3:4], fresh]), query, [own, None])
+    alone = [search_vectors(index, vectors[3:4], query, [own])[0], search_vectors(index, fresh, query)[0]]
+    assert [[hit.id for hit in hits] for hits in together] == [[hit.id for hit in hits] for hits in alone]
+    assert all(len(hits) == 5 for hits in together) and 4 not in [hit.id for hit in together[0]]
+
+
 def test_rerank_specs_are_read_and_bad_ones_refused() -> None:
     assert parse_rerank("dba:n=2").describe() == "dba:n=2,alpha=3,shortlist=100"
-    for bad, message in [("mqe", "unknown re-ranker"), ("qe:k=2", "no parameter k"), ("qe:n", "name=number"), ("dba:n=0", "whole number")]:
+    for bad, message in [("mqe", "unknown re-ranker"), ("qe:k=2", "no parameter k"), ("qe:n", "name=number"), ("dba:n=0", "whole number"), ("qe:n=inf", "whole number"),
+                           ("qe:alpha=-1", "alpha .* must be 0 or more, got -1"), ("dba:alpha=nan", "must be 0 or more, got nan"),
+                           ("kreciprocal:lambda=2", "lambda .* between 0 and 1, got 2"),
+                           ("qe:shortlist=inf", "shortlist must be a whole number of at least 1, got inf"), ("dba:shortlist=nan", "got nan"),
+                           ("qe:shortlist=2.5", "got 2.5")]:
         with pytest.raises(RetrievalError, match=message):
             parse_rerank(bad)
 
