@@ -31,6 +31,7 @@ def test_temperature_sweep_writes_json_and_plot(icons_root: Path, tmp_path: Path
     [
         (["--temperatures", "0.1,hot"], "--temperatures '0.1,hot': give positive numbers separated by commas"),
         (["--temperatures", "0.1,-1"], "--temperatures '0.1,-1': give positive numbers"),  # it said --temperature
+        (["--temperatures", "inf,0.1"], "--temperatures 'inf,0.1': give positive numbers"),  # it trained at a constant loss
         (["--losses", "supcon,triplet"], "--losses 'supcon,triplet': unknown loss 'triplet'"),
         (["--losses", ","], "--losses ',': give losses separated by commas"),
         (["--losses", ""], "--losses is empty (a shell variable unset?)"),  # it swept the default losses

@@ -118,6 +118,9 @@ def test_memory_queue_is_first_in_first_out_and_follows_the_encoder() -> None:
         ({"momentum": 1.0}, "--momentum must be in"),
         ({"learning_rate": -1.0}, "--learning-rate must be positive, got -1.0"),
         ({"learning_rate": 0.0}, "--learning-rate must be positive, got 0.0"),
+        ({"temperature": float("inf")}, "--temperature must be a finite number, got inf"),  # trained at a constant loss
+        ({"learning_rate": float("nan")}, "--learning-rate must be a finite number, got nan"),
+        ({"ssl_temperature": float("inf")}, "--ssl-temperature must be a finite number, got inf"),
         ({"weight_decay": -1.0}, "--weight-decay must not be negative, got -1.0"),
         ({"workers": -1}, "--workers must not be negative, got -1"),
         ({"seed": -1}, "--seed must not be negative, got -1"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -245,6 +246,10 @@ def _check_types(config: TrainConfig) -> None:
 
 def _check(config: TrainConfig) -> None:
     """Refuses values out of their range, naming the option (the losses are _resolve_losses')."""
+    for entry in fields(TrainConfig):
+        value = getattr(config, entry.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise RetrievalError(f"--{entry.name.replace('_', '-')} must be a finite number, got {value}")
     for name in ("epochs", "batch_size", "image_size", "embedding_dim", "ssl_batch"):
         if getattr(config, name) is not None and getattr(config, name) < 1:
             raise RetrievalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
@@ -289,7 +290,7 @@ def _numbers(text: str) -> list[float]:
         values = list(dict.fromkeys(float(part) for part in text.split(",") if part.strip()))
     except ValueError:
         values = []
-    if not values or min(values) <= 0:
+    if not values or not all(0 < value < math.inf for value in values):
         raise RetrievalError(f"--temperatures {text!r}: give positive numbers separated by commas, e.g. 0.05,0.1,0.5")
     return values
 
