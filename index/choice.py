@@ -76,10 +76,11 @@ class IndexChoice:
 
 def parse_memory(text: str) -> int:
     """Bytes in "4GB", "512MiB", "2e9" (decimal units: KB, MB, GB, TB; binary: KiB, MiB, GiB, TiB)."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if not match or match.group(2).upper() not in _UNITS:
+    match = re.fullmatch(r"\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    size = float(match.group(1)) * _UNITS[match.group(2).upper()] if match and match.group(2).upper() in _UNITS else 0
+    if not 1 <= size < math.inf:  # 0GB chose as if nothing fitted; 1e400GB overflowed
         raise RetrievalError(f"--memory {text!r}: give a size such as 4GB, 512MiB or 2e9 (bytes)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    return int(size)
 
 
 def default_memory() -> int:

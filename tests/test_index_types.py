@@ -64,8 +64,10 @@ def test_the_choice_follows_size_and_memory() -> None:
         choice.choose_index(1_000_000, 128, 10 * 10**6)
     assert [choice.nlist_for(n) for n in (150_000, 1_000_000, 10**8)] == [2048, 4096, 32768]
     assert choice.parse_memory("4GB") == 4 * 10**9 and choice.parse_memory("512MiB") == 512 * 2**20 and choice.parse_memory("2e9") == 2 * 10**9
-    with pytest.raises(RetrievalError, match="give a size such as 4GB"):
-        choice.parse_memory("lots")
+    assert choice.parse_memory(".5GB") == 5 * 10**8
+    for bad in ("lots", "0GB", "1e400GB", "1.2.3GB"):  # 0GB was taken, 1e400GB and 1.2.3GB were tracebacks
+        with pytest.raises(RetrievalError, match="give a size such as 4GB"):
+            choice.parse_memory(bad)
 
 
 @pytest.mark.parametrize("factory", ["Flat", "IVF32,Flat", "IVF32,SQ8", "HNSW16", "OPQ8,IVF32,PQ8"])

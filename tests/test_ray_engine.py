@@ -93,4 +93,6 @@ def test_without_ray_the_engine_says_how_to_install_it(demo_run: RunDir, small_f
         assert f"{option} sets how --engine ray embeds: add --engine ray, or leave {option} out" in capsys.readouterr().err
     assert main(["index", str(demo_run.root), str(small_folder), "--index", str(tmp_path / "ix"), "--milvus-index", "HNSW"]) == 2
     assert "--milvus-index sets a Milvus collection's index: add --backend milvus --uri URI" in capsys.readouterr().err
+    assert main(["index", str(demo_run.root), str(small_folder), "--index", str(tmp_path / "ix"), "--uri", "gallery.db"]) == 2
+    assert "--uri gallery.db is where a Milvus collection lives: add --backend milvus, or leave --uri out" in capsys.readouterr().err
     assert not (tmp_path / "ix").exists()

@@ -161,6 +161,10 @@ def _engine_and_backend(
         )
     if uri is None and milvus_index is not None:
         raise RetrievalError("--milvus-index sets a Milvus collection's index: add --backend milvus --uri URI")
+    if backend == "faiss" and uri is not None:
+        raise RetrievalError(
+            f"--uri {uri} is where a Milvus collection lives: add --backend milvus, or leave --uri out"
+        )
     if backend not in ("faiss", "milvus") or (backend == "milvus") != (uri is not None):
         raise RetrievalError(
             f"--backend {backend!r}: use faiss, or milvus with --uri (a Milvus address, or a file for Milvus Lite)"
