@@ -142,6 +142,10 @@ def test_whiten_dim_beyond_the_embedding_or_the_training_images_is_one_line() ->
         fit_whitening(vectors, 0.0, 33)
     with pytest.raises(RetrievalError, match="fitted on 20 training images, which vary along at most 19 directions; give at most 19"):
         fit_whitening(vectors, 0.0, 20)
+    with pytest.raises(RetrievalError, match="--whiten 0 .full whitening.: fitted on 20 training images, which vary along at most 19 of "
+                       "the embedding's 32 directions; give --whiten-dim 19 or less with it, a shrinkage above 0"):
+        fit_whitening(vectors, 0.0)  # the export failed its parity check: noise directions scaled up 1000x
+    assert fit_whitening(vectors, 0.1)[1].shape == (32, 32)
 
 
 def test_an_export_over_an_indexed_run_says_the_index_needs_rebuilding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -50,6 +50,12 @@ def fit_whitening(vectors: np.ndarray, shrinkage: float, dim: int | None = None)
             f"--whiten-dim {dim}: the whitening is fitted on {len(vectors)} training images, which vary along at most "
             f"{len(vectors) - 1} directions; give at most {len(vectors) - 1}, or train on more images"
         )
+    if shrinkage == 0 and dim is None and width > len(vectors) - 1:  # the rest: noise scaled up 1000x (the floor)
+        raise RetrievalError(
+            f"--whiten 0 (full whitening): fitted on {len(vectors)} training images, which vary along at most "
+            f"{len(vectors) - 1} of the embedding's {width} directions; give --whiten-dim {len(vectors) - 1} or less "
+            "with it, a shrinkage above 0 (e.g. 0.5), or train on more images"
+        )
     mean = vectors.mean(axis=0)
     centred = vectors - mean
     covariance = centred.T @ centred / len(vectors)
