@@ -232,9 +232,11 @@ def _interrupted(run: RunDir) -> NoReturn:
     if record is None:
         line = "interrupted before the first epoch ended, nothing saved; start again with --overwrite"
     else:
+        done = f"{record.epoch} finished epoch{'s' if record.epoch != 1 else ''}"  # it said "epoch 1, batch 0"
+        done += f" and {record.batch} batch{'es' if record.batch != 1 else ''} of the next" if record.batch else ""
         line = (
-            f"interrupted: the trainer state of epoch {record.epoch}, batch {record.batch} is kept in "
-            f"{run.trainer_state}; resume with `retrieval train --run {shell_path(run.root)} --resume`"
+            f"interrupted: the trainer state after {done} is kept in {run.trainer_state}; "
+            f"resume with `retrieval train --run {shell_path(run.root)} --resume`"
         )
     stopped_by_ctrl_c(line)
 
