@@ -51,6 +51,13 @@ class RunDir:
                 f"--run {self.root}: an index's folder ({INDEX_MANIFEST}, {INDEX_ITEMS}), and training would write "
                 "among its files; give the run a folder of its own, e.g. runs/photos"
             )
+        parent = RunDir(self.root.parent)
+        own = {parent.checkpoints, parent.metric_sets, parent.plots, parent.index}
+        if self.root in own and parent.holds_run():  # its config.json and checkpoints/ went among the run's files
+            raise RetrievalError(
+                f"--run {self.root}: the {self.root.name} folder of the run {parent.root}, and training would write "
+                "among its files; give the run a folder of its own, e.g. runs/photos"
+            )
         if not self.config.is_file():
             return
         try:

@@ -179,6 +179,18 @@ def test_a_run_in_an_index_folder_is_refused(small_folder: Path, tmp_path: Path,
     assert (index / "skipped.json").read_text() == "[1]"
 
 
+def test_a_run_in_another_runs_checkpoints_or_plots_folder_is_refused(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`retrieval demo --run runs/demo/checkpoints` trained a second run among the first one's checkpoints."""
+    run = RunDir(tmp_path / "run")
+    run.checkpoints.mkdir(parents=True)
+    run.last_checkpoint.write_bytes(b"weights")
+    for folder in (run.checkpoints, run.plots):
+        said = f"--run {folder}: the {folder.name} folder of the run {run.root}, and training would write among its files"
+        expect_error(["train", str(small_folder), "--run", str(folder)], capsys, said)
+        expect_error(["demo", "--run", str(folder), "--no-serve"], capsys, said)
+    assert [path.name for path in run.checkpoints.iterdir()] == ["last.safetensors"] and not run.plots.exists()
+
+
 def test_resuming_a_run_that_is_not_there_names_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A mistyped --run with --resume read "runs/nope/config.json: missing", as if the run were there."""
     expect_error(["train", "--run", str(tmp_path / "nope"), "--resume"], capsys, f"--run {tmp_path / 'nope'}: no such run directory; nothing to resume")
