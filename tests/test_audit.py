@@ -433,6 +433,14 @@ def test_careless_audits_are_one_line_each(
         "wrong path": ([str(demo_run.root), str(tmp_path / "nowhere")], "no such file or folder"),
         "--csv on a file": ([str(demo_run.root), str(audited_folder), "--csv", str(listed)], "a file is there"),
         "--csv nowhere": ([str(demo_run.root), str(audited_folder), "--csv", f"{listed}/found"], "cannot be made"),
+        "--csv inside DATA": (  # the next audit of DATA read the CSVs as files that are not images
+            [str(demo_run.root), str(audited_folder), "--csv", str(audited_folder / "audit")],
+            f"--csv {audited_folder / 'audit'}: inside the images audited (DATA {audited_folder}), where its CSVs would be read",
+        ),
+        "--csv inside --against": (
+            [str(demo_run.root), str(write_collection_csv(tmp_path / "part.csv", [Item(present, "a")])), "--against", str(audited_folder), "--csv", str(audited_folder)],
+            f"--csv {audited_folder}: inside the images audited (--against {audited_folder})",
+        ),
         "--csv where DATA's labels.csv is": (  # it was replaced by the table of suspects
             [str(demo_run.root), str(labels), "--csv", str(tmp_path)],
             f"--csv {tmp_path}: labels.csv there is not an audit's, and writing would replace it; give another folder",

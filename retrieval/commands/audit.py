@@ -74,6 +74,7 @@ def audit(
     if csv_dir is not None:  # said before the audit runs, not after (write_csvs checks it again)
         from retrieval.audit import require_csv_folder
 
+        _refuse_csv_in_data(csv_dir, data, against)
         writable_folder(csv_dir, "--csv")
         require_csv_folder(csv_dir)
     if folds:
@@ -99,6 +100,17 @@ def audit(
         print(json.dumps(found.to_dict(), indent=2))
     else:
         _print(found, shown, against is not None)
+
+
+def _refuse_csv_in_data(csv_dir: Path, data: Path, against: Path | None) -> None:
+    """--csv inside an audited image folder: the next audit of it read the CSVs as files that are not images."""
+    folder = csv_dir.expanduser().resolve()
+    for option, images in (("DATA", data), ("--against", against)):
+        if images is not None and images.is_dir() and folder.is_relative_to(images.expanduser().resolve()):
+            raise RetrievalError(
+                f"--csv {csv_dir}: inside the images audited ({option} {images}), where its CSVs would be read as "
+                "files of the collection; give a folder outside them, e.g. runs/audit"
+            )
 
 
 def _say_before(run: RunDir, collection: Collection, shared: list[Path], folds: int) -> None:
