@@ -107,6 +107,11 @@ def record(service: SearchService, shown: ShownSuspect, accept: bool) -> str:
     return f"{done}; {len(decisions)} decision(s) in `{target}` (train on it: `retrieval train {shell_path(target)}`)"
 
 
+def closed() -> tuple:
+    """No suspect opened: no view, no proposal, the deciding buttons disabled."""
+    return [], "", None, gr.update(interactive=False), gr.update(interactive=False)
+
+
 class AuditHandlers:
     """The Audit tab's event handlers."""
 
@@ -127,11 +132,12 @@ class AuditHandlers:
         line += f" {said[:1].upper()}{said[1:]}." if said else ""
         return as_rows(found.shown), as_data(found.shown), line
 
-    def open(self, data: list[dict], event: gr.SelectData) -> tuple[list[tuple[str, str]], str, dict | None]:
-        """A clicked suspect: its image, then the closest images of the suggested label, and what is proposed."""
+    def open(self, data: list[dict], event: gr.SelectData) -> tuple:
+        """A clicked suspect: its image, then the closest images of the suggested label, what is proposed, and the
+        buttons that decide on it, enabled."""
         row = event.index[0] if isinstance(event.index, (list, tuple)) else event.index
         if not data or row is None or int(row) >= len(data):
-            return [], "", None
+            return closed()
         shown = from_data(data[int(row)])
         ids = [shown.id, *shown.neighbours]
         pictures = self.service.thumbnails(ids)
@@ -144,7 +150,7 @@ class AuditHandlers:
             f"**{as_text(Path(shown.path).name)}** is labeled **{as_text(shown.label)}**; its closest images suggest "
             f"**{as_text(shown.suggested)}** (score {shown.score:.3f})"
         )
-        return tiles, line, asdict(shown)
+        return tiles, line, asdict(shown), gr.update(interactive=True), gr.update(interactive=True)
 
     def decide(self, opened: dict | None, accept: bool) -> str:
         if not opened:
@@ -154,15 +160,16 @@ class AuditHandlers:
         except RetrievalError as error:
             raise refused(str(error)) from None
 
-    def accept(self, opened: dict | None) -> tuple[str, list[list], list[dict], str]:
-        """Accepts the opened suspect's suggestion; the table is audited again."""
+    def accept(self, opened: dict | None) -> tuple:
+        """Accepts the opened suspect's suggestion; the table is audited again and the suspect closed (the buttons
+        wait for the next one: a second click wrote the decision again, or turned it over unseen)."""
         message = self.decide(opened, True)
-        return (message, *self.audit())
+        return (message, *self.audit(), *closed())
 
-    def keep(self, opened: dict | None) -> tuple[str, list[list], list[dict], str]:
-        """Keeps the opened suspect's label; the table is audited again."""
+    def keep(self, opened: dict | None) -> tuple:
+        """Keeps the opened suspect's label; the table is audited again and the suspect closed."""
         message = self.decide(opened, False)
-        return (message, *self.audit())
+        return (message, *self.audit(), *closed())
 
 
 def audit_tab(service: SearchService) -> None:
@@ -185,14 +192,17 @@ def audit_tab(service: SearchService) -> None:
             proposed = gr.Markdown(elem_id="suspect-line")
             view = tile_gallery("suspect-view", "The image, then the closest images of the suggested label", 4)
             with gr.Row(visible=service.allow_write):
-                accept_button = gr.Button("Accept the suggestion", variant="primary", elem_id="accept")
-                keep_button = gr.Button("Keep the label", elem_id="keep")
+                accept_button = gr.Button(
+                    "Accept the suggestion", variant="primary", elem_id="accept", interactive=False
+                )
+                keep_button = gr.Button("Keep the label", elem_id="keep", interactive=False)
             written = gr.Markdown(elem_id="decision")
     data = PageData([], visible=False)
     opened = gr.State(None)
     run_button.click(on.audit, None, [table, data, said], api_name="audit", concurrency_limit=1)
-    table.select(on.open, data, [view, proposed, opened], api_name=False)
+    suspect = [view, proposed, opened, accept_button, keep_button]
+    table.select(on.open, data, suspect, api_name=False)
     if service.allow_write:
-        outputs = [written, table, data, said]
+        outputs = [written, table, data, said, *suspect]
         accept_button.click(on.accept, opened, outputs, api_name=False, concurrency_limit=1)
         keep_button.click(on.keep, opened, outputs, api_name=False, concurrency_limit=1)

@@ -527,8 +527,10 @@ def test_the_audit_tab_lists_suspects_and_keeps_decisions_in_a_labels_csv(audit_
         paths = [row["path"] for row in data]
         assert str(moved.path) in paths  # the moved image is among the suspects
         first, second = data[0], data[1] if len(data) > 1 else None
-        message, rows_after, data_after, _ = on.accept(first)
+        message, rows_after, data_after, _, view, proposed, opened, *buttons = on.accept(first)
         assert "1 decision(s)" in message and labels_csv(service).is_file()
+        # the decided suspect closed, the buttons disabled: a second click wrote it again or turned it over unseen
+        assert (view, proposed, opened) == ([], "", None) and [button["interactive"] for button in buttons] == [False, False]
         assert first["path"] not in [row["path"] for row in data_after]  # decided: off the list
         if second is not None:
             on.keep(second)

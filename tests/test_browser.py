@@ -330,6 +330,7 @@ def test_the_audit_tab_shows_a_suspect_beside_its_suggested_label_and_accepts_it
             table = page.locator("#suspects")
             expect(table).to_contain_text("suggested", timeout=60_000)
             expect(page.get_by_text("suspected wrong label(s)")).to_be_visible(timeout=60_000)
+            expect(page.locator("#accept")).to_be_disabled()  # nothing opened: it answered "Error" in every output
             name = Path(AuditHandlers(service).audit()[1][0]["path"]).name  # the most suspect image: the first row
             table.get_by_text(name, exact=True).last.click()
             tiles = page.locator("#suspect-view .thumbnail-item")
@@ -341,6 +342,8 @@ def test_the_audit_tab_shows_a_suspect_beside_its_suggested_label_and_accepts_it
             page.locator("#accept").click()
             expect(page.locator("#decision")).to_contain_text("decision(s) in", timeout=30_000)
             assert name in labels_csv(service).read_text()
+            expect(page.locator("#accept")).to_be_disabled()  # the decided suspect is closed
+            expect(page.locator("#keep")).to_be_disabled()
             page.screenshot(path=str(ARTIFACTS / "app-audit-accepted.png"), full_page=True)
     finally:
         demo.close()
