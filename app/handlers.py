@@ -14,6 +14,7 @@ import html
 import json
 import re
 import shutil
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -362,3 +363,20 @@ class Handlers:
         except RetrievalError as error:
             raise refused(str(error)) from None
         return f"removed {removed} item(s)", self.label_table()
+
+    def add_on_page(self, files: list[str] | None, label: str | None) -> tuple[str, object]:
+        """add, for the page's button: a refusal is said beside the button and the labels table stays (an error
+        replaced it with the word "Error" until the next change); the API's /add still fails with the message."""
+        return _said_on_page(lambda: self.add(files, label))
+
+    def remove_on_page(self, ids: str) -> tuple[str, object]:
+        """remove, for the page's button: a refusal said beside it, the labels table kept."""
+        return _said_on_page(lambda: self.remove(ids))
+
+
+def _said_on_page(change: Callable[[], tuple[str, list[list]]]) -> tuple[str, object]:
+    """A change's message and labels table, or its refusal (in bold) and the table left as it is."""
+    try:
+        return change()
+    except gr.Error as error:
+        return f"**not done:** {as_text(str(error.message))}", gr.skip()

@@ -180,11 +180,14 @@ def browse_tab(on: Handlers, labels: list[str]) -> tuple[gr.Gallery, PageData]:
                 remove_button = gr.Button("Remove from the index", variant="stop")
         write_message = gr.Markdown(label="message")
     gr.Button(visible=False).click(on.label_table, None, counts, api_name="labels")
+    one = {"concurrency_limit": 1, "concurrency_id": "write"}  # one change at a time, from the page or the API
     browse_label.change(on.browse, browse_label, [browsed, browsed_shown], api_name="browse")
     counts.select(on.label_of_row, None, browse_label, api_name=False)
-    if service.allow_write:
-        add_button.click(on.add, [uploads, new_label], [write_message, counts], api_name="add", concurrency_limit=1)
-        remove_button.click(on.remove, remove_ids, [write_message, counts], api_name="remove", concurrency_limit=1)
+    if service.allow_write:  # the page's buttons say a refusal beside them; the API's /add and /remove fail with it
+        add_button.click(on.add_on_page, [uploads, new_label], [write_message, counts], api_name=False, **one)
+        remove_button.click(on.remove_on_page, remove_ids, [write_message, counts], api_name=False, **one)
+        gr.Button(visible=False).click(on.add, [uploads, new_label], [write_message, counts], api_name="add", **one)
+        gr.Button(visible=False).click(on.remove, remove_ids, [write_message, counts], api_name="remove", **one)
     return browsed, browsed_shown
 
 

@@ -344,6 +344,16 @@ def test_the_audit_tab_shows_a_suspect_beside_its_suggested_label_and_accepts_it
             assert name in labels_csv(service).read_text()
             expect(page.locator("#accept")).to_be_disabled()  # the decided suspect is closed
             expect(page.locator("#keep")).to_be_disabled()
+            page.get_by_role("tab", name="Browse").click()  # a careless removal: the labels table stays
+            labels = page.locator("#labels")
+            first_label = next(label for label, _ in service.label_counts() if label)
+            expect(labels).to_contain_text(first_label)
+            page.get_by_label("Ids to remove (from the captions)").fill("the red ones")
+            page.get_by_role("button", name="Remove from the index").click()
+            expect(page.get_by_text("not done:")).to_be_visible(timeout=30_000)
+            expect(page.get_by_text("give item ids as numbers")).to_be_visible()
+            expect(labels).to_contain_text(first_label)  # it read "Error" until the next change
+            page.screenshot(path=str(ARTIFACTS / "app-remove-refused.png"), full_page=True)
             page.screenshot(path=str(ARTIFACTS / "app-audit-accepted.png"), full_page=True)
     finally:
         demo.close()
