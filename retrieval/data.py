@@ -67,9 +67,13 @@ def as_collection(collection: Collection | str | os.PathLike, use: str = "read")
         return collection
     if isinstance(collection, (str, os.PathLike)):
         return load_collection(collection)
-    raise RetrievalError(
-        f"collection: a Collection or its path (a folder, a CSV or a .txt list of images), not a "
-        f"{type(collection).__name__}; to {use} a list of files, write them into a .txt list"
+    raise _not_a_path("collection: a Collection or its path", collection, use)
+
+
+def _not_a_path(what: str, given: object, use: str = "read") -> RetrievalError:
+    return RetrievalError(
+        f"{what} (a folder, a CSV or a .txt list of images), not a {type(given).__name__}; to {use} a list of "
+        "files, write them into a .txt list"
     )
 
 
@@ -92,6 +96,8 @@ def load_collection(source: str | Path) -> Collection:
     Files with a non-image suffix are skipped and reported; decoding problems are found later, when
     the image is read.
     """
+    if not isinstance(source, (str, os.PathLike)):  # a list of files failed inside pathlib
+        raise _not_a_path("source: a collection's path", source)
     source = require_source(source)
     try:
         if source.is_dir():

@@ -167,7 +167,7 @@ def test_arguments_of_the_wrong_kind_from_python_are_one_line(trained: RunDir) -
     """export(run, whiten="none") failed in "'<=' not supported between instances of 'int' and 'str'", and
     export(run, parity_images="query.png") read the path letter by letter, each letter a missing image."""
     before = trained.model.read_bytes() if trained.model.is_file() else None
-    for options, said in [({"whiten": "none"}, "whiten: a shrinkage in [0, 1], or None for no whitening; got 'none'"), ({"parity_images": "query.png"}, "parity_images: a list of image files, not one file; write ['query.png']"), ({"whiten": None, "whiten_dim": 8}, "--whiten-dim 8 keeps that many whitened dimensions, and --whiten none exports none: drop one of the two")]:
+    for options, said in [({"whiten": "none"}, "whiten: a shrinkage in [0, 1], or None for no whitening; got 'none'"), ({"parity_images": "query.png"}, "parity_images: a list of image files, not one file; write ['query.png']"), ({"whiten": None, "whiten_dim": 8}, "--whiten-dim 8 keeps that many whitened dimensions, and --whiten none exports none: drop one of the two"), ({"whiten_dim": "8"}, "whiten_dim: a whole number of dimensions, or None for all; got '8'")]:
         with pytest.raises(RetrievalError) as refused:
             export(trained, **options)
         assert str(refused.value) == said

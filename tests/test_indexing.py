@@ -291,6 +291,8 @@ def test_build_index_from_python_takes_memory_as_written_and_refuses_a_list(embe
         build_index(embedder, [str(path) for path in gallery.glob("*/*")], tmp_path / "index", progress=False)  # type: ignore[arg-type]
     with pytest.raises(RetrievalError, match="^--memory 'lots': give a size such as 4GB"):
         build_index(embedder, gallery, tmp_path / "index", memory="lots", progress=False)
+    with pytest.raises(RetrievalError, match="^source: a collection's path .*not a list; to read a list of files, write them into a .txt list$"):
+        load_collection([str(gallery)])  # type: ignore[arg-type]  # it failed inside pathlib
     with pytest.raises(RetrievalError, match="^batch_size must be at least 1, got 0$"):
         build_index(embedder, gallery, tmp_path / "index", batch_size=0, progress=False)
     assert not (tmp_path / "index").exists()

@@ -250,8 +250,8 @@ def _parity_inputs(config: TrainConfig, parity_images: Sequence[Path]) -> list[n
 
 def _check_arguments(parity_images: Sequence[Path], whiten: float | None, whiten_dim: int | None) -> None:
     """Refuses a Python caller's arguments of the wrong kind in one line: one path for parity_images (it was read
-    letter by letter, each a missing file), and whiten="none" (failed deep in a comparison); and a whiten_dim
-    without whitening, which was dropped without a word."""
+    letter by letter, each a missing file), whiten="none" and whiten_dim="5" (failed deep in a comparison); and a
+    whiten_dim without whitening, which was dropped without a word."""
     if whiten is None and whiten_dim is not None:
         raise RetrievalError(
             f"--whiten-dim {whiten_dim} keeps that many whitened dimensions, and --whiten none exports none: drop "
@@ -261,6 +261,8 @@ def _check_arguments(parity_images: Sequence[Path], whiten: float | None, whiten
         raise RetrievalError(f"parity_images: a list of image files, not one file; write [{str(parity_images)!r}]")
     if whiten is not None and (isinstance(whiten, bool) or not isinstance(whiten, (int, float))):
         raise RetrievalError(f"whiten: a shrinkage in [0, 1], or None for no whitening; got {whiten!r}")
+    if whiten_dim is not None and (isinstance(whiten_dim, bool) or not isinstance(whiten_dim, int)):
+        raise RetrievalError(f"whiten_dim: a whole number of dimensions, or None for all; got {whiten_dim!r}")
 
 
 def _real_images(paths: Sequence[Path], limit: int, size: int) -> list:
