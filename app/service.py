@@ -40,7 +40,7 @@ from index.search import (
 )
 from index.stats import exact_and_deployed
 from index.types import MANIFEST, GalleryBackend, Hit, item_ids
-from retrieval.calibration import match_similarity
+from retrieval.calibration import match_similarity, require_threshold
 from retrieval.copies import CopyEvaluation, copy_figures
 from retrieval.data import Collection, Item, Skipped, decode_image, read_image_bytes
 from retrieval.embedders import AUTO, OnnxEmbedder
@@ -125,6 +125,7 @@ class SearchService:
     ) -> None:
         run = self.run = RunDir.of(run)
         self.rerank = rerank  # the re-ranking of every search and of "evaluate now" (retrieval.rerank)
+        require_threshold(threshold)
         self.threshold = threshold  # the match threshold given to serve (--threshold), over the model card's
         self.index_dir = Path(index_dir or run.index)
         self.mmap = mmap

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from index.types import GalleryBackend, Hit, item_ids
+from retrieval.calibration import require_threshold
 from retrieval.data import decode, read_image_bytes
 from retrieval.embedders import Embedder
 from retrieval.errors import ErrorKind, Failure, ImageError, RetrievalError
@@ -56,6 +57,11 @@ class Query:
             raise RetrievalError(f"Query label={self.label!r}: give the label as text, or None for any label")
         if self.k < 1:
             raise RetrievalError(f"k must be at least 1, got {self.k}")
+        if not isinstance(self.rerank, Rerank):  # "qe" failed deep inside: 'str' object has no attribute 'active'
+            raise RetrievalError(
+                f"Query rerank={self.rerank!r}: give a Rerank, e.g. retrieval.rerank.parse_rerank({self.rerank!r})"
+            )
+        require_threshold(self.threshold)
 
 
 @dataclass(frozen=True)

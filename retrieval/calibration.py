@@ -12,6 +12,7 @@ reaches the threshold (index.search); the app says "no confident match" when the
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from numbers import Real
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +66,14 @@ class MatchThreshold:
             f"match threshold {self.similarity:.4f}: top-1 precision {self.precision:.2f}{held} "
             f"(target {self.target:.2f}) at coverage {self.coverage:.2f} of {self.queries} queries of {self.images}"
         )
+
+
+def require_threshold(threshold: float | None) -> None:
+    """Refuses a match threshold that no cosine similarity can reach or fall below (5, nan, "0.5")."""
+    if threshold is None:
+        return
+    if isinstance(threshold, bool) or not isinstance(threshold, Real) or not -1.0 <= threshold <= 1.0:
+        raise RetrievalError(f"--threshold {threshold!r}: give a cosine similarity between -1 and 1")
 
 
 def require_target(target: float) -> None:

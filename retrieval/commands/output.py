@@ -56,12 +56,6 @@ def parse_ks(text: str) -> list[int]:
     return ks
 
 
-def require_threshold(threshold: float | None) -> None:
-    """Refuses a --threshold that no cosine similarity can have."""
-    if threshold is not None and not -1.0 <= threshold <= 1.0:
-        raise RetrievalError(f"--threshold {threshold}: give a cosine similarity between -1 and 1")
-
-
 def metrics_table(columns: dict[str, dict]) -> Table:
     """Returns a table with one row per metric and one column per evaluated model."""
     table = Table(title="retrieval metrics")

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from retrieval.commands.output import AutoModelOption, IndexOption, RunArg, console, errors, require_threshold
+from retrieval.calibration import require_threshold
+from retrieval.commands.output import AutoModelOption, IndexOption, RunArg, console, errors
 from retrieval.data import require_source
 from retrieval.errors import RetrievalError
 from retrieval.rerank import SPEC_HELP as RERANK_HELP

@@ -10,7 +10,8 @@ from typing import Annotated
 
 import typer
 
-from retrieval.commands.output import AutoModelOption, IndexOption, RunArg, require_threshold
+from retrieval.calibration import require_threshold
+from retrieval.commands.output import AutoModelOption, IndexOption, RunArg
 from retrieval.errors import RetrievalError
 from retrieval.rerank import SPEC_HELP as RERANK_HELP
 from retrieval.rerank import parse_rerank
