@@ -126,6 +126,8 @@ class SearchService:
         run = self.run = RunDir.of(run)
         self.rerank = rerank  # the re-ranking of every search and of "evaluate now" (retrieval.rerank)
         require_threshold(threshold)
+        if not isinstance(rerank, Rerank):  # "qe" failed at the first search: no attribute 'describe'
+            raise RetrievalError(f"rerank={rerank!r}: give a Rerank, e.g. retrieval.rerank.parse_rerank({rerank!r})")
         self.threshold = threshold  # the match threshold given to serve (--threshold), over the model card's
         self.index_dir = Path(index_dir or run.index)
         self.mmap = mmap

@@ -392,11 +392,13 @@ def test_add_and_remove_through_the_api(client: object, service: SearchService, 
         client.predict("all of them", api_name="/remove")  # type: ignore[attr-defined]
 
 
-def test_a_service_given_a_threshold_no_similarity_can_have_is_refused(app_run: RunDir) -> None:
+def test_a_service_given_a_threshold_no_similarity_can_have_or_a_rerank_as_text_is_refused(app_run: RunDir) -> None:
     """SearchService(run, threshold=5) served every hit as no match (and "0.5" failed at the first search)."""
     for threshold in (5, "0.5"):
         with pytest.raises(RetrievalError, match="give a cosine similarity between -1 and 1"):
             SearchService(app_run, threshold=threshold)  # type: ignore[arg-type]
+    with pytest.raises(RetrievalError, match=r"rerank='qe': give a Rerank, e.g. retrieval.rerank.parse_rerank\('qe'\)"):
+        SearchService(app_run, rerank="qe")  # type: ignore[arg-type]  # no attribute 'describe', at the first search
 
 
 def test_a_read_only_app_has_no_write_endpoints(app_run: RunDir) -> None:
