@@ -139,6 +139,11 @@ def require_source(source: str | Path, option: str = "", hint: str = COLLECTION_
         if str(source).partition(":/")[0].lower() in ("http", "https"):  # a path has lost one slash of the address
             address = str(source).replace(":/", "://", 1)
             raise RetrievalError(f"{given}{address}: a web address; files on this machine are read: download it first")
+        if any(mark in source.name for mark in "*?["):  # "photos/*.jpg" in quotes: no file has that name
+            raise RetrievalError(
+                f"{given}{source}: no such file; a pattern is expanded by the shell when it is not in quotes: write it "
+                f"without them, or give {hint}"
+            )
         raise RetrievalError(f"{given}{source}: no such file or folder; give {hint}")
     return source
 

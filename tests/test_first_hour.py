@@ -172,6 +172,19 @@ def test_search_of_a_web_address_says_to_download_it(tmp_path: Path, capsys: pyt
     )
 
 
+def test_a_quoted_pattern_says_the_shell_expands_it_without_quotes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`retrieval search RUN "photos/*.jpg"` said "photos/*.jpg: no such file or folder", as if photos/ were missing."""
+    from retrieval.commands import main
+
+    (tmp_path / "photos").mkdir()
+    for command, hint in ((["search", str(tmp_path)], "an image file"), (["train", "--run", str(tmp_path / "run")], "an image folder ROOT/<label>/<image>")):
+        assert main([*command, f"{tmp_path}/photos/*.jpg"]) == 2
+        assert capsys.readouterr().err == (
+            f"error: {tmp_path}/photos/*.jpg: no such file; a pattern is expanded by the shell when it is not in quotes: "
+            f"write it without them, or give {hint}" + ("\n" if hint == "an image file" else " or a CSV with columns path,label\n")
+        )
+
+
 def test_help_shows_flags_bare_and_paragraphs_whole(capsys: pytest.CaptureFixture[str]) -> None:
     from retrieval.commands import main
 
