@@ -95,4 +95,6 @@ def test_without_ray_the_engine_says_how_to_install_it(demo_run: RunDir, small_f
     assert "--milvus-index sets a Milvus collection's index: add --backend milvus --uri URI" in capsys.readouterr().err
     assert main(["index", str(demo_run.root), str(small_folder), "--index", str(tmp_path / "ix"), "--uri", "gallery.db"]) == 2
     assert "--uri gallery.db is where a Milvus collection lives: add --backend milvus, or leave --uri out" in capsys.readouterr().err
+    assert main(["index", str(demo_run.root), str(small_folder), "--index", str(tmp_path / "ix"), "--faiss", "Flat", "--memory", "1KB"]) == 2
+    assert "--memory sets the budget within which the index type is chosen, and --faiss Flat chooses it: drop one of the two" in capsys.readouterr().err  # it was ignored
     assert not (tmp_path / "ix").exists()
