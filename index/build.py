@@ -93,6 +93,12 @@ def build_index(
     collection = as_collection(collection, use="index")
     if isinstance(memory, str):
         memory = parse_memory(memory)
+    given = ("--faiss", factory) if factory else ("--milvus-index", milvus.index_type) if milvus else (None, None)
+    if memory is not None and given[1]:  # it was ignored: the type given is built whatever it needs
+        raise RetrievalError(
+            f"--memory sets the budget within which the index type is chosen, and {given[0]} {given[1]} chooses it: "
+            "drop one of the two"
+        )
     if batch_size is not None and batch_size < 1:
         raise RetrievalError(f"batch_size must be at least 1, got {batch_size}")
     with writer_lock(directory):

@@ -91,12 +91,6 @@ def index(
 
     run_dir = RunDir(run)
     budget = parse_memory(memory) if memory else None
-    chosen = ("--faiss", faiss_type) if faiss_type else ("--milvus-index", milvus_index) if milvus_index else None
-    if budget is not None and chosen:  # it was ignored: the type given is built whatever it needs
-        raise RetrievalError(
-            f"--memory sets the budget within which the index type is chosen, and {chosen[0]} {chosen[1]} chooses it: "
-            "drop one of the two"
-        )
     target = index_dir or run_dir.index
     embedder = OnnxEmbedder.from_run(run_dir, threads, model=model, built_with=None if rebuild else built_with(target))
     ray, milvus = _engine_and_backend(engine, address, workers, backend, uri, milvus_index)
