@@ -21,7 +21,7 @@ import numpy as np
 
 from index.types import FORMAT_VERSION, INDEX_FILES, MANIFEST, RAW, Manifest, index_command, rebuild_advice
 from retrieval.errors import RetrievalError
-from retrieval.runs import RunDir, folder_lock, fsync_dir, read_json, writable_folder
+from retrieval.runs import RunDir, folder_lock, fsync_dir, holds_images, read_json, shell_path, writable_folder
 
 
 @contextmanager
@@ -156,6 +156,11 @@ def read_manifest(directory: Path, encoder_sha256: str | None = None, dim: int |
         raise RetrievalError(f"{directory}: a file, not an index's folder; {_folder_advice(directory.parent)}")
     if not (directory / MANIFEST).is_file() and (RunDir(directory).index / MANIFEST).is_file():
         raise RetrievalError(f"{directory}: a run, not an index; its index is {RunDir(directory).index}")
+    if not (directory / MANIFEST).is_file() and holds_images(directory):  # it said to build an index among them
+        raise RetrievalError(
+            f"{directory}: a folder of images, not an index; index them with "
+            f"`retrieval index RUN {shell_path(directory)}`"
+        )
     if not (directory / MANIFEST).is_file():
         raise RetrievalError(f"{directory}: not an index (no {MANIFEST}); build one with `{index_command(directory)}`")
     values = read_json(directory / MANIFEST, remedy=rebuild_advice(directory))

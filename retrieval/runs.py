@@ -189,7 +189,7 @@ class RunDir:
         if holds_index(self.root):
             owner = self.root.parent if RunDir(self.root.parent).holds_run() else "the run directory that made it"
             raise RetrievalError(f"{self.root}: an index, not a run; give its run ({owner})")
-        if _holds_images(self.root):
+        if holds_images(self.root):
             raise RetrievalError(
                 f"{self.root}: a folder of images, not a run; give the run directory, or make one with "
                 f"`retrieval train {shell_path(self.root)} --run runs/NAME`"
@@ -223,7 +223,7 @@ class RunDir:
         return self.model
 
 
-def _holds_images(folder: Path, looked_at: int = 200) -> bool:
+def holds_images(folder: Path, looked_at: int = 200) -> bool:
     """Whether folder or one of its folders holds image files (the first entries of each looked at)."""
     if not folder.is_dir():
         return False

@@ -252,7 +252,7 @@ def test_a_run_given_where_its_index_goes(tmp_path: Path) -> None:
     assert len(open_index(run)) == 1 == len(open_index(str(run.index)))
 
 
-def test_a_file_given_where_an_index_goes_names_the_folder_to_give(tmp_path: Path) -> None:
+def test_a_file_or_an_image_folder_given_where_an_index_goes_says_what_to_give(tmp_path: Path) -> None:
     """open_index("run/model.json") said to build an index with `--index run/model.json`, which index refuses."""
     from retrieval.runs import RunDir
 
@@ -270,6 +270,12 @@ def test_a_file_given_where_an_index_goes_names_the_folder_to_give(tmp_path: Pat
         with pytest.raises(RetrievalError) as refused:
             open_index(path)
         assert str(refused.value) == message
+    images = tmp_path / "photos" / "cats"
+    images.mkdir(parents=True)
+    (images / "a.jpg").write_bytes(b"x")
+    with pytest.raises(RetrievalError) as refused:  # it said to build an index with --index photos, among them
+        open_index(tmp_path / "photos")
+    assert str(refused.value) == f"{tmp_path}/photos: a folder of images, not an index; index them with `retrieval index RUN {tmp_path}/photos`"
 
 
 def test_an_embedder_given_paths_or_one_image_says_what_to_give() -> None:
