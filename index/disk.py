@@ -63,14 +63,19 @@ def _other_encoder_advice(directory: Path, built_with: str, given: str) -> str:
     given is none of RUN's, another run's model is in use (use RUN, or index the images with the model given into a
     folder of its own); else the other precision of the run's model, or a rebuild."""
     try:
-        models = set(RunDir(directory.parent).fingerprints().values()) if directory.name == "index" else set()
+        precisions = RunDir(directory.parent).fingerprints() if directory.name == "index" else {}
     except RetrievalError:  # no card, or a damaged one: nothing to say about whose index this is
-        models = set()
-    if built_with in models and given not in models:
+        precisions = {}
+    by_digest = {digest: precision for precision, digest in precisions.items()}
+    if built_with in by_digest and given not in by_digest:
         return (
             f"it is {directory.parent}'s own index, built by that run's model: use {directory.parent}, or index the "
             "images with this model into a folder of its own (`retrieval index RUN IMAGES --index NEW`)"
         )
+    if built_with in by_digest:
+        return f"use the model it was built with (--model {by_digest[built_with]}), or {rebuild_advice(directory)}"
+    if given in by_digest:  # the run's models are all newer than its index: it said to pick one of them
+        return f"no model of {directory.parent} built it (exported again since?): {rebuild_advice(directory)}"
     return f"use the model it was built with (--model float32 or int8), or {rebuild_advice(directory)}"
 
 

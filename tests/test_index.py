@@ -51,8 +51,11 @@ def test_mismatched_encoder_and_dimension_are_refused(tmp_path: Path) -> None:
     (tmp_path / "model.json").write_text(json.dumps({"sha256": "enc-a", "int8": {"sha256": "enc-a8"}}))
     with pytest.raises(RetrievalError, match=f"it is {tmp_path}'s own index, built by that run's model: use {tmp_path}, or index"):
         open_index(tmp_path / "index", "enc-b")  # another run's model given: rebuilding this run's index would not help
-    with pytest.raises(RetrievalError, match=r"use the model it was built with \(--model float32 or int8\)"):
-        open_index(tmp_path / "index", "enc-a8")  # the run's own int8 model: the other precision
+    with pytest.raises(RetrievalError, match=r"use the model it was built with \(--model float32\), or rebuild"):
+        open_index(tmp_path / "index", "enc-a8")  # the run's own int8 model: the other precision, named
+    (tmp_path / "model.json").write_text(json.dumps({"sha256": "enc-c"}))  # exported again since the index was built
+    with pytest.raises(RetrievalError, match=f"no model of {tmp_path} built it \\(exported again since\\?\\): rebuild the index"):
+        open_index(tmp_path / "index", "enc-c")  # it said to use the model it was built with: the run has it no more
     (tmp_path / "model.json").write_text("{")  # a damaged card: the advice of an index of no known run
     with pytest.raises(RetrievalError, match="built with encoder enc-a.*rebuild the index with"):
         open_index(tmp_path / "index", "enc-b")
