@@ -34,6 +34,8 @@ def test_temperature_sweep_writes_json_and_plot(icons_root: Path, tmp_path: Path
         (["--temperatures", "inf,0.1"], "--temperatures 'inf,0.1': give positive numbers"),  # it trained at a constant loss
         (["--losses", "supcon,triplet"], "--losses 'supcon,triplet': unknown loss 'triplet'"),
         (["--losses", ","], "--losses ',': give losses separated by commas"),
+        (["--losses", "simclr"], "--losses 'simclr': simclr learns without labels: add --self-supervised"),  # it said --loss, --ssl-loss, --adapt
+        (["--losses", "supcon", "--self-supervised"], "--losses 'supcon': supcon needs labels; with --self-supervised give simclr"),
         (["--losses", ""], "--losses is empty (a shell variable unset?)"),  # it swept the default losses
         (["--val-classes", "0"], "measured on held-out classes"),
     ],

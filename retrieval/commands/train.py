@@ -263,6 +263,16 @@ def _sweep_losses(losses: str | None, self_supervised: bool) -> list[str]:
         raise RetrievalError(f"--losses {losses!r}: unknown loss {unknown[0]!r}; choose from {choices}")
     if not any(names):
         raise RetrievalError(f"--losses {losses!r}: give losses separated by commas, from {choices}")
+    usable = SSL_LOSSES if self_supervised else LOSSES  # every run of a sweep trains in its one mode (train's own
+    wrong = [name for name in names if name and name not in usable]  # refusal named its options, not --losses)
+    if wrong and self_supervised:
+        raise RetrievalError(
+            f"--losses {losses!r}: {wrong[0]} needs labels; with --self-supervised give {', '.join(usable)}"
+        )
+    if wrong:
+        raise RetrievalError(
+            f"--losses {losses!r}: {wrong[0]} learns without labels: add --self-supervised, or give {', '.join(usable)}"
+        )
     return [name for name in names if name]
 
 
