@@ -77,6 +77,12 @@ def test_train_on_missing_empty_and_one_class_folders(tmp_path: Path, small_fold
     sorted(small_folder.iterdir())[0].rename(one / "only")
     expect_error(["train", str(one), "--run", str(tmp_path / "r")], capsys, "only class 'only' is labeled; training needs at least two labeled classes (ROOT/<label>/<image>)")
     expect_error(["evaluate", str(tmp_path / "r"), str(one)], capsys, "no such run directory")  # failed trainings leave no run behind
+    deep = tmp_path / "deep" / "animals"  # one folder too high: ROOT/<group>/<label>/<image>
+    deep.mkdir(parents=True)
+    for folder in sorted(small_folder.iterdir())[:2]:
+        folder.rename(deep / folder.name)
+    said = f"only class 'animals' is labeled; training needs at least two labeled classes; its images are in folders under {deep}: if those are the classes, give {deep}"
+    expect_error(["train", str(tmp_path / "deep"), "--run", str(tmp_path / "r")], capsys, said)
 
 
 @pytest.mark.parametrize("command", ["export", "index", "search", "evaluate", "serve"])

@@ -160,6 +160,9 @@ def _refuse(config: TrainConfig, data: TrainingData, distinct: int) -> None:
         remedy = (
             ": label images of a second class, or train --self-supervised" if data.pool else " (ROOT/<label>/<image>)"
         )
+        inner = Path(config.data) / data.classes[0] if data.classes else None
+        if inner is not None and inner.is_dir() and any(entry.is_dir() for entry in inner.iterdir()):
+            remedy = f"; its images are in folders under {inner}: if those are the classes, give {inner}"
         raise RetrievalError(f"{config.data}: {found}; training needs at least two labeled classes{remedy}")
     if config.mode != SUPERVISED and len(data.pool) < 2:
         raise RetrievalError(
