@@ -22,6 +22,7 @@ from retrieval.data import (
     describe_variants,
     label_variants,
     load_collection,
+    one_level_too_high,
     shared_paths,
     split_by_class,
 )
@@ -128,10 +129,13 @@ def evaluate_collection(
         _, held_out = split_by_class(labeled, split_classes, seed)
         protocol = f"leave-one-out on {split_classes:g} of the classes (seed {seed})"
         collection = replace(collection, items=held_out)
-    if len({item.label for item in collection.items if item.label}) < 2:
+    labels = {item.label for item in collection.items if item.label}
+    if len(labels) < 2:
+        inner = one_level_too_high(collection.source, labels)
+        where = f"; its images are in folders under {inner}: if those are the classes, give {inner}" if inner else ""
         raise RetrievalError(
             f"{collection.source}: evaluation needs at least two labeled "
-            "classes (ROOT/<label>/<image> or a CSV with labels)"
+            f"classes (ROOT/<label>/<image> or a CSV with labels){where}"
         )
     vectors, items, skipped = _embed_labeled(embedder, collection, progress)
     described = {"protocol": protocol, "images": str(collection.source), "encoder": embedder.fingerprint}

@@ -83,6 +83,11 @@ def test_train_on_missing_empty_and_one_class_folders(tmp_path: Path, small_fold
         folder.rename(deep / folder.name)
     said = f"only class 'animals' is labeled; training needs at least two labeled classes; its images are in folders under {deep}: if those are the classes, give {deep}"
     expect_error(["train", str(tmp_path / "deep"), "--run", str(tmp_path / "r")], capsys, said)
+    from retrieval.embedders import PixelEmbedder
+    from retrieval.evaluation import evaluate_collection
+
+    with pytest.raises(RetrievalError, match=f"evaluation needs at least two labeled classes .*; its images are in folders under {deep}: if those are the classes, give {deep}$"):
+        evaluate_collection(PixelEmbedder(8), tmp_path / "deep", progress=False)
 
 
 @pytest.mark.parametrize("command", ["export", "index", "search", "evaluate", "serve"])

@@ -27,6 +27,7 @@ from retrieval.data import (
     describe_variants,
     label_variants,
     load_collection,
+    one_level_too_high,
     read_image_bytes,
     split_by_class,
     write_skip_report,
@@ -160,8 +161,8 @@ def _refuse(config: TrainConfig, data: TrainingData, distinct: int) -> None:
         remedy = (
             ": label images of a second class, or train --self-supervised" if data.pool else " (ROOT/<label>/<image>)"
         )
-        inner = Path(config.data) / data.classes[0] if data.classes else None
-        if inner is not None and inner.is_dir() and any(entry.is_dir() for entry in inner.iterdir()):
+        inner = one_level_too_high(config.data, set(data.classes))
+        if inner is not None:
             remedy = f"; its images are in folders under {inner}: if those are the classes, give {inner}"
         raise RetrievalError(f"{config.data}: {found}; training needs at least two labeled classes{remedy}")
     if config.mode != SUPERVISED and len(data.pool) < 2:
