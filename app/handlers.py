@@ -22,7 +22,7 @@ from pathlib import Path
 import gradio as gr
 
 from app.components import refused
-from app.service import SearchResult, SearchService, as_text, worded
+from app.service import LOST_TILE, SearchResult, SearchService, as_text, worded
 from index.search import ImageQuery, Query, QueryResult
 from index.types import Hit
 from retrieval.data import read_image_bytes
@@ -69,6 +69,18 @@ def result_tiles(service: SearchService, result: SearchResult) -> tuple[Tiles, l
         for rank, (hit, tile) in enumerate(zip(result.hits, shown), 1)
     ]
     return tiles, shown
+
+
+def lost_note(tiles: Tiles, hits: list[Hit]) -> str:
+    """A line under the summary where hits are grey tiles: their files cannot be read (moved or deleted since they
+    were indexed), said once, not left to be guessed."""
+    lost = [hit.path for hit, (tile, _) in zip(hits, tiles) if Path(tile).name == LOST_TILE]
+    if not lost:
+        return ""
+    return (
+        f"\n\n⚠️ {len(lost)} hit(s) shown grey: their files cannot be read (e.g. {as_text(str(lost[0]))}); moved or "
+        "deleted since they were indexed? Put them back, or index their folder again with `--sync`"
+    )
 
 
 def item_tiles(service: SearchService, ids: list[int], labelled: bool = True) -> tuple[Tiles, list[Shown]]:
@@ -223,14 +235,14 @@ class Handlers:
     def _shown(self, result: QueryResult, label: str) -> Searched:
         worded_result = worded(result, label, self.service.snapshot.labels)
         tiles, shown = result_tiles(self.service, worded_result)
-        return tiles, worded_result.summary, as_data(shown), marks(shown)
+        return tiles, worded_result.summary + lost_note(tiles, worded_result.hits), as_data(shown), marks(shown)
 
     def search_id(self, item_id: float, k: float, depth: float | None) -> Searched:
         result = self.service.search_item(int(item_id), int(k), int(depth) if depth else None)
         if result.failure is not None:
             raise refused(result.failure.message)
         tiles, shown = result_tiles(self.service, result)
-        return tiles, result.summary, as_data(shown), marks(shown)
+        return tiles, result.summary + lost_note(tiles, result.hits), as_data(shown), marks(shown)
 
     def choose(self, item_id: int) -> tuple[str, str]:
         """The item's file (a copy in the cache: same bytes, so the search leaves it out) and its label."""

@@ -51,6 +51,7 @@ from retrieval.runs import RunDir, read_json, write_atomic
 
 TRAINED_ON = "gallery images the run trained on"  # the Evaluate button's row where there are any
 THUMBNAIL = 256  # longest side of the thumbnails the app serves, in pixels
+LOST_TILE, GREY = "lost.jpg", (200, 200, 200)  # the tile of an indexed file that can no longer be read
 BROWSE_LIMIT = 200  # thumbnails shown for one label
 EXACT_SHOWN = ("recall@1", "recall@5", "map@r")  # "evaluate now" shows these of exact search beside the index's
 MAP_POINTS = 5_000  # gallery items drawn on the embedding map (a seeded sample above this)
@@ -265,18 +266,22 @@ class SearchService:
         return [self.thumbnail(rows[item_id].path, rows[item_id].sha256) for item_id in ids]
 
     def thumbnail(self, path: str | Path, digest: str) -> Path:
-        """The thumbnail of the image at path whose content has sha256 digest (a hit's path and sha256)."""
+        """The thumbnail of the image at path whose content has sha256 digest (a hit's path and sha256); the grey
+        LOST_TILE where the file cannot be read, not kept as its thumbnail (a file moved back is shown again)."""
         target = self.cache / "thumbnails" / f"{digest}.jpg"
-        if not target.is_file():
-            try:
-                data = read_image_bytes(Path(path))[0]
-                image = decode_image(data, path, THUMBNAIL)  # a large JPEG at the reduced scale a thumbnail needs
-            except ImageError:
-                image = Image.new("RGB", (THUMBNAIL, THUMBNAIL), (200, 200, 200))
-            image.thumbnail((THUMBNAIL, THUMBNAIL))
-            buffer = io.BytesIO()
-            image.save(buffer, format="JPEG", quality=88)
-            write_atomic(target, buffer.getvalue(), durable=False)  # a cache: rebuilt when lost
+        if target.is_file():
+            return target
+        try:
+            data = read_image_bytes(Path(path))[0]
+            image = decode_image(data, path, THUMBNAIL)  # a large JPEG at the reduced scale a thumbnail needs
+        except ImageError:
+            target, image = self.cache / "thumbnails" / LOST_TILE, Image.new("RGB", (THUMBNAIL, THUMBNAIL), GREY)
+            if target.is_file():
+                return target
+        image.thumbnail((THUMBNAIL, THUMBNAIL))
+        buffer = io.BytesIO()
+        image.save(buffer, format="JPEG", quality=88)
+        write_atomic(target, buffer.getvalue(), durable=False)  # a cache: rebuilt when lost
         return target
 
     # writing (only when started with allow_write)

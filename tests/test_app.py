@@ -401,6 +401,30 @@ def test_a_service_given_a_threshold_no_similarity_can_have_or_a_rerank_as_text_
         SearchService(app_run, rerank="qe")  # type: ignore[arg-type]  # no attribute 'describe', at the first search
 
 
+def test_hits_whose_files_are_gone_are_said_and_shown_again_once_back(service: SearchService, tmp_path: Path) -> None:
+    """A gallery moved after indexing showed grey tiles without a word, and the grey tile was kept as the image's
+    thumbnail: a file moved back stayed grey until the server restarted."""
+    from app.handlers import Handlers
+
+    paths = [tmp_path / "a.png", tmp_path / "b.png"]
+    for path, shade in zip(paths, (10, 14)):
+        Image.new("RGB", (64, 64), (shade, 200, shade)).save(path)
+    ids, _ = service.add_images(paths, "moved")
+    try:
+        copies = {item_id: service.items[item_id].path for item_id in ids}
+        away = {item_id: path.rename(tmp_path / f"away-{item_id}.png") for item_id, path in copies.items()}
+        summary = Handlers(service).search_id(ids[0], 3, None)[1]
+        assert f"hit(s) shown grey: their files cannot be read (e.g. {copies[ids[1]]})" in summary
+        assert "index their folder again with `--sync`" in summary
+        away[ids[1]].rename(copies[ids[1]])  # moved back
+        tile = service.thumbnails([ids[1]])[0]
+        assert tile.name != "lost.jpg" and Image.open(tile).getpixel((5, 5))[1] > 150
+        assert "shown grey" not in Handlers(service).search_id(ids[0], 3, None)[1]
+    finally:
+        away[ids[0]].rename(copies[ids[0]])
+        service.remove_items(ids)
+
+
 def test_a_read_only_app_has_no_write_endpoints(app_run: RunDir) -> None:
     from gradio_client import Client
 
