@@ -172,6 +172,21 @@ def test_search_of_a_web_address_says_to_download_it(tmp_path: Path, capsys: pyt
     )
 
 
+def test_search_says_when_the_hits_files_are_gone(demo_run: RunDir, small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A gallery moved after indexing: search printed paths that led nowhere, without a word."""
+    from retrieval.commands import main
+
+    index = tmp_path / "ix"
+    assert main(["index", str(demo_run.root), str(small_folder), "--index", str(index)]) == 0
+    small_folder.rename(tmp_path / "moved")
+    capsys.readouterr()
+    assert main(["search", str(demo_run.root), "--index", str(index), "--id", "1", "-k", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["hits"]  # the JSON on stdout is whole; the note goes to stderr
+    assert f"note: 2 hit(s)' files are no longer there (e.g. {small_folder}/" in captured.err
+    assert "index their folder again with --sync" in captured.err
+
+
 def test_a_quoted_pattern_says_the_shell_expands_it_without_quotes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`retrieval search RUN "photos/*.jpg"` said "photos/*.jpg: no such file or folder", as if photos/ were missing."""
     from retrieval.commands import main

@@ -107,6 +107,15 @@ def _print(answered: list[tuple[str | int | None, QueryResult]], threshold: floa
             errors.print(f"error: {result.error.message}", soft_wrap=True, highlight=False, markup=False)
         elif not as_json:
             _print_hits(result, query, threshold)
+    gone = sorted({hit.path for _, result in answered for hit in result.hits if not os.path.exists(hit.path)})
+    if gone:  # a gallery moved or deleted since it was indexed: the paths printed lead nowhere
+        errors.print(
+            f"note: {len(gone)} hit(s)' files are no longer there (e.g. {gone[0]}); moved or deleted since they were "
+            "indexed? Put them back, or index their folder again with --sync",
+            soft_wrap=True,
+            highlight=False,
+            markup=False,
+        )
     if failed and len(failed) == len(answered):
         raise RetrievalError(f"none of the {len(answered)} query images could be read (above); give image files")
     if failed:
