@@ -37,6 +37,7 @@ from index.types import (
     Row,
     rebuild_advice,
     search_queries,
+    storable,
 )
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
@@ -282,7 +283,8 @@ class MilvusIndex(ManifestFacts):
         fields = list(Row._fields)
         if ids is not None:
             client: Any = self.client
-            found = client.get(self.collection, ids=[int(i) for i in ids], output_fields=fields) if len(ids) else []
+            wanted = storable(ids)
+            found = client.get(self.collection, ids=wanted, output_fields=fields) if wanted else []
             return {int(row["id"]): _row(row) for row in found}
         rows: dict[int, Row] = {}
         pages = self.client.query_iterator(self.collection, batch_size=FETCH, filter="id >= 0", output_fields=fields)  # type: ignore[attr-defined]

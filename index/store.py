@@ -54,6 +54,7 @@ from index.types import (
     Row,
     rebuild_advice,
     search_queries,
+    storable,
 )
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
@@ -318,7 +319,7 @@ class GalleryIndex(ManifestFacts):
             if ids is None:
                 rows = connection.execute(f"{query} ORDER BY id").fetchall()
             else:
-                unique = sorted(set(ids))
+                unique = storable(ids)
                 rows = []
                 for start in range(0, len(unique), ID_CHUNK):
                     chunk = unique[start : start + ID_CHUNK]

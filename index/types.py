@@ -43,6 +43,12 @@ def item_ids(ids: Sequence[int]) -> list[int]:
     return [int(i) for i in ids]
 
 
+def storable(ids: Iterable[int]) -> list[int]:
+    """The distinct ids an index can hold (64-bit), sorted: one beyond them is no item's, not a failure of the
+    store (SQLite's OverflowError was a 500 of the API for /items/99999999999999999999/neighbours)."""
+    return sorted({int(i) for i in ids if -(2**63) <= i < 2**63})
+
+
 def index_folder(directory: str | Path | RunDir | GalleryBackend) -> Path:
     """The index's folder: the path given, for a run given as its RunDir the run's own index (RUN/index), and for an
     opened index (open_index's) its folder."""

@@ -96,6 +96,7 @@ def test_mistakes_get_one_line_and_the_right_status(served: tuple[SearchService,
         (httpx.post(f"{url}/api/v1/search", params={"rerank": "magic"}, content=image), 422, "unknown re-ranker 'magic'"),
         (httpx.post(f"{url}/api/v1/search", content=b"x" * (2 * 1024 * 1024)), 413, "over this server's limit of 1,048,576 bytes"),
         (httpx.get(f"{url}/api/v1/items/987654/neighbours"), 404, "no item with id 987654"),
+        (httpx.get(f"{url}/api/v1/items/99999999999999999999/neighbours"), 404, "no item with id 99999999999999999999"),  # a 500: SQLite's OverflowError
         # a form body that is not one said only "Invalid multipart data." (Starlette's)
         (httpx.post(f"{url}/api/v1/search", content=b"garbage", headers={"content-type": "multipart/form-data; boundary=x"}), 400, "the body is not multipart form data that can be read (Invalid multipart data): send the image as the multipart field"),
         (httpx.post(f"{url}/api/v1/search", content=b"garbage", headers={"content-type": "multipart/form-data"}), 400, "(Missing boundary in multipart)"),
