@@ -62,6 +62,7 @@ from retrieval.runs import file_sha256, write_json, write_refused
 
 RERANK = 8  # compressed types re-score this many candidates per result exactly
 ID_CHUNK = 500  # ids per SQLite query (below its limit on bound parameters)
+EXACT_LABEL = 1024  # a label of at most this many items is searched exactly, over its stored vectors
 COLUMN_LIMIT = 4_000_000  # up to this many items, searches look items up in memory (about 300 bytes an item)
 
 
@@ -216,12 +217,36 @@ class GalleryIndex(ManifestFacts):
         allowed = None if label is None else self._ids_with_label(label)
         if allowed is not None and not len(allowed):
             return self._arrays(np.full((len(queries), 0), -1, np.int64), np.zeros((len(queries), 0), np.float32))
+        if allowed is not None and self.kind != "flat" and len(allowed) <= EXACT_LABEL:
+            exact = self._label_exact(queries, allowed, k)
+            if exact is not None:
+                return self._arrays(*exact)
         searcher = self.searcher if allowed is None else self.vectors  # FAISS's GPU indexes take no selector
         selector = None if allowed is None else faiss.IDSelectorBatch(len(allowed), faiss.swig_ptr(allowed))
-        params = search_parameters(self.kind, depth or self.manifest.depth, selector)
         reachable = len(self) if allowed is None else len(allowed)
+        params = search_parameters(self.kind, self._filtered_depth(depth or self.manifest.depth, reachable), selector)
         scores, ids = search_ids(searcher, queries, min(k, reachable), params, self.raw, factor, reachable)
         return self._arrays(ids, scores)
+
+    def _label_exact(self, queries: np.ndarray, allowed: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(ids, scores) of the k best of a small label's items, compared exactly with their stored vectors (None
+        where the index cannot give them back): cheaper than a graph or lists deepened to meet a rare label."""
+        try:
+            vectors = self.vectors_of(allowed.tolist())
+        except RetrievalError:
+            return None
+        scores = queries @ vectors.T
+        order = np.lexsort((np.broadcast_to(allowed, scores.shape), -scores), axis=1)[:, : min(k, len(allowed))]
+        return allowed[order], np.take_along_axis(scores, order, axis=1)
+
+    def _filtered_depth(self, depth: int | None, reachable: int) -> int | None:
+        """The depth for a search among `reachable` of the items (one label's): the tuned one, deepened by the share
+        the label leaves out, as a graph or the inverted lists meet the label's items that much more rarely (a label
+        of 12 of 1,004 items got 1 hit of k=5 through HNSW8 at efSearch 27)."""
+        if depth is None or reachable >= len(self) or self.kind not in ("hnsw", "ivf"):
+            return depth
+        deepest = faiss.extract_index_ivf(self.vectors).nlist if self.kind == "ivf" else len(self)
+        return min(deepest, -(-depth * len(self) // max(reachable, 1)))
 
     def _arrays(self, ids: np.ndarray, scores: np.ndarray) -> HitArrays:
         """The hits of ids (-1: none) with their items' paths, labels and sha256."""
