@@ -385,3 +385,14 @@ def test_a_search_among_one_label_finds_its_items_on_approximate_indexes(tmp_pat
         assert (found >= 0).all(), exact_label  # ten hits for every query
         recall = np.mean([len(set(rare[truth[i]] + 1) & set(found[i])) / 10 for i in range(len(queries))])
         assert recall >= (1.0 if exact_label else 0.9), (exact_label, recall)
+
+
+def test_an_hnsw_search_for_more_hits_than_its_depth_returns_k(tmp_path: Path) -> None:
+    """-k 500 on 1,004 items through HNSW8 at efSearch 27 returned 221 hits: FAISS keeps efSearch candidates."""
+    rng = np.random.default_rng(4)
+    vectors = rng.standard_normal((1000, 16)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    items = [Item(Path(f"/g/{i}.png"), "a") for i in range(1000)]
+    built = GalleryIndex.create(tmp_path / "ix", [Additions(vectors, items, [f"{i:064x}" for i in range(1000)])], "e", 16, "HNSW8")
+    found = built.search_arrays(vectors[:3], 500, depth=10).ids
+    assert (found >= 0).sum(axis=1).tolist() == [500, 500, 500]
