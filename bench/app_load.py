@@ -88,21 +88,12 @@ def variants(sources: list[Path], count: int, target: Path, seed: int) -> None:
 
 def prepare(work: Path, images: int, model: str = "float32") -> tuple[Path, Path, list[Path]]:
     """The run, its 10,000-image index (of the model's embeddings) and the query images (made once, reused later)."""
-    run, index = (
-        work / ("run" if model == "float32" else f"run-{model}"),
-        work / (f"index-{images}" if model == "float32" else f"index-{images}-{model}"),
-    )
+    run, index = work / ("run" if model == "float32" else f"run-{model}"), work / (f"index-{images}" if model == "float32" else f"index-{images}-{model}")
     if not (run / "model.onnx").is_file():
-        subprocess.run(
-            [RETRIEVAL, "demo", "--no-serve", "--run", str(run), "--classes", "8", "--epochs", "2"],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
+        subprocess.run([RETRIEVAL, "demo", "--no-serve", "--run", str(run), "--classes", "8", "--epochs", "2"], check=True, stdout=subprocess.DEVNULL)
     if model == "int8" and not (run / "model.int8.onnx").is_file():
         # unwhitened: the whitening of a 2-epoch run's weak directions keeps its int8 model below the gate
-        subprocess.run(
-            [RETRIEVAL, "export", str(run), "--whiten", "none", "--int8"], check=True, stdout=subprocess.DEVNULL
-        )
+        subprocess.run([RETRIEVAL, "export", str(run), "--whiten", "none", "--int8"], check=True, stdout=subprocess.DEVNULL)
     sources = sorted((icons() / "train").rglob("*.png")) + sorted((icons() / "test").rglob("*.png"))
     gallery, queries = work / f"gallery-{images}", work / "queries"
     if not gallery.is_dir():
@@ -110,11 +101,7 @@ def prepare(work: Path, images: int, model: str = "float32") -> tuple[Path, Path
     if not queries.is_dir():
         variants(sources[::7], 100, queries, seed=2)
     if not (index / "manifest.json").is_file():
-        subprocess.run(
-            [RETRIEVAL, "index", str(run), str(gallery), "--index", str(index), "--model", model],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
+        subprocess.run([RETRIEVAL, "index", str(run), str(gallery), "--index", str(index), "--model", model], check=True, stdout=subprocess.DEVNULL)
     return run, index, sorted(queries.rglob("*.png"))
 
 
@@ -134,26 +121,13 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def serve(
-    run: Path, index: Path, max_batch: int | None, environment: dict[str, str] | None = None, model: str = "float32"
-) -> tuple[subprocess.Popen, str]:
+def serve(run: Path, index: Path, max_batch: int | None, environment: dict[str, str] | None = None, model: str = "float32") -> tuple[subprocess.Popen, str]:
     """Starts `retrieval serve` (with these extra environment variables) and waits until it answers."""
     port = free_port()
     checkout = (environment or {}).get(CHECKOUT)
     command = [sys.executable, "-c", FROM_CHECKOUT, checkout] if checkout else [RETRIEVAL]
     server = subprocess.Popen(
-        [
-            *command,
-            "serve",
-            str(run),
-            "--index",
-            str(index),
-            "--port",
-            str(port),
-            *(["--max-batch", str(max_batch)] if max_batch else []),
-            "--model",
-            model,
-        ],
+        [*command, "serve", str(run), "--index", str(index), "--port", str(port), *(["--max-batch", str(max_batch)] if max_batch else []), "--model", model],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, **(environment or {})},
@@ -170,9 +144,7 @@ def serve(
     raise SystemExit(f"retrieval serve did not answer on {url} within 120 s")
 
 
-def user(
-    url: str, seconds: float, think: float, queries: list[Path], seed: int, answers: multiprocessing.Queue
-) -> None:
+def user(url: str, seconds: float, think: float, queries: list[Path], seed: int, answers: multiprocessing.Queue) -> None:
     """One user in a process of its own (a client's CPU time would otherwise queue on one GIL): searches until the time is up."""
     from gradio_client import Client, handle_file
 
@@ -194,15 +166,7 @@ def user(
     answers.put((latencies, errors))
 
 
-def mixed_user(
-    url: str,
-    seconds: float,
-    good: list[Path],
-    bad: list[Path],
-    bad_share: float,
-    seed: int,
-    answers: multiprocessing.Queue,
-) -> None:
+def mixed_user(url: str, seconds: float, good: list[Path], bad: list[Path], bad_share: float, seed: int, answers: multiprocessing.Queue) -> None:
     """One user of --mixed: good or bad uploads at random; counts what went wrong for each kind."""
     from gradio_client import Client, handle_file
 
@@ -215,9 +179,7 @@ def mixed_user(
         is_bad = rng.random() < bad_share
         counts["bad" if is_bad else "good"] += 1
         try:
-            gallery, summary = client.predict(
-                handle_file(str(rng.choice(bad if is_bad else good))), 10, "", 0, api_name="/search"
-            )
+            gallery, summary = client.predict(handle_file(str(rng.choice(bad if is_bad else good))), 10, "", 0, api_name="/search")
         except Exception:  # noqa: BLE001 - an exception is a failure of either kind
             counts["bad without a message" if is_bad else "failed good"] += 1
             continue
@@ -236,15 +198,10 @@ def resident_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
-def mixed_load(
-    url: str, server_pid: int, users: int, seconds: float, good: list[Path], bad: list[Path], bad_share: float
-) -> dict:
+def mixed_load(url: str, server_pid: int, users: int, seconds: float, good: list[Path], bad: list[Path], bad_share: float) -> dict:
     """Runs --mixed: users processes for seconds; returns the counts, the memory samples and their growth."""
     answers: multiprocessing.Queue = multiprocessing.Queue()
-    processes = [
-        multiprocessing.Process(target=mixed_user, args=(url, seconds, good, bad, bad_share, seed, answers))
-        for seed in range(users)
-    ]
+    processes = [multiprocessing.Process(target=mixed_user, args=(url, seconds, good, bad, bad_share, seed, answers)) for seed in range(users)]
     for process in processes:
         process.start()
     ready = [answers.get() for _ in range(users)]
@@ -258,12 +215,7 @@ def mixed_load(
         process.join()
     quarter = max(1, len(samples) // 4)
     totals = {key: sum(count[key] for count in counts) for key in counts[0]}
-    return {
-        **totals,
-        "rss_first_mib": float(np.median(samples[:quarter])),
-        "rss_last_mib": float(np.median(samples[-quarter:])),
-        "rss_samples": samples,
-    }
+    return {**totals, "rss_first_mib": float(np.median(samples[:quarter])), "rss_last_mib": float(np.median(samples[-quarter:])), "rss_samples": samples}
 
 
 def bad_uploads(work: Path) -> list[Path]:
@@ -273,11 +225,7 @@ def bad_uploads(work: Path) -> list[Path]:
 
     shutil.rmtree(work / "adversarial", ignore_errors=True)
     corpus = write_corpus(work / "adversarial")
-    return sorted(
-        path
-        for path in corpus.bad.values()
-        if path.is_file() and not path.is_symlink() and os.access(path, os.R_OK) and str(path).isprintable()
-    )
+    return sorted(path for path in corpus.bad.values() if path.is_file() and not path.is_symlink() and os.access(path, os.R_OK) and str(path).isprintable())
 
 
 def load(url: str, users: int, seconds: float, think: float, queries: list[Path]) -> tuple[list[float], int]:
@@ -288,10 +236,7 @@ def load(url: str, users: int, seconds: float, think: float, queries: list[Path]
     for query in queries:  # the thumbnails of the results are made once, as in a server that has been up a while
         warm.predict(handle_file(str(query)), 10, "", 0, api_name="/search")
     answers: multiprocessing.Queue = multiprocessing.Queue()
-    processes = [
-        multiprocessing.Process(target=user, args=(url, seconds, think, queries, seed, answers))
-        for seed in range(users)
-    ]
+    processes = [multiprocessing.Process(target=user, args=(url, seconds, think, queries, seed, answers)) for seed in range(users)]
     for process in processes:
         process.start()
     results = [answers.get() for _ in range(2 * users)]
@@ -303,66 +248,26 @@ def load(url: str, users: int, seconds: float, think: float, queries: list[Path]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--users",
-        default=None,
-        help="numbers of concurrent users, separated by commas (default 1,4,16; with --mixed one number, default 32)",
-    )
+    parser.add_argument("--users", default=None, help="numbers of concurrent users, separated by commas (default 1,4,16; with --mixed one number, default 32)")
     parser.add_argument("--seconds", type=float, default=30.0)
-    parser.add_argument(
-        "--think",
-        type=float,
-        default=1.0,
-        help="mean pause of a user between queries, in the last row (uniform 0.5-1.5x)",
-    )
+    parser.add_argument("--think", type=float, default=1.0, help="mean pause of a user between queries, in the last row (uniform 0.5-1.5x)")
     parser.add_argument("--images", type=int, default=10_000)
     parser.add_argument("--work", type=Path, default=Path("/tmp/app_load"))
-    parser.add_argument(
-        "--mixed", action="store_true", help="good and bad uploads from --users users (default 32); memory sampled"
-    )
+    parser.add_argument("--mixed", action="store_true", help="good and bad uploads from --users users (default 32); memory sampled")
     parser.add_argument("--bad-share", type=float, default=0.25, help="with --mixed: the share of bad uploads")
-    parser.add_argument(
-        "--warmup", type=float, default=0.0, help="with --mixed: seconds of the same load before the measured run"
-    )
-    parser.add_argument(
-        "--baseline",
-        action="store_true",
-        help="with --mixed: also a server with the app's memory settings off, side by side",
-    )
+    parser.add_argument("--warmup", type=float, default=0.0, help="with --mixed: seconds of the same load before the measured run")
+    parser.add_argument("--baseline", action="store_true", help="with --mixed: also a server with the app's memory settings off, side by side")
     parser.add_argument("--json", type=Path, default=None, help="with --mixed: also write the figures here")
-    parser.add_argument(
-        "--service-only",
-        action="store_true",
-        help="the --mixed queries on the search service in this process, no server",
-    )
+    parser.add_argument("--service-only", action="store_true", help="the --mixed queries on the search service in this process, no server")
     parser.add_argument("--queries", type=int, default=4800, help="with --service-only: how many")
     parser.add_argument("--model", default="float32", help="the model the server embeds with: float32 or int8")
     parser.add_argument("--processes", action="store_true", help="gradio_client users, a process each (--users)")
     parser.add_argument("--clients", default="1,16,64", help="concurrent asynchronous clients of the JSON API, per row")
-    parser.add_argument(
-        "--gradio-clients", default="16", help="concurrent asynchronous clients of the Gradio route, per row"
-    )
-    parser.add_argument(
-        "--plain-http",
-        action="store_true",
-        help="the same rows again on a server with uvicorn's pure-Python HTTP (h11) and asyncio's loop",
-    )
-    parser.add_argument(
-        "--against",
-        type=Path,
-        action="append",
-        default=[],
-        help="a checkout of another version of this project (git worktree): the same rows on its server, side by side (repeatable)",
-    )
-    parser.add_argument(
-        "--max-batch", type=int, default=None, help="retrieval serve --max-batch (default: each server's own)"
-    )
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=3,
-        help="with --against or --plain-http: rounds over the servers in turn (medians)",
-    )
+    parser.add_argument("--gradio-clients", default="16", help="concurrent asynchronous clients of the Gradio route, per row")
+    parser.add_argument("--plain-http", action="store_true", help="the same rows again on a server with uvicorn's pure-Python HTTP (h11) and asyncio's loop")
+    parser.add_argument("--against", type=Path, action="append", default=[], help="a checkout of another version of this project (git worktree): the same rows on its server, side by side (repeatable)")
+    parser.add_argument("--max-batch", type=int, default=None, help="retrieval serve --max-batch (default: each server's own)")
+    parser.add_argument("--rounds", type=int, default=3, help="with --against or --plain-http: rounds over the servers in turn (medians)")
     args = parser.parse_args()
     console = Console(width=150)
     run, index, queries = prepare(args.work, args.images, args.model)
@@ -378,21 +283,8 @@ def main() -> None:
     args.users = args.users or "1,4,16"
     most = max(int(users) for users in args.users.split(","))
     settings = [(int(users), 16, 0.0) for users in args.users.split(",")] + [(most, 1, 0.0), (most, 16, args.think)]
-    table = Table(
-        title=f"retrieval serve, {args.images:,}-image Flat index, {args.seconds:.0f} s per row, each query uploaded, k=10"
-    )
-    for column in (
-        "users",
-        "think s",
-        "max batch",
-        "queries",
-        "queries/s",
-        "p50 ms",
-        "p95 ms",
-        "p99 ms",
-        "errors",
-        f"queries/s vs {most} unbatched",
-    ):
+    table = Table(title=f"retrieval serve, {args.images:,}-image Flat index, {args.seconds:.0f} s per row, each query uploaded, k=10")
+    for column in ("users", "think s", "max batch", "queries", "queries/s", "p50 ms", "p95 ms", "p99 ms", "errors", f"queries/s vs {most} unbatched"):
         table.add_column(column, justify="right")
     rows = []
     for users, max_batch, think in settings:
@@ -403,34 +295,11 @@ def main() -> None:
             server.terminate()
             server.wait()
         milliseconds = np.asarray(latencies or [float("nan")]) * 1000
-        rows.append(
-            (
-                users,
-                think,
-                max_batch,
-                len(latencies),
-                len(latencies) / args.seconds,
-                *np.percentile(milliseconds, [50, 95, 99]),
-                errors,
-            )
-        )
-        console.print(
-            f"{users} users, think {think:g} s, max batch {max_batch}: {rows[-1][4]:.1f} queries/s, p95 {rows[-1][6]:.0f} ms"
-        )
+        rows.append((users, think, max_batch, len(latencies), len(latencies) / args.seconds, *np.percentile(milliseconds, [50, 95, 99]), errors))
+        console.print(f"{users} users, think {think:g} s, max batch {max_batch}: {rows[-1][4]:.1f} queries/s, p95 {rows[-1][6]:.0f} ms")
     unbatched = rows[len(settings) - 2][4]
     for users, think, max_batch, count, qps, p50, p95, p99, errors in rows:
-        table.add_row(
-            str(users),
-            f"{think:g}",
-            str(max_batch),
-            f"{count:,}",
-            f"{qps:.1f}",
-            f"{p50:.0f}",
-            f"{p95:.0f}",
-            f"{p99:.0f}",
-            str(errors),
-            f"{qps / unbatched:.2f}x",
-        )
+        table.add_row(str(users), f"{think:g}", str(max_batch), f"{count:,}", f"{qps:.1f}", f"{p50:.0f}", f"{p95:.0f}", f"{p99:.0f}", str(errors), f"{qps / unbatched:.2f}x")
     console.print(table)
 
 
@@ -439,11 +308,7 @@ def mixed(args: argparse.Namespace, users: int, run: Path, index: Path, queries:
     bad = bad_uploads(args.work)
     settings = {"as shipped": {}}
     if args.baseline:
-        settings["memory settings off"] = {
-            "RETRIEVAL_TRIM_SECONDS": "0",
-            "GRADIO_ANALYTICS_MAX_EVENTS": "10000",
-            "GRADIO_ANALYTICS_CACHE_FREQUENCY": "1",
-        }
+        settings["memory settings off"] = {"RETRIEVAL_TRIM_SECONDS": "0", "GRADIO_ANALYTICS_MAX_EVENTS": "10000", "GRADIO_ANALYTICS_CACHE_FREQUENCY": "1"}
     rows = {}
     for name, environment in settings.items():
         server, url = serve(run, index, 16, environment)
@@ -459,53 +324,22 @@ def mixed(args: argparse.Namespace, users: int, run: Path, index: Path, queries:
         title=f"retrieval serve, {args.images:,}-image index, {users} users, {args.warmup:.0f} s warm-up then {args.seconds:.0f} s measured, "
         f"{args.bad_share:.0%} bad uploads ({len(bad)} kinds)"
     )
-    columns = (
-        "server",
-        "good queries",
-        "failed good",
-        "bad uploads",
-        "bad without a message",
-        "RSS first quarter MiB",
-        "last quarter MiB",
-        "min-max MiB",
-        "growth MiB",
-    )
+    columns = ("server", "good queries", "failed good", "bad uploads", "bad without a message", "RSS first quarter MiB", "last quarter MiB", "min-max MiB", "growth MiB")
     for column in columns:
         table.add_column(column, justify="right")
     for name, figures in rows.items():
         samples = figures["rss_samples"]
         table.add_row(
-            name,
-            f"{figures['good']:,}",
-            str(figures["failed good"]),
-            f"{figures['bad']:,}",
-            str(figures["bad without a message"]),
-            f"{figures['rss_first_mib']:.0f}",
-            f"{figures['rss_last_mib']:.0f}",
-            f"{min(samples):.0f}-{max(samples):.0f}",
-            f"{figures['growth_mib']:+.0f}",
+            name, f"{figures['good']:,}", str(figures["failed good"]), f"{figures['bad']:,}", str(figures["bad without a message"]),
+            f"{figures['rss_first_mib']:.0f}", f"{figures['rss_last_mib']:.0f}", f"{min(samples):.0f}-{max(samples):.0f}", f"{figures['growth_mib']:+.0f}",
         )
     console.print(table)
     if args.json:
         shipped = rows["as shipped"]
-        args.json.write_text(
-            json.dumps(
-                {**shipped, "users": users, "seconds": args.seconds, "warmup": args.warmup, "rows": rows}, indent=1
-            )
-            + "\n"
-        )
+        args.json.write_text(json.dumps({**shipped, "users": users, "seconds": args.seconds, "warmup": args.warmup, "rows": rows}, indent=1) + "\n")
 
 
-def service_only(
-    run: Path,
-    index: Path,
-    good: list[Path],
-    bad: list[Path],
-    bad_share: float,
-    count: int,
-    work: Path,
-    console: Console,
-) -> None:
+def service_only(run: Path, index: Path, good: list[Path], bad: list[Path], bad_share: float, count: int, work: Path, console: Console) -> None:
     """The --mixed queries on app.service.SearchService in this process: its memory before and after."""
     from app.service import SearchService
     from retrieval.runs import RunDir
@@ -517,9 +351,8 @@ def service_only(
         batch = [rng.choice(bad if rng.random() < bad_share else good) for _ in range(4)]
         for result in service.search_images(batch, [10] * 4, [""] * 4, [None] * 4):
             service.thumbnails([hit.id for hit in result.hits])
-    console.print(
-        f"search service alone, {count:,} queries ({bad_share:.0%} bad) with thumbnails: resident memory {before:.0f} → {resident_mib(os.getpid()):.0f} MiB"
-    )
+    console.print(f"search service alone, {count:,} queries ({bad_share:.0%} bad) with thumbnails: resident memory {before:.0f} → {resident_mib(os.getpid()):.0f} MiB")
+
 
 
 def cpu_seconds(pid: int) -> float:
@@ -549,9 +382,7 @@ async def gradio_query(client: object, url: str, image: bytes) -> None:
         raise ValueError(f"{len(results[0])} results")
 
 
-async def closed_loop(
-    url: str, clients: int, seconds: float, images: list[bytes], query: object
-) -> tuple[list[float], int]:
+async def closed_loop(url: str, clients: int, seconds: float, images: list[bytes], query: object) -> tuple[list[float], int]:
     """clients concurrent loops of queries for seconds; every latency (s) and the number of errors."""
     import httpx
 
@@ -578,9 +409,7 @@ def asynchronous(args: argparse.Namespace, run: Path, index: Path, queries: list
     """The default table: the JSON API and the Gradio route under one asynchronous client process; with --against
     or --plain-http, the same rows on each server setting in turn, --rounds times (medians, side by side)."""
     images = [path.read_bytes() for path in queries]
-    rows = [("JSON API", int(n), json_query) for n in args.clients.split(",") if n] + [
-        ("Gradio /search", int(n), gradio_query) for n in args.gradio_clients.split(",") if n
-    ]
+    rows = [("JSON API", int(n), json_query) for n in args.clients.split(",") if n] + [("Gradio /search", int(n), gradio_query) for n in args.gradio_clients.split(",") if n]
     settings = [("this checkout", {})]
     settings += [(f"{checkout}", {CHECKOUT: str(checkout.resolve())}) for checkout in args.against]
     settings += [("h11, asyncio loop", {"PYTHONPATH": str(plain_http_shim(args.work))})] if args.plain_http else []
@@ -591,28 +420,17 @@ def asynchronous(args: argparse.Namespace, run: Path, index: Path, queries: list
             try:
                 for route, clients, figures in load_rows(url, rows, server, images, args):
                     measured.setdefault((setting, route, clients), []).append(figures)
-                    console.print(
-                        f"{setting}: {route}, {clients} clients: {figures['queries/s']:.1f} queries/s, p95 {figures['p95 ms']:.0f} ms, server CPU {figures['server CPU ms/query']:.2f} ms/query"
-                    )
+                    console.print(f"{setting}: {route}, {clients} clients: {figures['queries/s']:.1f} queries/s, p95 {figures['p95 ms']:.0f} ms, server CPU {figures['server CPU ms/query']:.2f} ms/query")
             finally:
                 server.terminate()
                 server.wait()
     rounds = len(next(iter(measured.values())))
-    table = Table(
-        title=f"retrieval serve --model {args.model}, {args.images:,}-image Flat index, one asynchronous client process, closed loop, {args.seconds:.0f} s per row, k=10{f'; medians of {rounds} alternating rounds' if rounds > 1 else ''}"
-    )
+    table = Table(title=f"retrieval serve --model {args.model}, {args.images:,}-image Flat index, one asynchronous client process, closed loop, {args.seconds:.0f} s per row, k=10{f'; medians of {rounds} alternating rounds' if rounds > 1 else ''}")
     for column in ("server", "route", "clients", "queries", *FIGURES, "errors"):
         table.add_column(column, justify="right")
     for (setting, route, clients), runs in measured.items():
         medians = [float(np.median([figures[name] for figures in runs])) for name in FIGURES]
-        table.add_row(
-            setting,
-            route,
-            str(clients),
-            f"{sum(figures['queries'] for figures in runs) // len(runs):,}",
-            *(f"{value:.1f}" for value in medians),
-            str(sum(figures["errors"] for figures in runs)),
-        )
+        table.add_row(setting, route, str(clients), f"{sum(figures['queries'] for figures in runs) // len(runs):,}", *(f"{value:.1f}" for value in medians), str(sum(figures["errors"] for figures in runs)))
     console.print(table)
 
 
@@ -624,15 +442,11 @@ def plain_http_shim(work: Path) -> Path:
     shim = work / "plain-http"
     for module in ("httptools", "uvloop"):
         (shim / module).mkdir(parents=True, exist_ok=True)
-        (shim / module / "__init__.py").write_text(
-            f"raise ImportError('{module} hidden by bench/app_load.py --plain-http')\n"
-        )
+        (shim / module / "__init__.py").write_text(f"raise ImportError('{module} hidden by bench/app_load.py --plain-http')\n")
     return shim
 
 
-def load_rows(
-    url: str, rows: list, server: subprocess.Popen, images: list[bytes], args: argparse.Namespace
-) -> Iterator[tuple[str, int, dict]]:
+def load_rows(url: str, rows: list, server: subprocess.Popen, images: list[bytes], args: argparse.Namespace) -> Iterator[tuple[str, int, dict]]:
     """Each row's closed loop against the server at url, after a warm-up: (route, clients, figures)."""
     for _, _, query in rows[:1] + rows[-1:]:  # warm-up: the first calls of each route, thumbnails made
         asyncio.run(closed_loop(url, 4, 3.0, images, query))
@@ -643,22 +457,7 @@ def load_rows(
         busy = (used + client) / (time.monotonic() - started)  # of os.cpu_count() cores
         p50, p95, p99 = np.percentile(np.asarray(latencies or [float("nan")]) * 1000, [50, 95, 99])
         per_query = 1000 / max(1, len(latencies))
-        yield (
-            route,
-            clients,
-            {
-                "queries": len(latencies),
-                "queries/s": len(latencies) / args.seconds,
-                "p50 ms": p50,
-                "p95 ms": p95,
-                "p99 ms": p99,
-                "server CPU ms/query": used * per_query,
-                "client CPU ms/query": client * per_query,
-                "cores busy": busy,
-                "errors": errors,
-            },
-        )
-
+        yield route, clients, {"queries": len(latencies), "queries/s": len(latencies) / args.seconds, "p50 ms": p50, "p95 ms": p95, "p99 ms": p99, "server CPU ms/query": used * per_query, "client CPU ms/query": client * per_query, "cores busy": busy, "errors": errors}
 
 if __name__ == "__main__":
     main()

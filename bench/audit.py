@@ -76,9 +76,7 @@ def moved(items: list[Item], seed: int) -> tuple[list[Item], set[Path]]:
 
 def audited(run: Path, data: Path, *options: str) -> dict:
     """`retrieval audit RUN DATA --json [options]`, parsed."""
-    done = subprocess.run(
-        [RETRIEVAL, "audit", str(run), str(data), "--json", *options], check=True, capture_output=True, text=True
-    )
+    done = subprocess.run([RETRIEVAL, "audit", str(run), str(data), "--json", *options], check=True, capture_output=True, text=True)
     return json.loads(done.stdout)
 
 
@@ -95,9 +93,7 @@ def vote(run: Path, items: list[Item]) -> list[Path]:
 def found(ranked: list[Path], moved_paths: set[Path]) -> tuple[float, float]:
     """(precision@N, share of the moved in the top 2N)."""
     count = len(moved_paths)
-    return sum(path in moved_paths for path in ranked[:count]) / count, sum(
-        path in moved_paths for path in ranked[: 2 * count]
-    ) / count
+    return sum(path in moved_paths for path in ranked[:count]) / count, sum(path in moved_paths for path in ranked[: 2 * count]) / count
 
 
 def labels_setting(name: str, run: Path, items: list[Item], work: Path, *options: str) -> dict:
@@ -130,9 +126,7 @@ def planted(items: list[Item], work: Path, count: int = 100, seed: int = 0) -> l
             image = Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
         elif kind == "resize":
             scale = rng.uniform(0.5, 2.0)
-            image = image.resize(
-                (max(8, round(image.width * scale)), max(8, round(image.height * scale))), Image.BICUBIC
-            )
+            image = image.resize((max(8, round(image.width * scale)), max(8, round(image.height * scale))), Image.BICUBIC)
         elif kind == "crop":
             width, height = image.size
             left, top = rng.uniform(0, 0.1 * width), rng.uniform(0, 0.1 * height)
@@ -154,9 +148,7 @@ def copies_setting(name: str, run: Path, items: list[Item], work: Path) -> dict:
     true = {tuple(sorted((row_of[original], row_of[copy]))) for original, copy, _ in copies}
     pixels = {row: np.asarray(load_image(item.path)) for row, item in enumerate(done.items)}
     pairs = find_copies(done.vectors, done.hashes, done.thumbnails, threshold=1.0)
-    same = {
-        (p.a, p.b) for p in pairs if pixels[p.a].shape == pixels[p.b].shape and np.array_equal(pixels[p.a], pixels[p.b])
-    }
+    same = {(p.a, p.b) for p in pairs if pixels[p.a].shape == pixels[p.b].shape and np.array_equal(pixels[p.a], pixels[p.b])}
     scored = [(p.difference, (p.a, p.b) in true or (p.a, p.b) in same) for p in pairs if p.difference < 1.0]
     differences = np.array([d for d, _ in scored])
     right = np.array([r for _, r in scored])
@@ -168,14 +160,7 @@ def copies_setting(name: str, run: Path, items: list[Item], work: Path) -> dict:
     kinds = {kind: [tuple(sorted((row_of[o], row_of[c]))) for o, c, k in copies if k == kind] for kind in KINDS}
     differences_of = {(p.a, p.b): p.difference for p in pairs}
     worst = {kind: round(max(differences_of.get(pair, 1.0) for pair in rows), 4) for kind, rows in kinds.items()}
-    return {
-        "setting": name,
-        "images": len(items),
-        "planted": len(copies),
-        "copies in the originals": len(same),
-        "curve": curve,
-        "worst difference by kind": worst,
-    }
+    return {"setting": name, "images": len(items), "planted": len(copies), "copies in the originals": len(same), "curve": curve, "worst difference by kind": worst}
 
 
 def at_threshold(curve: list[dict], threshold: float) -> dict:
@@ -194,13 +179,7 @@ def outliers_setting(name: str, run: Path, items: list[Item], strangers: list[Pa
     for spread in spreads:
         audit_module.OUTLIER_SPREAD = spread
         alone = sum(
-            bool(
-                [
-                    o
-                    for o in outliers(own.items + [item], np.concatenate([own.vectors, vector[None]]))
-                    if o.path == item.path
-                ]
-            )
+            bool([o for o in outliers(own.items + [item], np.concatenate([own.vectors, vector[None]])) if o.path == item.path])
             for item, vector in zip(foreign.items, foreign.vectors, strict=True)
         )
         together = {o.path for o in outliers(own.items + foreign.items, np.concatenate([own.vectors, foreign.vectors]))}
@@ -209,9 +188,7 @@ def outliers_setting(name: str, run: Path, items: list[Item], strangers: list[Pa
             "collection listed": sum(i.path in together for i in own.items),
             "collection listed alone": len(outliers(own.items, own.vectors)),
         })  # fmt: skip
-    trained_on = embed_items(
-        embedder, load_collection(Path(json.loads(RunDir(run).config.read_text())["data"])).items, progress=False
-    ).vectors
+    trained_on = embed_items(embedder, load_collection(Path(json.loads(RunDir(run).config.read_text())["data"])).items, progress=False).vectors
     return {
         "setting": name, "images": len(own.items), "strangers": len(foreign.items), "by spread": rows,
         "AUROC, strangers together (noise; glyphs)": separation(own.vectors, foreign.vectors, trained_on),
@@ -248,9 +225,7 @@ def time_setting(run: Path, items: list[Item], work: Path, count: int = 10_000) 
         for number in range(count):
             item = items[number % len(items)]
             augmented_copy(load_image(item.path), rng).save(folder / f"{number:05d}.png")
-    data = write_collection_csv(
-        work / "ten-thousand.csv", [Item(path, path.stem[-1]) for path in sorted(folder.glob("*.png"))]
-    )
+    data = write_collection_csv(work / "ten-thousand.csv", [Item(path, path.stem[-1]) for path in sorted(folder.glob("*.png"))])
     embedder = OnnxEmbedder.from_run(RunDir(run))
     started = time.perf_counter()
     embed_items(embedder, load_collection(data).items, progress=False)
@@ -258,12 +233,7 @@ def time_setting(run: Path, items: list[Item], work: Path, count: int = 10_000) 
     started = time.perf_counter()
     audited(run, data)
     whole = time.perf_counter() - started
-    return {
-        "images": count,
-        "embedding pass s": round(embedding, 1),
-        "audit s (command, start-up included)": round(whole, 1),
-        "ratio": round(whole / embedding, 2),
-    }
+    return {"images": count, "embedding pass s": round(embedding, 1), "audit s (command, start-up included)": round(whole, 1), "ratio": round(whole / embedding, 2)}
 
 
 def folds_setting(work: Path, epochs: int) -> dict:
@@ -319,9 +289,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--fold-run-epochs", type=int, default=30)
-    parser.add_argument(
-        "--skip", default="", help="comma-separated parts to leave out: labels, copies, outliers, time, folds"
-    )
+    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: labels, copies, outliers, time, folds")
     arguments = parser.parse_args()
     work, skip = arguments.work, set(arguments.skip.split(","))
     work.mkdir(parents=True, exist_ok=True)
@@ -337,18 +305,11 @@ def main() -> None:
         result["labels"] = [
             labels_setting("glyphs a, c, e, ... (to choose)", glyph_run, load_collection(glyph_choose).items, work),
             labels_setting("glyphs b, d, f, ... (report)", glyph_run, load_collection(glyph_report).items, work),
-            labels_setting(
-                "icons held-out training fifth (to choose)", icon_run, load_collection(validation).items, work
-            ),
+            labels_setting("icons held-out training fifth (to choose)", icon_run, load_collection(validation).items, work),
             labels_setting("icons test/ (report)", icon_run, test, work),
         ]
     if "copies" not in skip:
-        result["copies"] = [
-            copies_setting(
-                "icons held-out training fifth (to choose)", icon_run, load_collection(validation).items, work
-            ),
-            copies_setting("icons test/ (report)", icon_run, test, work),
-        ]
+        result["copies"] = [copies_setting("icons held-out training fifth (to choose)", icon_run, load_collection(validation).items, work), copies_setting("icons test/ (report)", icon_run, test, work)]
         for setting in result["copies"]:
             setting["at the threshold"] = at_threshold(setting["curve"], COPY_DIFFERENCE)
         if arguments.plot:
@@ -358,13 +319,7 @@ def main() -> None:
         choose = noise[20:40] + [item.path for item in load_collection(glyph_choose).items][:20]
         report = noise[:20] + [item.path for item in load_collection(glyph_report).items][:20]
         result["outliers"] = [
-            outliers_setting(
-                "icons held-out training fifth + 20 noise + 20 glyphs a, c, e (to choose)",
-                icon_run,
-                load_collection(validation).items,
-                choose,
-                spreads,
-            ),
+            outliers_setting("icons held-out training fifth + 20 noise + 20 glyphs a, c, e (to choose)", icon_run, load_collection(validation).items, choose, spreads),
             outliers_setting("icons test/ + 20 noise + 20 glyphs b, d, f (report)", icon_run, test, report, spreads),
         ]
     if "time" not in skip:

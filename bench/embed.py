@@ -144,20 +144,11 @@ def decoding_table(galleries: dict[str, Path], embedder: OnnxEmbedder, args: arg
     one thread per core, best of --repeats: whether the decoding of the indexing pipelines runs in parallel."""
     cores = os.cpu_count() or 1
     table = Table(title=f"reading, decoding and preparing images, no model (best of {args.repeats})")
-    for column in (
-        "gallery",
-        "images",
-        "1 thread, images/s",
-        f"{cores} threads, images/s",
-        f"{cores} threads vs 1",
-        "µs of a core an image",
-    ):
+    for column in ("gallery", "images", "1 thread, images/s", f"{cores} threads, images/s", f"{cores} threads vs 1", "µs of a core an image"):
         table.add_column(column, justify="right")
 
     def prepared(chunk: list) -> np.ndarray:
-        return embedder.prepare(
-            [decode_image(read_image_bytes(item.path)[0], item.path, embedder.input_size) for item in chunk]
-        )
+        return embedder.prepare([decode_image(read_image_bytes(item.path)[0], item.path, embedder.input_size) for item in chunk])
 
     for label, folder in galleries.items():
         items = load_collection(folder).items
@@ -167,14 +158,7 @@ def decoding_table(galleries: dict[str, Path], embedder: OnnxEmbedder, args: arg
             with ThreadPoolExecutor(threads) as pool:
                 seconds[threads] = best_seconds(lambda: list(pool.map(prepared, chunks)), args.repeats)
         n = len(items)
-        table.add_row(
-            label,
-            f"{n:,}",
-            f"{n / seconds[1]:,.0f}",
-            f"{n / seconds[cores]:,.0f}",
-            f"{seconds[1] / seconds[cores]:.2f}x",
-            f"{seconds[1] / n * 1e6:.0f}",
-        )
+        table.add_row(label, f"{n:,}", f"{n / seconds[1]:,.0f}", f"{n / seconds[cores]:,.0f}", f"{seconds[1] / seconds[cores]:.2f}x", f"{seconds[1] / n * 1e6:.0f}")
     return table
 
 
@@ -191,9 +175,7 @@ def journal_table(dim: int, scratch: Path, args: argparse.Namespace, rows: int =
             journal = Journal(scratch / "journal-bench.sqlite", "encoder", dim)
             started = time.perf_counter()
             for start in range(0, rows, batch):
-                journal.add(
-                    items[start : start + batch], digests[start : start + batch], vectors[start : start + batch]
-                )
+                journal.add(items[start : start + batch], digests[start : start + batch], vectors[start : start + batch])
             written = time.perf_counter() - started
             started = time.perf_counter()
             sum(len(chunk.items) for chunk in journal.chunks())

@@ -25,6 +25,7 @@ from rich.table import Table  # noqa: E402
 from index.choice import nlist_for  # noqa: E402
 
 
+
 def _bench_index_module() -> object:
     """bench/index.py, loaded by path: its data generator, without its name hiding the project's index package."""
     spec = importlib.util.spec_from_file_location("bench_index", Path(__file__).with_name("index.py"))
@@ -66,14 +67,7 @@ def main() -> None:
             seconds = time.perf_counter() - started
             truth = ids if truth is None else truth
             recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(ids, truth)])
-            table.add_row(
-                factory,
-                str(nprobe or "-"),
-                f"{build:.1f}",
-                f"{seconds:.3f}",
-                f"{args.queries / seconds:,.0f}",
-                f"{recall:.3f}",
-            )
+            table.add_row(factory, str(nprobe or "-"), f"{build:.1f}", f"{seconds:.3f}", f"{args.queries / seconds:,.0f}", f"{recall:.3f}")
     Console(width=120).print(table)
 
 

@@ -137,15 +137,11 @@ def additions(gallery: np.ndarray) -> list[Additions]:
     return chunks
 
 
-def through_search(
-    factory: str | None, gallery: np.ndarray, queries: np.ndarray, memory: int, folder: Path
-) -> tuple[GalleryIndex, dict]:
+def through_search(factory: str | None, gallery: np.ndarray, queries: np.ndarray, memory: int, folder: Path) -> tuple[GalleryIndex, dict]:
     """Builds the index with GalleryIndex.create (factory None: index.choice's pick), reads its items into memory (one
     warm-up call) and times 300 queries one at a time; the batch is timed by rounds() beside the other index."""
     started = time.perf_counter()
-    index = GalleryIndex.create(
-        folder / (factory or "auto"), additions(gallery), "bench", gallery.shape[1], factory, memory
-    )
+    index = GalleryIndex.create(folder / (factory or "auto"), additions(gallery), "bench", gallery.shape[1], factory, memory)
     build = time.perf_counter() - started
     started = time.perf_counter()
     index.search_arrays(queries[:10], 10)
@@ -171,10 +167,7 @@ def batch_round(index: GalleryIndex, queries: np.ndarray) -> tuple[dict, np.ndar
     """Batch QPS of the bare FAISS index at the tuned depth, of search_arrays and of search (Hit objects); the ids."""
     qps, found = {}, None
     for name, call in (
-        (
-            "qps_faiss",
-            lambda: faiss_search(index.vectors, queries, 10, search_parameters(index.kind, index.manifest.depth)),
-        ),
+        ("qps_faiss", lambda: faiss_search(index.vectors, queries, 10, search_parameters(index.kind, index.manifest.depth))),
         ("qps", lambda: index.search_arrays(queries, 10)),
         ("qps_hits", lambda: index.search(queries, 10)),
     ):
@@ -185,9 +178,7 @@ def batch_round(index: GalleryIndex, queries: np.ndarray) -> tuple[dict, np.ndar
     return qps, found
 
 
-def rounds(
-    exact: GalleryIndex, auto: GalleryIndex, queries: np.ndarray, count: int
-) -> tuple[dict, dict, np.ndarray, np.ndarray]:
+def rounds(exact: GalleryIndex, auto: GalleryIndex, queries: np.ndarray, count: int) -> tuple[dict, dict, np.ndarray, np.ndarray]:
     """count rounds of exact then auto batches, so that a change in the machine's speed reaches both; the medians
     of each QPS and of the per-round speed-up over exact (the cores here vary by 2x between minutes)."""
     measured: dict[str, list[dict]] = {"exact": [], "auto": []}
@@ -196,9 +187,7 @@ def rounds(
         for name, index in (("exact", exact), ("auto", auto)):
             qps, found[name] = batch_round(index, queries)
             measured[name].append(qps)
-    medians = {
-        name: {key: float(np.median([row[key] for row in rows])) for key in rows[0]} for name, rows in measured.items()
-    }
+    medians = {name: {key: float(np.median([row[key] for row in rows])) for key in rows[0]} for name, rows in measured.items()}
     speedups = [a["qps"] / e["qps"] for a, e in zip(measured["auto"], measured["exact"])]
     medians["auto"]["speedup_rounds"] = speedups
     medians["auto"]["speedup"] = float(np.median(speedups))
@@ -230,37 +219,22 @@ def plot(curves: list[dict], exact_qps: float, title: str, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--data",
-        default="whitened",
-        choices=["whitened", "encoder", "clustered"],
-        help="whitened or encoder (fitted: bench/data/spectrum-*.json), or clustered",
-    )
+    parser.add_argument("--data", default="whitened", choices=["whitened", "encoder", "clustered"], help="whitened or encoder (fitted: bench/data/spectrum-*.json), or clustered")
     parser.add_argument("--size", type=int, default=1_000_000)
     parser.add_argument("--queries", type=int, default=10_000)
     parser.add_argument("--curve-queries", type=int, default=2_000)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--memory", default="64GB", help="budget given to the automatic choice")
-    parser.add_argument(
-        "--types",
-        default=None,
-        help="factory strings for the curves separated by ; with Flat first (default: Flat, HNSW32, IVF-Flat, IVF-SQ8, OPQ+IVF-PQ; '' for none)",
-    )
+    parser.add_argument("--types", default=None, help="factory strings for the curves separated by ; with Flat first (default: Flat, HNSW32, IVF-Flat, IVF-SQ8, OPQ+IVF-PQ; '' for none)")
     parser.add_argument("--no-auto", action="store_true", help="the curves only, without part 2")
     parser.add_argument("--rounds", type=int, default=3, help="part 2: batch rounds of exact then auto (medians)")
     parser.add_argument("--plot", type=Path, default=None, help="default docs/index-<data>.png")
-    parser.add_argument(
-        "--out", type=Path, default=None, help="write the rows as JSON (a part not run this time is kept from the file)"
-    )
+    parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON (a part not run this time is kept from the file)")
     args = parser.parse_args()
     gallery = generated(args.data, args.size, args.dim, seed=1)
     queries = generated(args.data, args.queries, args.dim, seed=2)
     nlist = nlist_for(args.size)
-    types = (
-        ["Flat", "HNSW32", f"IVF{nlist},Flat", f"IVF{nlist},SQ8", f"OPQ32,IVF{nlist},PQ32"]
-        if args.types is None
-        else [t for t in args.types.split(";") if t]
-    )
+    types = ["Flat", "HNSW32", f"IVF{nlist},Flat", f"IVF{nlist},SQ8", f"OPQ32,IVF{nlist},PQ32"] if args.types is None else [t for t in args.types.split(";") if t]
     if types and types[0] != "Flat":
         raise SystemExit("put Flat first: it gives the exact neighbours")
     sample = gallery[np.random.default_rng(3).permutation(args.size)[: 40 * nlist]]
@@ -276,11 +250,7 @@ def main() -> None:
     searched = [] if args.no_auto else automatic(args, gallery, queries, title)
     if args.out:
         kept = json.loads(args.out.read_text()) if args.out.is_file() else {}
-        rows = {
-            "data": args.data,
-            "size": args.size,
-            "curves": [{k: v for k, v in c.items() if k != "truth"} for c in curves] or kept.get("curves", []),
-        }
+        rows = {"data": args.data, "size": args.size, "curves": [{k: v for k, v in c.items() if k != "truth"} for c in curves] or kept.get("curves", [])}
         rows["search"] = searched or kept.get("search", [])
         args.out.write_text(json.dumps(rows, indent=1) + "\n")
 
@@ -300,59 +270,27 @@ def automatic(args: argparse.Namespace, gallery: np.ndarray, queries: np.ndarray
 
 def show_curves(curves: list[dict], exact_qps: float, title: str) -> None:
     """One table row per type and depth."""
-    table = Table(
-        title=f"{title}: recall@10 by depth ({len(curves[0]['truth']):,} held-out queries, index.faiss_ops.search_ids)"
-    )
+    table = Table(title=f"{title}: recall@10 by depth ({len(curves[0]['truth']):,} held-out queries, index.faiss_ops.search_ids)")
     for column in ("index", "build s", "size MiB", "depth", "batch QPS", "vs exact", "recall@10"):
         table.add_column(column, justify="right")
     for row in curves:
         for point in row["points"]:
             first = point is row["points"][0]
             build, size = (f"{row['build_s']:.1f}", f"{row['size_mib']:.0f}") if first else ("", "")
-            table.add_row(
-                row["factory"] if first else "",
-                build,
-                size,
-                str(point["depth"] or "-"),
-                f"{point['qps']:,.0f}",
-                f"{point['qps'] / exact_qps:.1f}x",
-                f"{point['recall@10']:.3f}",
-            )
+            table.add_row(row["factory"] if first else "", build, size, str(point["depth"] or "-"), f"{point['qps']:,.0f}", f"{point['qps'] / exact_qps:.1f}x", f"{point['recall@10']:.3f}")
     Console(width=160).print(table)
 
 
 def show_auto(exact: dict, auto: dict, reason: str, title: str) -> None:
     """Exact search and the automatic choice, both built and searched as retrieval index and its callers do."""
     table = Table(title=f"{title}: through GalleryIndex.search_arrays; auto = {auto['factory']} ({reason})")
-    columns = (
-        "index",
-        "build s",
-        "tuned depth",
-        "tuned recall (held-out sample)",
-        "batch QPS",
-        "vs exact",
-        "vs bare FAISS",
-        "as Hit objects",
-        "1-query ms",
-        "recall@10 held-out",
-    )
+    columns = ("index", "build s", "tuned depth", "tuned recall (held-out sample)", "batch QPS", "vs exact", "vs bare FAISS", "as Hit objects", "1-query ms", "recall@10 held-out")
     for column in columns:
         table.add_column(column, justify="right")
     for row in (exact, auto):
         depth = ", ".join(f"{k}={v}" for k, v in row["depth"].items()) or "-"
         recall = row.get("recall@10", 1.0)
-        table.add_row(
-            row["factory"],
-            f"{row['build_s']:.1f}",
-            depth,
-            f"{row['tuned_recall@10']:.3f}",
-            f"{row['qps']:,.0f}",
-            f"{row.get('speedup', 1.0):.1f}x",
-            f"{row['qps'] / row['qps_faiss']:.2f}x",
-            f"{row['qps_hits'] / row['qps_faiss']:.2f}x",
-            f"{row['latency_ms']:.2f}",
-            f"{recall:.3f}",
-        )
+        table.add_row(row["factory"], f"{row['build_s']:.1f}", depth, f"{row['tuned_recall@10']:.3f}", f"{row['qps']:,.0f}", f"{row.get('speedup', 1.0):.1f}x", f"{row['qps'] / row['qps_faiss']:.2f}x", f"{row['qps_hits'] / row['qps_faiss']:.2f}x", f"{row['latency_ms']:.2f}", f"{recall:.3f}")
     Console(width=180).print(table)
 
 

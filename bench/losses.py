@@ -71,28 +71,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     table = Table(title=f"SupCon forward+backward, dim 128, t={TEMPERATURE}, {torch.get_num_threads()} threads")
-    for column in (
-        "batch",
-        "ours ms",
-        "PML ms",
-        "ours / PML time",
-        "ours peak MiB",
-        "PML peak MiB",
-        "ours / PML memory",
-    ):
+    for column in ("batch", "ours ms", "PML ms", "ours / PML time", "ours peak MiB", "PML peak MiB", "ours / PML memory"):
         table.add_column(column, justify="right")
     for batch in BATCHES:
         ours, theirs = seconds("ours", batch, args.repeats), seconds("pml", batch, args.repeats)
         our_peak, their_peak = peak_mib("ours", batch), peak_mib("pml", batch)
-        table.add_row(
-            str(batch),
-            f"{ours * 1e3:.1f}",
-            f"{theirs * 1e3:.1f}",
-            f"{ours / theirs:.2f}x",
-            f"{our_peak:.0f}",
-            f"{their_peak:.0f}",
-            f"{our_peak / their_peak:.2f}x",
-        )
+        table.add_row(str(batch), f"{ours * 1e3:.1f}", f"{theirs * 1e3:.1f}", f"{ours / theirs:.2f}x", f"{our_peak:.0f}", f"{their_peak:.0f}", f"{our_peak / their_peak:.2f}x")
     Console().print(table)
 
 

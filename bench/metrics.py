@@ -29,13 +29,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-SHARED = {
-    "precision@1": "precision_at_1",
-    "r_precision": "r_precision",
-    "map@r": "mean_average_precision_at_r",
-    "nmi": "NMI",
-    "ami": "AMI",
-}
+SHARED = {"precision@1": "precision_at_1", "r_precision": "r_precision", "map@r": "mean_average_precision_at_r", "nmi": "NMI", "ami": "AMI"}
 CASES = {"pml": "PML AccuracyCalculator", "ours": "ours, the same metrics", "ours-full": "ours, the full set"}
 
 
@@ -62,12 +56,7 @@ def run_case(case: str, size: int, classes: int, dim: int) -> dict:
 
         from retrieval.metrics import KMEANS_SETTINGS
 
-        calculator = AccuracyCalculator(
-            include=tuple(SHARED.values()),
-            k="max_bin_count",
-            device=torch.device("cpu"),
-            kmeans_func=FaissKMeans(**KMEANS_SETTINGS, seed=0),
-        )
+        calculator = AccuracyCalculator(include=tuple(SHARED.values()), k="max_bin_count", device=torch.device("cpu"), kmeans_func=FaissKMeans(**KMEANS_SETTINGS, seed=0))
         embeddings, targets = torch.from_numpy(vectors), torch.from_numpy(labels)
 
         def score() -> dict:
@@ -83,10 +72,7 @@ def run_case(case: str, size: int, classes: int, dim: int) -> dict:
         full = case == "ours-full"
 
         def score() -> dict:
-            found = {
-                **retrieval_metrics(vectors, names, full_ranking=None if full else False),
-                **clustering_metrics(vectors, names),
-            }
+            found = {**retrieval_metrics(vectors, names, full_ranking=None if full else False), **clustering_metrics(vectors, names)}
             if full:
                 found.update(embedding_diagnostics(vectors, names))
             return found
@@ -97,11 +83,7 @@ def run_case(case: str, size: int, classes: int, dim: int) -> dict:
     started = time.perf_counter()
     values = score()
     seconds = time.perf_counter() - started
-    return {
-        "seconds": seconds,
-        "peak_mib": (resident_kib("VmHWM:") - before) / 1024,
-        "values": {name: values[name] for name in SHARED},
-    }
+    return {"seconds": seconds, "peak_mib": (resident_kib("VmHWM:") - before) / 1024, "values": {name: values[name] for name in SHARED}}
 
 
 def main() -> None:
@@ -118,29 +100,14 @@ def main() -> None:
     results: dict[str, dict] = {}
     for _ in range(args.repeats):
         for case in CASES:
-            command = [
-                sys.executable,
-                __file__,
-                "--case",
-                case,
-                "--size",
-                str(args.size),
-                "--classes",
-                str(args.classes),
-                "--dim",
-                str(args.dim),
-            ]
-            found = json.loads(
-                subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-            )
+            command = [sys.executable, __file__, "--case", case, "--size", str(args.size), "--classes", str(args.classes), "--dim", str(args.dim)]
+            found = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
             if case not in results or found["seconds"] < results[case]["seconds"]:
                 results[case] = found
     import faiss
 
     reference = results["pml"]
-    table = Table(
-        title=f"metrics on {args.size:,} x {args.dim}-d embeddings, {args.classes:,} classes, leave-one-out, {faiss.omp_get_max_threads()} threads, best of {args.repeats}"
-    )
+    table = Table(title=f"metrics on {args.size:,} x {args.dim}-d embeddings, {args.classes:,} classes, leave-one-out, {faiss.omp_get_max_threads()} threads, best of {args.repeats}")
     for column in ("", "seconds", "time vs PML", "peak MiB", "memory vs PML", "max |value - PML value|"):
         table.add_column(column, justify="right")
     for case, title in CASES.items():

@@ -130,15 +130,9 @@ def scores(run: Path, images: Path, options: str = "") -> dict:
     return json.loads((run / "metrics.json").read_text())
 
 
-def trained(
-    name: str, options: str, seed: int, epochs: int | None, split: str, fit: Path, work: Path
-) -> tuple[Path, float]:
+def trained(name: str, options: str, seed: int, epochs: int | None, split: str, fit: Path, work: Path) -> tuple[Path, float]:
     """The run of a configuration, trained unless --work already holds it finished; and its training time."""
-    run = (
-        work
-        / split
-        / f"{name.replace(' ', '_').replace('=', '').replace(',', '')}-seed{seed}{'' if epochs is None else f'-{epochs}ep'}"
-    )
+    run = work / split / f"{name.replace(' ', '_').replace('=', '').replace(',', '')}-seed{seed}{'' if epochs is None else f'-{epochs}ep'}"
     timing = run / "train_seconds.json"
     if timing.is_file():
         return run, json.loads(timing.read_text())
@@ -150,9 +144,7 @@ def trained(
     return run, seconds
 
 
-def one_run(
-    name: str, variant: str, seed: int, epochs: int | None, split: str, data: tuple[Path, Path | None], work: Path
-) -> dict:
+def one_run(name: str, variant: str, seed: int, epochs: int | None, split: str, data: tuple[Path, Path | None], work: Path) -> dict:
     """Trains on data's first part (once per configuration), exports and scores the variant on data's held-out
     classes (if any) and test/; returns the figures."""
     fit, validation = data
@@ -165,32 +157,16 @@ def one_run(
         figures = {"val recall@1": held_out["recall@1"], "val map@r": held_out["map@r"]}
     test = scores(run, icons() / "test", evaluate_options)
     options = " ".join(part for part in (CONFIGURATIONS[name], export_options, evaluate_options) if part)
-    return {
-        "name": name + (f" + {variant}" if variant else ""),
-        "options": options,
-        "seed": seed,
-        "epochs": epochs,
-        "split": split,
-        "train_seconds": seconds,
-        **figures,
-        **{key: test[key] for key in SHOWN},
-    }
+    return {"name": name + (f" + {variant}" if variant else ""), "options": options, "seed": seed, "epochs": epochs, "split": split, "train_seconds": seconds, **figures, **{key: test[key] for key in SHOWN}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--split",
-        choices=("validation", "full"),
-        default="validation",
-        help="validation: fit on 4/5 of the training classes, choose on the rest; full: train on all",
-    )
+    parser.add_argument("--split", choices=("validation", "full"), default="validation", help="validation: fit on 4/5 of the training classes, choose on the rest; full: train on all")
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--epochs", type=int, default=None, help="shorten every run to this many epochs")
     parser.add_argument("--only", default=None, help="configuration names separated by commas")
-    parser.add_argument(
-        "--variants", default="", help="VARIANTS names separated by commas, scored on each run ('' is the plain export)"
-    )
+    parser.add_argument("--variants", default="", help="VARIANTS names separated by commas, scored on each run ('' is the plain export)")
     parser.add_argument("--out", type=Path, default=Path("recipe.json"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/recipe"))
     parser.add_argument("--markdown", type=Path, default=None, help="also write the table here as Markdown")
@@ -203,30 +179,17 @@ def main() -> None:
     variants = args.variants.split(",")
     for name, seed, variant in ((name, seed, variant) for name in names for seed in seeds for variant in variants):
         shown_name = name + (f" + {variant}" if variant else "")
-        if any(
-            same_setting(row, args.epochs, args.split) and row["name"] == shown_name and row["seed"] == seed
-            for row in rows
-        ):
+        if any(same_setting(row, args.epochs, args.split) and row["name"] == shown_name and row["seed"] == seed for row in rows):
             continue
         rows.append(one_run(name, variant, seed, args.epochs, args.split, data, args.work))
-        chosen_on = (
-            f"validation recall@1 {rows[-1]['val recall@1']:.3f}, MAP@R {rows[-1]['val map@r']:.3f}; "
-            if args.split == "validation"
-            else ""
-        )
-        console.print(
-            f"{shown_name} seed {seed}: {chosen_on}test recall@1 {rows[-1]['recall@1']:.3f}, MAP@R {rows[-1]['map@r']:.3f}, {rows[-1]['train_seconds']:.0f} s"
-        )
+        chosen_on = f"validation recall@1 {rows[-1]['val recall@1']:.3f}, MAP@R {rows[-1]['val map@r']:.3f}; " if args.split == "validation" else ""
+        console.print(f"{shown_name} seed {seed}: {chosen_on}test recall@1 {rows[-1]['recall@1']:.3f}, MAP@R {rows[-1]['map@r']:.3f}, {rows[-1]['train_seconds']:.0f} s")
         args.out.write_text(json.dumps(rows, indent=1) + "\n")
     epochs = "the shipped number of epochs" if args.epochs is None else f"{args.epochs} epochs"
     shown = (*VALIDATION_SHOWN, *SHOWN) if args.split == "validation" else SHOWN
     header = ("configuration", "options", "seeds", *shown, "train s")
     lines = summary(rows, args.epochs, args.split, shown)
-    trained_on = (
-        "trained on 4/5 of the training classes, chosen on the other 1/5 (val), test classes reported"
-        if args.split == "validation"
-        else "trained on all training classes"
-    )
+    trained_on = "trained on 4/5 of the training classes, chosen on the other 1/5 (val), test classes reported" if args.split == "validation" else "trained on all training classes"
     table = Table(title=f"icons, leave-one-out; {trained_on}; {epochs}; mean ± half-range over the seeds run")
     for column in header:
         table.add_column(column)
@@ -267,15 +230,7 @@ def summary(rows: list[dict], epochs: int | None, split: str, shown: tuple[str, 
             return f"{values.mean():.3f}" + (f" ± {(values.max() - values.min()) / 2:.3f}" if len(values) > 1 else "")
 
         options = f"`{runs[0]['options']}`" if runs[0]["options"] else "(defaults)"
-        lines.append(
-            (
-                name,
-                options,
-                str(len(runs)),
-                *(cell(key) for key in shown),
-                f"{np.mean([row['train_seconds'] for row in runs]):.0f}",
-            )
-        )
+        lines.append((name, options, str(len(runs)), *(cell(key) for key in shown), f"{np.mean([row['train_seconds'] for row in runs]):.0f}"))
     return lines
 
 

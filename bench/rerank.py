@@ -47,9 +47,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--shortlist", type=int, default=100)
     args = parser.parse_args()
-    table = Table(
-        title=f"ms per query, batches of {args.batch}, median of {args.batches} batches; shortlist {args.shortlist}; k=10"
-    )
+    table = Table(title=f"ms per query, batches of {args.batch}, median of {args.batches} batches; shortlist {args.shortlist}; k=10")
     for column in ("items", *SPECS):
         table.add_column(column)
     for size in (int(text) for text in args.sizes.split(",")):
@@ -57,18 +55,14 @@ def main() -> None:
         queries = gallery(args.batch * args.batches, seed=1)
         with tempfile.TemporaryDirectory() as scratch:
             items = [Item(Path(f"/gallery/{n}.png"), f"c{n % 1000}") for n in range(size)]
-            index = GalleryIndex.build(
-                Path(scratch) / "index", vectors, items, [f"{n:064x}" for n in range(size)], "0" * 64
-            )
+            index = GalleryIndex.build(Path(scratch) / "index", vectors, items, [f"{n:064x}" for n in range(size)], "0" * 64)
             cells, base = [], None
             for spec in SPECS:
                 reranker = parse_rerank(spec if spec == "none" else f"{spec},shortlist={args.shortlist}")
                 times = []
                 for start in range(0, len(queries), args.batch):
                     began = time.perf_counter()
-                    search_vectors(
-                        index, queries[start : start + args.batch], [Query(10, rerank=reranker)] * args.batch
-                    )
+                    search_vectors(index, queries[start : start + args.batch], [Query(10, rerank=reranker)] * args.batch)
                     times.append((time.perf_counter() - began) * 1000 / args.batch)
                 median = float(np.median(times))
                 base = base or median

@@ -38,40 +38,21 @@ AREAS = {  # test module -> what it exercises
 def run_suite(kills: int, fuzz: str, report: Path) -> list[dict]:
     """Runs tests/robustness; returns one row per test case: module, name, outcome, seconds."""
     environment = {**os.environ, "ROBUSTNESS_KILLS": str(kills), "HYPOTHESIS_PROFILE": fuzz}
-    subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "tests/robustness", f"--junitxml={report}"],
-        cwd=ROOT,
-        env=environment,
-        check=False,
-    )
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/robustness", f"--junitxml={report}"], cwd=ROOT, env=environment, check=False)
     rows = []
     for case in ElementTree.parse(report).getroot().iter("testcase"):
         failed = case.find("failure") is not None or case.find("error") is not None
         outcome = "failed" if failed else "skipped" if case.find("skipped") is not None else "passed"
-        rows.append(
-            {
-                "module": case.get("classname", "").split(".")[-1],
-                "name": case.get("name", ""),
-                "outcome": outcome,
-                "seconds": float(case.get("time", 0)),
-            }
-        )
+        rows.append({"module": case.get("classname", "").split(".")[-1], "name": case.get("name", ""), "outcome": outcome, "seconds": float(case.get("time", 0))})
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=10, help="SIGKILLs of each job in the fault loops")
-    parser.add_argument(
-        "--fuzz", default="long", help="hypothesis profile: long (5,000 inputs per property) or ci (150)"
-    )
+    parser.add_argument("--fuzz", default="long", help="hypothesis profile: long (5,000 inputs per property) or ci (150)")
     parser.add_argument("--seconds", type=float, default=60.0, help="length of the load run")
-    parser.add_argument(
-        "--warmup",
-        type=float,
-        default=120.0,
-        help="seconds of the same load before it, not measured (a 10,000-image index levels off after 60-120 s)",
-    )
+    parser.add_argument("--warmup", type=float, default=120.0, help="seconds of the same load before it, not measured (a 10,000-image index levels off after 60-120 s)")
     parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
@@ -79,26 +60,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         rows = run_suite(args.kills, args.fuzz, Path(scratch) / "report.xml")
         figures_path = Path(scratch) / "load.json"
-        command = [
-            sys.executable,
-            "bench/app_load.py",
-            "--mixed",
-            "--users",
-            str(args.users),
-            "--seconds",
-            str(args.seconds),
-            "--warmup",
-            str(args.warmup),
-            "--work",
-            str(Path(scratch) / "load"),
-            "--json",
-            str(figures_path),
-        ]
+        command = [sys.executable, "bench/app_load.py", "--mixed", "--users", str(args.users), "--seconds", str(args.seconds), "--warmup", str(args.warmup), "--work", str(Path(scratch) / "load"), "--json", str(figures_path)]
         load_ok = subprocess.run(command, cwd=ROOT, check=False).returncode == 0 and figures_path.is_file()
         figures = json.loads(figures_path.read_text()) if load_ok else {}
-    table = Table(
-        title=f"tests/robustness with {args.kills} kills per fault loop and the {args.fuzz!r} fuzzing profile; the app under {args.users} clients for {args.seconds:.0f} s"
-    )
+    table = Table(title=f"tests/robustness with {args.kills} kills per fault loop and the {args.fuzz!r} fuzzing profile; the app under {args.users} clients for {args.seconds:.0f} s")
     header = ("area", "checks", "passed", "failed", "figures", "seconds")
     for column in header:
         table.add_column(column)
@@ -107,16 +72,7 @@ def main() -> None:
         cases = [row for row in rows if row["module"] == module]
         passed = sum(row["outcome"] == "passed" for row in cases)
         failed = [row["name"] for row in cases if row["outcome"] == "failed"]
-        lines.append(
-            (
-                area,
-                str(len(cases)),
-                str(passed),
-                ", ".join(failed) or "0",
-                "",
-                f"{sum(row['seconds'] for row in cases):.0f}",
-            )
-        )
+        lines.append((area, str(len(cases)), str(passed), ", ".join(failed) or "0", "", f"{sum(row['seconds'] for row in cases):.0f}"))
     area = f"the app under {args.users} clients for {args.seconds:.0f} s after {args.warmup:.0f} s, {figures.get('bad', 0):,} of {figures.get('bad', 0) + figures.get('good', 0):,} uploads bad"
     if figures:
         ok = not figures["failed good"] and not figures["bad without a message"]

@@ -41,6 +41,7 @@ from retrieval.embedders import OnnxEmbedder  # noqa: E402
 from retrieval.runs import RunDir  # noqa: E402
 
 
+
 def _bench(name: str) -> object:
     """Another script of bench/ as a module (bench/index.py's name is taken by the index package)."""
     spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).with_name(f"{name}.py"))
@@ -65,11 +66,7 @@ def engines(work: Path, images: int, console: Console) -> Table:
     connect(None)
     startup = time.perf_counter() - started
     rows = []
-    for name, options in (
-        ("local", None),
-        ("ray, 1 actor", RayOptions(workers=1)),
-        ("ray, 2 actors", RayOptions(workers=2)),
-    ):
+    for name, options in (("local", None), ("ray, 1 actor", RayOptions(workers=1)), ("ray, 2 actors", RayOptions(workers=2))):
         target = Path(tempfile.mkdtemp(prefix="scale-")) / "index"
         started = time.perf_counter()
         report = build_index(embedder, collection, target, progress=False, ray=options)
@@ -88,14 +85,7 @@ def backends(count: int, console: Console) -> Table:
     queries = clustered(1000, 128, max(10, count // 100), seed=2)
     exact = faiss.knn(queries, gallery, 10, metric=faiss.METRIC_INNER_PRODUCT)[1] + 1  # ids are rows + 1
     items = [Item(Path(f"/gallery/{row}.png"), f"c{row % 100}") for row in range(count)]
-    chunks = [
-        Additions(
-            gallery[start : start + 10_000],
-            items[start : start + 10_000],
-            ["0" * 64] * len(items[start : start + 10_000]),
-        )
-        for start in range(0, count, 10_000)
-    ]
+    chunks = [Additions(gallery[start : start + 10_000], items[start : start + 10_000], ["0" * 64] * len(items[start : start + 10_000])) for start in range(0, count, 10_000)]
     table = Table(title=f"{count:,} vectors of 128-d, 1,000 held-out queries, this 2-core machine")
     for column in ("backend", "type", "build (s)", "batch QPS", "1-query ms", "recall@10"):
         table.add_column(column, justify="right")
@@ -103,20 +93,8 @@ def backends(count: int, console: Console) -> Table:
     cases = [
         ("FAISS", "Flat", lambda: GalleryIndex.create(work / "faiss-flat", chunks, "bench", 128, "Flat")),
         ("FAISS", "HNSW32", lambda: GalleryIndex.create(work / "faiss-hnsw", chunks, "bench", 128, "HNSW32")),
-        (
-            "Milvus Lite",
-            "FLAT",
-            lambda: MilvusIndex.create(
-                work / "milvus-flat", chunks, "bench", 128, str(work / "lite.db"), count, index_type="FLAT"
-            ),
-        ),
-        (
-            "Milvus Lite",
-            "HNSW",
-            lambda: MilvusIndex.create(
-                work / "milvus-hnsw", chunks, "bench", 128, str(work / "lite.db"), count, index_type="HNSW"
-            ),
-        ),
+        ("Milvus Lite", "FLAT", lambda: MilvusIndex.create(work / "milvus-flat", chunks, "bench", 128, str(work / "lite.db"), count, index_type="FLAT")),
+        ("Milvus Lite", "HNSW", lambda: MilvusIndex.create(work / "milvus-hnsw", chunks, "bench", 128, str(work / "lite.db"), count, index_type="HNSW")),
     ]
     for backend, kind, build in cases:
         started = time.perf_counter()
@@ -132,9 +110,7 @@ def backends(count: int, console: Console) -> Table:
             index.search(query[None], 10)
             single.append(time.perf_counter() - started)
         recall = recall_at_10([[hit.id for hit in hits] for hits in found], exact)
-        table.add_row(
-            backend, kind, f"{seconds:.1f}", f"{qps:,.0f}", f"{np.median(single) * 1000:.2f}", f"{recall:.3f}"
-        )
+        table.add_row(backend, kind, f"{seconds:.1f}", f"{qps:,.0f}", f"{np.median(single) * 1000:.2f}", f"{recall:.3f}")
         console.print(f"{backend} {kind}: build {seconds:.1f} s, {qps:,.0f} QPS, recall@10 {recall:.3f}")
     shutil.rmtree(work)
     return table

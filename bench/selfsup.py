@@ -76,9 +76,7 @@ def partly_labeled(fit: Path, work: Path, keep_unlabeled: bool) -> Path:
     """A CSV of fit's images with a seeded quarter of them labeled; the rest unlabeled, or left out."""
     items = load_collection(fit).items
     labeled = set(np.random.default_rng(0).permutation(len(items))[: round(LABELED_SHARE * len(items))].tolist())
-    kept = [
-        item if n in labeled else Item(item.path, "") for n, item in enumerate(items) if keep_unlabeled or n in labeled
-    ]
+    kept = [item if n in labeled else Item(item.path, "") for n, item in enumerate(items) if keep_unlabeled or n in labeled]
     return write_collection_csv(work / ("partly.csv" if keep_unlabeled else "quarter.csv"), kept)
 
 
@@ -87,27 +85,15 @@ def one_run(name: str, seed: int, epochs: int | None, split: str, fit: Path, hel
     (with --split validation) test/."""
     data = partly_labeled(fit, work, name.startswith("25 % labeled")) if name.startswith("25 %") else fit
     options = CONFIGURATIONS[name].replace("{gallery}", str(held))
-    run = (
-        work
-        / split
-        / f"{''.join(c if c.isalnum() else '_' for c in name)}-seed{seed}{'' if epochs is None else f'-{epochs}ep'}"
-    )
+    run = work / split / f"{''.join(c if c.isalnum() else '_' for c in name)}-seed{seed}{'' if epochs is None else f'-{epochs}ep'}"
     timing = run / "train_seconds.json"
     if not timing.is_file():
         started = time.perf_counter()
         extra = ["--epochs", str(epochs)] if epochs else []
-        run_quietly(
-            "train", str(data), "--run", str(run), "--seed", str(seed), "--overwrite", *shlex.split(options), *extra
-        )
+        run_quietly("train", str(data), "--run", str(run), "--seed", str(seed), "--overwrite", *shlex.split(options), *extra)
         timing.write_text(json.dumps(time.perf_counter() - started))
     run_quietly("export", str(run))
-    figures = {
-        "name": name,
-        "options": options.replace(str(held), "{gallery}"),
-        "seed": seed,
-        "epochs": epochs,
-        "split": split,
-    }
+    figures = {"name": name, "options": options.replace(str(held), "{gallery}"), "seed": seed, "epochs": epochs, "split": split}
     figures["train_seconds"] = json.loads(timing.read_text())
     held_out = scores(run, held)
     figures.update({f"held {key}": held_out[key] for key in SHOWN})
@@ -138,18 +124,10 @@ def main() -> None:
     held = validation if validation is not None else icons() / "test"
     for name in names:
         for seed in seeds:
-            if any(
-                row["name"] == name
-                and row["seed"] == seed
-                and row["epochs"] == args.epochs
-                and row["split"] == args.split
-                for row in rows
-            ):
+            if any(row["name"] == name and row["seed"] == seed and row["epochs"] == args.epochs and row["split"] == args.split for row in rows):
                 continue
             rows.append(one_run(name, seed, args.epochs, args.split, fit, held, args.work))
-            console.print(
-                f"{name} seed {seed}: held-out recall@1 {rows[-1]['held recall@1']:.3f}, MAP@R {rows[-1]['held map@r']:.3f}, {rows[-1]['train_seconds']:.0f} s"
-            )
+            console.print(f"{name} seed {seed}: held-out recall@1 {rows[-1]['held recall@1']:.3f}, MAP@R {rows[-1]['held map@r']:.3f}, {rows[-1]['train_seconds']:.0f} s")
             args.out.write_text(json.dumps(rows, indent=1) + "\n")
     shown = [f"held {key}" for key in SHOWN] + ([f"test {key}" for key in SHOWN] if args.split == "validation" else [])
     header = ("configuration", "options", "seeds", *shown, "train s", "time / supervised")
@@ -180,16 +158,7 @@ def summary(rows: list[dict], epochs: int | None, split: str, shown: list[str]) 
 
         seconds = float(np.mean([row["train_seconds"] for row in runs]))
         ratio = f"{seconds / np.mean(supervised):.2f}" if supervised else ""
-        lines.append(
-            (
-                name,
-                f"`{runs[0]['options']}`" if runs[0]["options"] else "(defaults)",
-                str(len(runs)),
-                *(cell(key) for key in shown),
-                f"{seconds:.0f}",
-                ratio,
-            )
-        )
+        lines.append((name, f"`{runs[0]['options']}`" if runs[0]["options"] else "(defaults)", str(len(runs)), *(cell(key) for key in shown), f"{seconds:.0f}", ratio))
     return lines
 
 

@@ -55,9 +55,7 @@ def glyph_sets(work: Path) -> tuple[Path, Path, Path]:
     root = write_glyphs(work / "glyphs", UPPER + LOWER + DIGITS)
 
     def listed(name: str, chars: str) -> Path:
-        items = [
-            Item(path, folder_name(char)) for char in chars for path in sorted((root / folder_name(char)).glob("*.png"))
-        ]
+        items = [Item(path, folder_name(char)) for char in chars for path in sorted((root / folder_name(char)).glob("*.png"))]
         return write_collection_csv(work / f"glyphs-{name}.csv", items)
 
     return listed("train", UPPER + DIGITS), listed("fit", LOWER[0::2]), listed("check", LOWER[1::2])
@@ -71,11 +69,7 @@ def noise_images(work: Path, count: int = NOISE) -> list[Path]:
     paths = []
     for number in range(count):
         pixels = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) if number % 2 == 0 else None
-        image = (
-            Image.fromarray(pixels)
-            if pixels is not None
-            else Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).resize((64, 64), Image.BICUBIC)
-        )
+        image = Image.fromarray(pixels) if pixels is not None else Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).resize((64, 64), Image.BICUBIC)
         path = folder / f"noise-{number:03d}.png"
         image.save(path)
         paths.append(path)
@@ -85,9 +79,7 @@ def noise_images(work: Path, count: int = NOISE) -> list[Path]:
 def trained(run: Path, data: Path, epochs: int | None = None) -> Path:
     """The run, trained with the default recipe (epochs: fewer) and exported unless --work already holds it."""
     if not (run / "model.onnx").is_file():
-        run_quietly(
-            "train", str(data), "--run", str(run), "--overwrite", *(["--epochs", str(epochs)] if epochs else [])
-        )
+        run_quietly("train", str(data), "--run", str(run), "--overwrite", *(["--epochs", str(epochs)] if epochs else []))
         run_quietly("export", str(run))
     return run
 
@@ -113,9 +105,7 @@ def curve(run: Path, images: Path) -> tuple[list[float], list[float]]:
     return (count / len(right)).tolist(), (np.cumsum(right) / count).tolist()
 
 
-def setting(
-    name: str, run: Path, fit: Path, check: Path, others: tuple[list[Path], str, list[Path]], target: float, work: Path
-) -> dict:
+def setting(name: str, run: Path, fit: Path, check: Path, others: tuple[list[Path], str, list[Path]], target: float, work: Path) -> dict:
     """Fit at the target on fit, measure on check and against the out-of-domain queries."""
     run_quietly("evaluate", str(run), str(fit), "--calibrate", "--target-precision", str(target))
     card = json.loads((run / "model.json").read_text())["match_threshold"]
@@ -124,19 +114,10 @@ def setting(
     checked = json.loads((run / "metrics.json").read_text())
     noise, other_name, other = others
     return {
-        "setting": name,
-        "target": target,
-        "threshold": card["similarity"],
-        "fit recall@1": fitted["recall@1"],
-        "fit precision": card["precision"],
-        "fit coverage": card["coverage"],
-        "held-out classes precision": card["held_out_precision"],
-        "check recall@1": checked["recall@1"],
-        "check precision": checked["match precision"],
-        "check coverage": checked["match coverage"],
-        "noise marked": marked(run, check, noise, work / name),
-        "other domain": other_name,
-        "other domain marked": marked(run, check, other, work / name),
+        "setting": name, "target": target, "threshold": card["similarity"], "fit recall@1": fitted["recall@1"],
+        "fit precision": card["precision"], "fit coverage": card["coverage"], "held-out classes precision": card["held_out_precision"],
+        "check recall@1": checked["recall@1"], "check precision": checked["match precision"], "check coverage": checked["match coverage"],
+        "noise marked": marked(run, check, noise, work / name), "other domain": other_name, "other domain marked": marked(run, check, other, work / name),
     }
 
 
@@ -185,23 +166,13 @@ def main() -> None:
     glyph_images = [item.path for item in load_collection(glyph_check).items + load_collection(glyph_fit).items]
     icon_queries = sorted(rng.choice(icon_images, min(OTHER, len(icon_images)), replace=False).tolist())
     others = {name: (noise, "icons", icon_queries) for name in runs if name.startswith("glyphs")}
-    others["icons"] = (
-        noise,
-        "glyphs",
-        sorted(rng.choice(glyph_images, min(OTHER, len(glyph_images)), replace=False).tolist()),
-    )
-    rows = [
-        setting(name, runs[name], *sets[name], others[name], target, args.work) for name in runs for target in targets
-    ]
+    others["icons"] = (noise, "glyphs", sorted(rng.choice(glyph_images, min(OTHER, len(glyph_images)), replace=False).tolist()))
+    rows = [setting(name, runs[name], *sets[name], others[name], target, args.work) for name in runs for target in targets]
     report(rows)
     if args.out:
         args.out.write_text(json.dumps({"targets": targets, "rows": rows}, indent=2) + "\n")
     if args.plot:
-        curves = {
-            f"{name} {part}": curve(runs[name], images)
-            for name in runs
-            for part, images in zip(("fit", "check"), sets[name])
-        }
+        curves = {f"{name} {part}": curve(runs[name], images) for name in runs for part, images in zip(("fit", "check"), sets[name])}
         plot(curves, targets, args.plot)
 
 
@@ -210,12 +181,7 @@ def report(rows: list[dict]) -> None:
     for column in rows[0]:
         table.add_column(column, justify="right")
     for row in rows:
-        table.add_row(
-            *(
-                "" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
-                for value in row.values()
-            )
-        )
+        table.add_row(*("" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value) for value in row.values()))
     Console(width=250).print(table)
 
 

@@ -63,9 +63,7 @@ def step_rate(args: argparse.Namespace, device: torch.device, precision: str) ->
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     loss_fn = SupConLoss(0.1)
     dtype = autocast_dtype(precision, device)
-    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device).to(
-        memory_format=memory_format
-    )
+    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device).to(memory_format=memory_format)
     labels = torch.arange(args.batch_size // 4, device=device).repeat_interleave(4)
 
     def step() -> None:
@@ -92,14 +90,8 @@ def trainer_rate(args: argparse.Namespace, device: torch.device, precision: str)
     """Images/s of one epoch of the real trainer on the icons training split (as logged by train())."""
     with tempfile.TemporaryDirectory() as scratch:
         config = TrainConfig(
-            data=str(icons() / "train"),
-            epochs=1,
-            batch_size=args.batch_size,
-            image_size=args.image_size,
-            backbone=args.backbone,
-            precision=precision,
-            device=str(device),
-            workers=args.workers,
+            data=str(icons() / "train"), epochs=1, batch_size=args.batch_size, image_size=args.image_size,
+            backbone=args.backbone, precision=precision, device=str(device), workers=args.workers,
         )
         run = RunDir(Path(scratch) / "run")
         train(config, run, progress=False)
@@ -131,14 +123,8 @@ def photo_rates(args: argparse.Namespace, device: torch.device, precision: str) 
             for name, sides in (("full-size decode", 0), ("reduced-scale decode", reduced)):
                 training.images.DECODED_SIDES = sides
                 config = TrainConfig(
-                    data=str(data),
-                    epochs=1,
-                    batch_size=min(args.batch_size, args.photos),
-                    precision=precision,
-                    image_size=args.image_size,
-                    backbone=args.backbone,
-                    device=str(device),
-                    workers=args.workers,
+                    data=str(data), epochs=1, batch_size=min(args.batch_size, args.photos), precision=precision,
+                    image_size=args.image_size, backbone=args.backbone, device=str(device), workers=args.workers,
                 )
                 run = RunDir(Path(scratch) / name.replace(" ", "-"))
                 train(config, run, progress=False)
@@ -170,10 +156,7 @@ def main() -> None:
     torch.manual_seed(0)
 
     peaks = {name: matmul_tflops(device, dtype) for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
-    table = Table(
-        title=f"training throughput: {args.backbone} ({args.pooling} pooling of stages {args.layers}), {args.image_size} px, batch {args.batch_size}, {device}"
-        + (", channels_last" if args.channels_last else "")
-    )
+    table = Table(title=f"training throughput: {args.backbone} ({args.pooling} pooling of stages {args.layers}), {args.image_size} px, batch {args.batch_size}, {device}" + (", channels_last" if args.channels_last else ""))
     for column in ("what", "precision", "images/s", "vs fp32 step", "model TFLOP/s", "matmul TFLOP/s", "utilisation"):
         table.add_column(column, justify="right" if column != "what" else "left")
     base = None
@@ -182,15 +165,7 @@ def main() -> None:
         base = base or rate
         achieved = rate * flops / 1e12
         peak = peaks["bf16" if precision in ("bf16", "fp16") else "fp32"]
-        table.add_row(
-            "encoder step (synthetic)",
-            precision,
-            f"{rate:.0f}",
-            f"{rate / base:.2f}x",
-            f"{achieved:.2f}",
-            f"{peak:.2f}",
-            f"{achieved / peak:.0%}",
-        )
+        table.add_row("encoder step (synthetic)", precision, f"{rate:.0f}", f"{rate / base:.2f}x", f"{achieved:.2f}", f"{peak:.2f}", f"{achieved / peak:.0%}")
     if not args.no_trainer:
         precision = args.precisions.split(",")[0]
         rate = trainer_rate(args, device, precision)
@@ -200,9 +175,7 @@ def main() -> None:
         for name, rates in photo_rates(args, device, precision).items():
             middle = sorted(rates)[len(rates) // 2]
             shown = f"{middle:.0f} (rounds {', '.join(f'{rate:.0f}' for rate in rates)})"
-            table.add_row(
-                f"whole trainer, {args.photos} photos, {name}", precision, shown, f"{middle / base:.2f}x", "", "", ""
-            )
+            table.add_row(f"whole trainer, {args.photos} photos, {name}", precision, shown, f"{middle / base:.2f}x", "", "", "")
     Console(width=160).print(table)
 
 

@@ -55,9 +55,7 @@ VIEWS: dict[str, Callable[[Image.Image, int], list[Image.Image]]] = {
 }
 
 
-def embed(
-    model: torch.nn.Module, preprocessing: Preprocessing, images: list[Image.Image], views: str, batch: int = 64
-) -> tuple[np.ndarray, int, float]:
+def embed(model: torch.nn.Module, preprocessing: Preprocessing, images: list[Image.Image], views: str, batch: int = 64) -> tuple[np.ndarray, int, float]:
     """The unit mean embedding of each image's views, the number of views per image, and the seconds it took."""
     make = VIEWS[views]
     vectors = []
@@ -66,9 +64,7 @@ def embed(
         for start in range(0, len(images), batch):
             chunk = images[start : start + batch]
             per_image = [make(image, preprocessing.image_size) for image in chunk]
-            inputs = torch.from_numpy(
-                np.stack([preprocessing.normalise(view) for views_of in per_image for view in views_of])
-            )
+            inputs = torch.from_numpy(np.stack([preprocessing.normalise(view) for views_of in per_image for view in views_of]))
             embeddings = model(inputs).reshape(len(chunk), len(per_image[0]), -1).mean(dim=1)
             vectors.append(torch.nn.functional.normalize(embeddings, dim=1).numpy())
     return np.concatenate(vectors), len(per_image[0]), time.perf_counter() - started
@@ -81,9 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     model, config = load_encoder(RunDir(args.run))
     preprocessing = config.preprocessing
-    table = Table(
-        title=f"test-time augmentation, {args.run} (leave-one-out; time: embedding every image, against the evaluation view)"
-    )
+    table = Table(title=f"test-time augmentation, {args.run} (leave-one-out; time: embedding every image, against the evaluation view)")
     for column in ("images", "views", "n views", "recall@1", "recall@5", "map@r", "embed s", "cost"):
         table.add_column(column)
     for source in args.images:
@@ -95,14 +89,7 @@ def main() -> None:
             vectors, count, seconds = embed(model, preprocessing, images, views)
             baseline = baseline or seconds
             metrics = retrieval_metrics(vectors, labels, ks=(1, 5))
-            table.add_row(
-                Path(source).name,
-                views,
-                str(count),
-                *(f"{metrics[key]:.3f}" for key in ("recall@1", "recall@5", "map@r")),
-                f"{seconds:.1f}",
-                f"{seconds / baseline:.1f}x",
-            )
+            table.add_row(Path(source).name, views, str(count), *(f"{metrics[key]:.3f}" for key in ("recall@1", "recall@5", "map@r")), f"{seconds:.1f}", f"{seconds / baseline:.1f}x")
     Console(width=160).print(table)
 
 
