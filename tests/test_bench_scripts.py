@@ -1,4 +1,4 @@
-"""The benchmark scripts that have no other test: the GPU check's refusal without a GPU, the re-ranking bench, and the index bench's data sets."""
+"""The benchmark scripts that have no other test: the GPU check's refusal without a GPU, the re-ranking and label-search benches, and the index bench's data sets."""
 
 from __future__ import annotations
 
@@ -28,6 +28,14 @@ def test_the_rerank_bench_times_every_reranker_against_none() -> None:
     row = next(line for line in done.stdout.splitlines() if line.startswith("│ 300"))
     cells = [cell.strip() for cell in row.strip("│").split("│")]
     assert len(cells) == 5 and all(cell.endswith("x)") for cell in cells[2:])
+
+
+def test_the_label_search_bench_measures_every_label_share() -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "label_search.py"), "--items", "2000", "--factories", "HNSW16"], capture_output=True, text=True, cwd=ROOT, check=True)
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| HNSW16")]
+    assert [row[1].strip() for row in rows] == ["0.1 %", "1 %", "10 %", "50 %"]
+    assert all(float(row[2]) >= 0.9 for row in rows)  # recall@10
+    assert [float(row[3]) for row in rows] == [2.0, 10.0, 10.0, 10.0]  # hits a query: the 0.1 % label has 2 items
 
 
 def bench_module(name: str) -> object:
