@@ -52,10 +52,13 @@ class Rerank:
         if unknown:
             allowed = ", ".join(METHODS[self.method]) or "none"
             raise RetrievalError(f"{self.method} has no parameter {', '.join(sorted(unknown))}; it takes {allowed}")
-        if self.shortlist < 1:
-            raise RetrievalError(f"the re-ranking shortlist must be at least 1, got {self.shortlist}")
+        if not _whole(self.shortlist):
+            raise RetrievalError(
+                f"the re-ranking shortlist must be a whole number of at least 1, got {self.shortlist:g}"
+            )
+        object.__setattr__(self, "shortlist", int(self.shortlist))
         for name, value in self.parameters.items():
-            if name in ("n", "k1", "k2") and not (np.isfinite(value) and value >= 1 and value == int(value)):
+            if name in ("n", "k1", "k2") and not _whole(value):
                 raise RetrievalError(f"{self.method}'s {name} must be a whole number of at least 1, got {value:g}")
             if name == "alpha" and not 0 <= value < np.inf:
                 raise RetrievalError(
@@ -86,6 +89,11 @@ class Rerank:
         return f"{self.method}:{text},shortlist={self.shortlist}"
 
 
+def _whole(value: float) -> bool:
+    """Whether a count given as a number is a whole number of at least 1 (not 2.5, inf or nan)."""
+    return bool(np.isfinite(value)) and value >= 1 and value == int(value)
+
+
 NO_RERANK = Rerank()
 
 
@@ -93,7 +101,7 @@ def parse_rerank(text: str) -> Rerank:
     """'dba:n=1,alpha=3' -> Rerank('dba', {'n': 1, 'alpha': 3}); refuses what it cannot read, naming it."""
     method, _, rest = text.strip().partition(":")
     parameters: dict[str, float] = {}
-    shortlist = SHORTLIST
+    shortlist: float = SHORTLIST
     for part in filter(None, (piece.strip() for piece in rest.split(","))):
         name, equals, value = part.partition("=")
         try:
@@ -103,11 +111,7 @@ def parse_rerank(text: str) -> Rerank:
         if not equals or number is None:
             raise RetrievalError(f"re-ranking parameter {part!r} is not name=number, e.g. dba:n=1,alpha=3")
         if name.strip() == "shortlist":
-            if not (np.isfinite(number) and number >= 1 and number == int(number)):
-                raise RetrievalError(
-                    f"the re-ranking shortlist must be a whole number of at least 1, got {value.strip()}"
-                )
-            shortlist = int(number)
+            shortlist = number  # Rerank refuses one that is not a whole number of at least 1
         else:
             parameters[name.strip()] = number
     return Rerank(method.strip().lower() or "none", parameters, shortlist)
