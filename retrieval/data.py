@@ -130,13 +130,13 @@ def load_collection(source: str | Path) -> Collection:
 COLLECTION_HINT = "an image folder ROOT/<label>/<image> or a CSV with columns path,label"
 
 
-def one_level_too_high(source: str | Path, labels: set[str]) -> Path | None:
-    """The folder to give instead where a folder's only label is a folder of folders (ROOT/<group>/<label>/<image>:
-    every image labeled <group>); None otherwise."""
+def one_level_too_high(source: str | Path, labels: set[str]) -> str:
+    """ "; ... give ROOT/<group>" where a folder's only label is a folder of folders (ROOT/<group>/<label>/<image>:
+    every image labeled <group>), to end a message about too few classes with; "" otherwise."""
     inner = Path(source) / next(iter(labels)) if len(labels) == 1 else None
     if inner is not None and inner.is_dir() and any(entry.is_dir() for entry in inner.iterdir()):
-        return inner
-    return None
+        return f"; its images are in folders under {inner}: if those are the classes, give {inner}"
+    return ""
 
 
 def require_source(source: str | Path, option: str = "", hint: str = COLLECTION_HINT) -> Path:

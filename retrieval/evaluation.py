@@ -131,11 +131,9 @@ def evaluate_collection(
         collection = replace(collection, items=held_out)
     labels = {item.label for item in collection.items if item.label}
     if len(labels) < 2:
-        inner = one_level_too_high(collection.source, labels)
-        where = f"; its images are in folders under {inner}: if those are the classes, give {inner}" if inner else ""
         raise RetrievalError(
             f"{collection.source}: evaluation needs at least two labeled "
-            f"classes (ROOT/<label>/<image> or a CSV with labels){where}"
+            f"classes (ROOT/<label>/<image> or a CSV with labels){one_level_too_high(collection.source, labels)}"
         )
     vectors, items, skipped = _embed_labeled(embedder, collection, progress)
     described = {"protocol": protocol, "images": str(collection.source), "encoder": embedder.fingerprint}

@@ -161,9 +161,7 @@ def _refuse(config: TrainConfig, data: TrainingData, distinct: int) -> None:
         remedy = (
             ": label images of a second class, or train --self-supervised" if data.pool else " (ROOT/<label>/<image>)"
         )
-        inner = one_level_too_high(config.data, set(data.classes))
-        if inner is not None:
-            remedy = f"; its images are in folders under {inner}: if those are the classes, give {inner}"
+        remedy = one_level_too_high(config.data, set(data.classes)) or remedy
         raise RetrievalError(f"{config.data}: {found}; training needs at least two labeled classes{remedy}")
     if config.mode != SUPERVISED and len(data.pool) < 2:
         raise RetrievalError(
