@@ -58,6 +58,7 @@ from index.types import (
 )
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
+from retrieval.knn import nearest_neighbours
 from retrieval.runs import file_sha256, write_json, write_refused
 
 RERANK = 8  # compressed types re-score this many candidates per result exactly
@@ -235,9 +236,8 @@ class GalleryIndex(ManifestFacts):
             vectors = self.vectors_of(allowed.tolist())
         except RetrievalError:
             return None
-        scores = queries @ vectors.T
-        order = np.lexsort((np.broadcast_to(allowed, scores.shape), -scores), axis=1)[:, : min(k, len(allowed))]
-        return allowed[order], np.take_along_axis(scores, order, axis=1)
+        positions, scores = nearest_neighbours(queries, vectors, k)  # ties: the lower position, so the lower id
+        return allowed[positions], scores
 
     def _filtered_depth(self, depth: int | None, reachable: int) -> int | None:
         """The depth for a search among `reachable` of the items (one label's): the tuned one, deepened by the share
@@ -245,8 +245,11 @@ class GalleryIndex(ManifestFacts):
         of 12 of 1,004 items got 1 hit of k=5 through HNSW8 at efSearch 27)."""
         if depth is None or reachable >= len(self) or self.kind not in ("hnsw", "ivf"):
             return depth
-        deepest = faiss.extract_index_ivf(self.vectors).nlist if self.kind == "ivf" else len(self)
-        return min(deepest, -(-depth * len(self) // max(reachable, 1)))
+        return min(self._deepest(), -(-depth * len(self) // max(reachable, 1)))
+
+    def _deepest(self) -> int:
+        """The deepest search: every inverted list of an IVF index, every item of a graph."""
+        return faiss.extract_index_ivf(self.vectors).nlist if self.kind == "ivf" else len(self)
 
     def _arrays(self, ids: np.ndarray, scores: np.ndarray) -> HitArrays:
         """The hits of ids (-1: none) with their items' paths, labels and sha256."""
@@ -277,7 +280,7 @@ class GalleryIndex(ManifestFacts):
             )
         if depth is not None and depth < 1:
             raise RetrievalError(f"the search depth must be at least 1, got {depth}")
-        deepest = len(self) if depth is None or self.kind != "ivf" else faiss.extract_index_ivf(self.vectors).nlist
+        deepest = len(self) if depth is None else self._deepest()
         if depth is not None and depth > deepest:
             what = f"{deepest:,} inverted lists" if self.kind == "ivf" else f"{deepest:,} items"
             raise RetrievalError(
