@@ -40,7 +40,7 @@ from index.search import (
 )
 from index.stats import exact_and_deployed
 from index.types import MANIFEST, GalleryBackend, Hit, item_ids
-from retrieval.calibration import match_similarity, require_threshold
+from retrieval.calibration import match_similarity
 from retrieval.copies import CopyEvaluation, copy_figures
 from retrieval.data import Collection, Item, Skipped, decode_image, read_image_bytes
 from retrieval.embedders import AUTO, OnnxEmbedder
@@ -126,9 +126,7 @@ class SearchService:
     ) -> None:
         run = self.run = RunDir.of(run)
         self.rerank = rerank  # the re-ranking of every search and of "evaluate now" (retrieval.rerank)
-        require_threshold(threshold)
-        if not isinstance(rerank, Rerank):  # "qe" failed at the first search: no attribute 'describe'
-            raise RetrievalError(f"rerank={rerank!r}: give a Rerank, e.g. retrieval.rerank.parse_rerank({rerank!r})")
+        Query(rerank=rerank, threshold=threshold)  # refused here, not at the first search: "qe", a threshold of 5
         self.threshold = threshold  # the match threshold given to serve (--threshold), over the model card's
         self.index_dir = Path(index_dir or run.index)
         self.mmap = mmap
