@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -196,6 +198,9 @@ class EmbeddedBatch:
     thumbnails: list[np.ndarray] | None = None  # with thumbnail=S: each item's picture as S x S x 3 uint8
 
 
+_Decoded = tuple[list[Image.Image], EmbeddedBatch]  # a batch's pictures, and the batch with its items
+
+
 def iter_embedded(
     embedder: Embedder,
     items: Sequence[Item],
@@ -209,22 +214,25 @@ def iter_embedded(
     decodes and embeds a batch of its own with the encoder on that core (Embedder.one_core).
 
     A model spread over every core would share them with the decoding threads and wait on the slowest;
-    one pipeline per core keeps the cores on the model and the decoding in its gaps. Files that cannot be
-    read or decoded are skipped with their reason; items for which unchanged(item, sha256) is true are
-    counted but not decoded. At most workers + 1 batches are in memory at once, whatever the number of
-    items. thumbnail=S also keeps each picture squashed to S x S pixels (the audit compares pictures
-    from them without decoding the files again).
+    one pipeline per core keeps the cores on the model and the decoding in its gaps, taking turns at it while
+    it is the shorter part (see _Turns). Files that cannot be read or decoded are skipped with their reason;
+    items for which unchanged(item, sha256) is true are counted but not decoded. At most workers + 1 batches are
+    in memory at once, whatever the number of items. thumbnail=S also keeps each picture squashed to S x S
+    pixels (the audit compares pictures from them without decoding the files again).
     """
     size = batch_size or embedder.batch_size
     chunks = [items[start : start + size] for start in range(0, len(items), size)]
     workers = max(1, workers or os.cpu_count() or 1)
     model = embedder.one_core() if workers > 1 else embedder
+    turns = _Turns()
 
     def work(chunk: Sequence[Item]) -> EmbeddedBatch:
-        images, batch = _decoded(chunk, embedder.input_size, unchanged, thumbnail)
+        images, batch = turns.decode(lambda: _decoded(chunk, embedder.input_size, unchanged, thumbnail))
+        started = time.perf_counter()
         batch.vectors = (
             model.embed_prepared(model.prepare(images)) if images else np.zeros((0, embedder.dim), np.float32)
         )
+        turns.embedded(time.perf_counter() - started)
         return batch
 
     with (
@@ -242,9 +250,44 @@ def iter_embedded(
             yield batch
 
 
+class _Turns:
+    """Whether the pipelines of iter_embedded take turns decoding: while a batch's decoding takes less time than
+    its embedding, as with small pictures.
+
+    Their decoding is then mostly Python, which holds the interpreter lock: pipelines that decode together wait
+    for each other, and, started together, stay in step, every core decoding at once and then every core
+    embedding. Taking turns puts them a decoding apart, so that one decodes while the others embed. Large
+    photos are decoded in C, without the interpreter lock, for longer than they take to embed: there the
+    pipelines decode at once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._decoding = 0.0  # seconds: the latest decoding of a batch, and the latest embedding of one
+        self._embedding = 0.0
+
+    def decode(self, decode: Callable[[], _Decoded]) -> _Decoded:
+        """decode()'s result, run in turn with the other pipelines while decoding is the shorter part (at once
+        until a batch has been embedded)."""
+        if not self._decoding < self._embedding:
+            return self._timed(decode)
+        with self._lock:
+            return self._timed(decode)
+
+    def embedded(self, seconds: float) -> None:
+        """Records how long the batch last decoded took to embed."""
+        self._embedding = seconds
+
+    def _timed(self, decode: Callable[[], _Decoded]) -> _Decoded:
+        started = time.perf_counter()
+        result = decode()
+        self._decoding = time.perf_counter() - started
+        return result
+
+
 def _decoded(
     chunk: Sequence[Item], min_size: int, unchanged: Callable[[Item, str], bool] | None, thumbnail: int
-) -> tuple[list[Image.Image], EmbeddedBatch]:
+) -> _Decoded:
     """Reads and decodes one batch's files: the pictures, and the batch with its items, hashes and skips."""
     images: list[Image.Image] = []
     batch = EmbeddedBatch(np.zeros((0, 0), np.float32), [], [], [], thumbnails=[] if thumbnail else None)

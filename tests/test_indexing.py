@@ -18,7 +18,7 @@ from index.backends import open_index
 from index.build import build_index, journal_path
 from index.journal import pending_rows
 from retrieval.data import load_collection, load_image
-from retrieval.embedders import OnnxEmbedder, iter_embedded
+from retrieval.embedders import OnnxEmbedder, PixelEmbedder, iter_embedded
 from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir
 from tests.conftest import copy_classes, ctrl_c_when, icon_copies, write_bad_files
@@ -258,6 +258,54 @@ def test_one_pipeline_per_core_gives_the_same_vectors_in_order(embedder: OnnxEmb
     np.testing.assert_allclose(np.concatenate([batch.vectors for batch in batches]), whole, atol=1e-5)
     single = embedder.one_core()
     assert single is embedder.one_core() and single.threads == 1 and single.one_core() is single and embedder.threads == os.cpu_count()
+
+
+class _SlowPixels(PixelEmbedder):
+    """Raw pixels embedded in a set time a batch, the stand-in for an encoder."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.batch_size, self.seconds = 4, seconds
+
+    def embed_prepared(self, batch: np.ndarray) -> np.ndarray:
+        time.sleep(self.seconds)
+        return super().embed_prepared(batch)
+
+
+@pytest.mark.parametrize(("decoding", "embedding", "in_turn"), [(0.01, 0.04, True), (0.04, 0.005, False)])
+def test_pipelines_take_turns_decoding_while_it_is_the_shorter_part(
+    decoding: float, embedding: float, in_turn: bool, icons_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pipelines started together stayed in step, every core decoding at once (small pictures: Python, under the
+    interpreter lock) and then every core embedding; now they take turns while decoding is shorter than embedding,
+    and decode at once where it is longer (large photos: C, without the lock) or before a batch is embedded."""
+    import retrieval.embedders as embedders
+
+    spans: list[tuple[float, float]] = []
+    real = embedders._decoded
+
+    def decoded(*args: object) -> object:
+        started = time.perf_counter()
+        time.sleep(decoding)  # the interpreter lock is free meanwhile, as in Pillow's C decoders
+        result = real(*args)
+        spans.append((started, time.perf_counter()))
+        return result
+
+    embedded: list[float] = []
+    recorded = embedders._Turns.embedded
+
+    def record(turns: object, seconds: float) -> None:
+        recorded(turns, seconds)
+        embedded.append(time.perf_counter())
+
+    monkeypatch.setattr(embedders, "_decoded", decoded)
+    monkeypatch.setattr(embedders._Turns, "embedded", record)
+    items = load_collection(copy_classes(icons_root, tmp_path / "gallery", 8, split="test")).items[:40]
+    batches = list(iter_embedded(_SlowPixels(embedding), items, workers=2, progress=False))
+    assert [item for batch in batches for item in batch.items] == items
+    later = sorted(span for span in spans if span[0] > min(embedded))  # begun once a batch's embedding was timed
+    overlaps = sum(second[0] < first[1] for first, second in zip(later, later[1:]))
+    assert len(later) >= 6 and (overlaps == 0) == in_turn, (len(later), overlaps)
 
 
 def test_the_core_takes_image_paths_and_collection_paths(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:
