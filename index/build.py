@@ -18,7 +18,7 @@ from index.ray_engine import RayOptions, iter_embedded_ray
 from index.types import MANIFEST, SKIP_REPORT, Additions, GalleryBackend, index_folder
 from retrieval.data import Collection, Item, Skipped, as_collection, write_skip_report
 from retrieval.embedders import EmbeddedBatch, Embedder, OnnxEmbedder, iter_embedded
-from retrieval.errors import RetrievalError
+from retrieval.errors import RetrievalError, require_whole
 from retrieval.runs import RunDir
 
 SYNC_SAMPLE = 20  # indexed files looked for before --sync may empty an index for another folder
@@ -99,8 +99,8 @@ def build_index(
             f"--memory sets the budget within which the index type is chosen, and {given[0]} {given[1]} chooses it: "
             "drop one of the two"
         )
-    if batch_size is not None and batch_size < 1:
-        raise RetrievalError(f"batch_size must be at least 1, got {batch_size}")
+    if batch_size is not None:
+        require_whole("batch_size", batch_size, 1)
     with writer_lock(directory):
         return _build_index(
             embedder, collection, directory, sync, rebuild, batch_size, progress, factory, memory, ray, milvus

@@ -17,7 +17,7 @@ import numpy as np
 from PIL import Image
 
 from retrieval.data import Collection, Item, Skipped, as_items, decode_image, read_image_bytes
-from retrieval.errors import ImageError, RetrievalError
+from retrieval.errors import ImageError, RetrievalError, require_whole
 from retrieval.extras import require
 from retrieval.preprocess import Preprocessing, require_images
 from retrieval.progress import progress as progress_bar
@@ -220,9 +220,10 @@ def iter_embedded(
     in memory at once, whatever the number of items. thumbnail=S also keeps each picture squashed to S x S
     pixels (the audit compares pictures from them without decoding the files again).
     """
-    size = batch_size or embedder.batch_size
+    size = embedder.batch_size if batch_size is None else require_whole("batch_size", batch_size, 1)
+    thumbnail = require_whole("thumbnail", thumbnail, 0)
     chunks = [items[start : start + size] for start in range(0, len(items), size)]
-    workers = max(1, workers or os.cpu_count() or 1)
+    workers = (os.cpu_count() or 1) if workers is None else require_whole("workers", workers, 1)
     model = embedder.one_core() if workers > 1 else embedder
     turns = _Turns()
 

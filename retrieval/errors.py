@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from numbers import Integral
 
 
 class ErrorKind(Enum):
@@ -35,6 +36,16 @@ class ImageError(RetrievalError):
     def __init__(self, name: object, reason: str) -> None:
         super().__init__(f"{name}: {reason}", ErrorKind.UNREADABLE_IMAGE)
         self.reason = reason
+
+
+def require_whole(name: str, value: object, least: int) -> int:
+    """value as an int; refuses, naming it, what is not a whole number (2.5, "8", True) or is below least, where it
+    would fail deep inside a library or, below least, do nothing without a word."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise RetrievalError(f"{name}={value!r}: give a whole number")
+    if value < least:
+        raise RetrievalError(f"{name} must be at least {least}, got {value}")
+    return int(value)
 
 
 @dataclass(frozen=True)

@@ -308,6 +308,27 @@ def test_pipelines_take_turns_decoding_while_it_is_the_shorter_part(
     assert len(later) >= 6 and (overlaps == 0) == in_turn, (len(later), overlaps)
 
 
+def test_embedding_refuses_batch_sizes_workers_and_thumbnails_it_cannot_use(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:
+    """embed_items(..., batch_size=-1) returned no vectors and no word (a range with a negative step is empty),
+    batch_size=0 stood for the default, 2.5 failed in range() and thumbnail=-1 inside Pillow."""
+    from retrieval.embedders import embed_items
+
+    paths = sorted(copy_classes(icons_root, tmp_path / "gallery", 1, split="test").glob("*/*"))
+    for options, said in (
+        ({"batch_size": -1}, "batch_size must be at least 1, got -1"),
+        ({"batch_size": 0}, "batch_size must be at least 1, got 0"),
+        ({"batch_size": 2.5}, "batch_size=2.5: give a whole number"),
+        ({"thumbnail": -1}, "thumbnail must be at least 0, got -1"),
+        ({"thumbnail": True}, "thumbnail=True: give a whole number"),
+    ):
+        with pytest.raises(RetrievalError) as refused:
+            embed_items(embedder, paths, progress=False, **options)  # type: ignore[arg-type]
+        assert str(refused.value) == said
+    with pytest.raises(RetrievalError, match="^workers must be at least 1, got 0$"):
+        list(iter_embedded(embedder, load_collection(tmp_path / "gallery").items, workers=0, progress=False))
+    assert len(embed_items(embedder, paths, batch_size=np.int64(2), progress=False).vectors) == len(paths)
+
+
 def test_the_core_takes_image_paths_and_collection_paths(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:
     """embed_items(embedder, ["a.png"]) failed with "'str' object has no attribute 'path'", and
     evaluate_query_gallery(embedder, "queries", "gallery") with "'str' object has no attribute 'items'"."""
@@ -343,5 +364,7 @@ def test_build_index_from_python_takes_memory_as_written_and_refuses_a_list(embe
         load_collection([str(gallery)])  # type: ignore[arg-type]  # it failed inside pathlib
     with pytest.raises(RetrievalError, match="^batch_size must be at least 1, got 0$"):
         build_index(embedder, gallery, tmp_path / "index", batch_size=0, progress=False)
+    with pytest.raises(RetrievalError, match="^batch_size=2.5: give a whole number$"):  # a TypeError from range()
+        build_index(embedder, gallery, tmp_path / "index", batch_size=2.5, progress=False)  # type: ignore[arg-type]
     assert not (tmp_path / "index").exists()
     assert build_index(embedder, gallery, tmp_path / "index", memory="4GB", progress=False).embedded == len(list(gallery.glob("*/*")))
