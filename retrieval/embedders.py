@@ -89,7 +89,7 @@ class OnnxEmbedder(Embedder):
 
         self.model_path = Path(model_path)
         self.card = card
-        self.threads = threads or os.cpu_count() or 1
+        self.threads = (None if threads is None else require_whole("threads", threads, 0)) or os.cpu_count() or 1
         self._one_core: OnnxEmbedder | None = None
         self.preprocessing = Preprocessing.from_dict(card["preprocessing"])
         self.dim = int(card["embedding_dim"])

@@ -28,7 +28,14 @@ from retrieval.data import (
 )
 from retrieval.embedders import Embedder, embed_items
 from retrieval.errors import RetrievalError
-from retrieval.metrics import QueryScores, Ranking, clustering_metrics, embedding_diagnostics, score_queries
+from retrieval.metrics import (
+    QueryScores,
+    Ranking,
+    clustering_metrics,
+    embedding_diagnostics,
+    require_ks,
+    score_queries,
+)
 from retrieval.mistakes import mistakes
 from retrieval.rerank import NO_RERANK, Rerank
 from retrieval.runs import RunDir, read_json
@@ -122,6 +129,7 @@ def evaluate_collection(
     """Scores leave-one-out retrieval over a labeled collection (or over a seeded held-out fraction of its
     classes), with NMI/AMI and the embedding diagnostics; the lists re-ranked by rerank (retrieval.rerank). A path
     given for the collection is read as load_collection reads it."""
+    require_ks(ks)
     collection = as_collection(collection)
     protocol = "leave-one-out"
     if split_classes:
@@ -171,6 +179,7 @@ def evaluate_query_gallery(
 ) -> Evaluation:
     """Scores each query against a separate gallery (neither contains the other's items: refused); a path is read as
     load_collection reads it."""
+    require_ks(ks)
     queries, gallery = as_collection(queries), as_collection(gallery)
     _refuse_shared(queries, gallery)
     _refuse_disjoint(queries, gallery)

@@ -19,8 +19,9 @@ many items share a score.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 import numpy as np
@@ -163,6 +164,19 @@ def score_queries(
     )
 
 
+def require_ks(ks: Sequence[int]) -> None:
+    """Refuses k values no scoring can use, before any image is embedded: one k rather than a list, text ("1,5" failed
+    deep inside the scoring with a TypeError), values that are not whole numbers, and k below 1."""
+    if isinstance(ks, (int, np.integer)):
+        raise RetrievalError(f"ks: a list of k values, not one k; write [{ks}]")
+    if isinstance(ks, (str, bytes)) or not isinstance(ks, Iterable):
+        raise RetrievalError(f"ks={ks!r}: give a list of whole numbers, e.g. [1, 5, 10]")
+    if any(isinstance(k, bool) or not isinstance(k, Integral) for k in ks):
+        raise RetrievalError(f"ks={list(ks)!r}: give a list of whole numbers, e.g. [1, 5, 10]")
+    if any(k < 1 for k in ks):
+        raise RetrievalError(f"k must be at least 1, got {sorted(ks)}")
+
+
 def _refuse_shapes(
     queries: np.ndarray,
     query_labels: Sequence[str],
@@ -172,10 +186,7 @@ def _refuse_shapes(
 ) -> None:
     """One line for arguments no scoring can use: one k rather than a list, k below 1, and a label count that is not
     the embeddings' row count (it failed in numpy's indexing, or scored the wrong rows)."""
-    if isinstance(ks, (int, np.integer)):
-        raise RetrievalError(f"ks: a list of k values, not one k; write [{ks}]")
-    if any(k < 1 for k in ks):
-        raise RetrievalError(f"k must be at least 1, got {sorted(ks)}")
+    require_ks(ks)
     if (gallery is None) != (gallery_labels is None):
         raise RetrievalError("give the gallery's embeddings and its labels together, or neither (leave-one-out)")
     for what, vectors, labels in (("query", queries, query_labels), ("gallery", gallery, gallery_labels)):

@@ -181,3 +181,16 @@ def test_queries_whose_labels_no_gallery_image_has_are_refused_before_embedding(
     first, second = sorted(folder.name for folder in gallery.iterdir())
     assert f"error: no query label is a gallery label: the queries ({tmp_path / 'queries.csv'}) have '{first.upper()}', '{second.upper()}' and the gallery ({gallery}) '{first}', '{second}'; labels written alike but for case" in " ".join(captured.err.split())
     assert "embedding" not in captured.out + captured.err  # said before the embedding pass
+
+
+def test_k_values_no_scoring_can_use_are_refused_before_any_image_is_embedded(tmp_path: Path) -> None:
+    """evaluate_collection(embedder, folder, ks="1,5") embedded every image, then failed with a TypeError inside the
+    scoring; the k values are checked first (here the folder does not even exist, and the k values are named)."""
+    from retrieval.embedders import PixelEmbedder
+    from retrieval.errors import RetrievalError
+    from retrieval.evaluation import evaluate_collection, evaluate_query_gallery
+
+    with pytest.raises(RetrievalError, match=r"^ks='1,5': give a list of whole numbers, e\.g\. \[1, 5, 10\]$"):
+        evaluate_collection(PixelEmbedder(), tmp_path / "missing", ks="1,5")  # type: ignore[arg-type]
+    with pytest.raises(RetrievalError, match=r"^k must be at least 1, got \[0, 5\]$"):
+        evaluate_query_gallery(PixelEmbedder(), tmp_path / "missing", tmp_path / "also missing", ks=[5, 0])

@@ -327,6 +327,8 @@ def test_embedding_refuses_batch_sizes_workers_and_thumbnails_it_cannot_use(embe
     with pytest.raises(RetrievalError, match="^workers must be at least 1, got 0$"):
         list(iter_embedded(embedder, load_collection(tmp_path / "gallery").items, workers=0, progress=False))
     assert len(embed_items(embedder, paths, batch_size=np.int64(2), progress=False).vectors) == len(paths)
+    with pytest.raises(RetrievalError, match="^threads must be at least 0, got -1$"):  # ONNX Runtime took -1
+        OnnxEmbedder(embedder.model_path, embedder.card, threads=-1)
 
 
 def test_the_core_takes_image_paths_and_collection_paths(embedder: OnnxEmbedder, icons_root: Path, tmp_path: Path) -> None:

@@ -244,6 +244,10 @@ def test_arguments_no_scoring_or_search_can_use_are_refused() -> None:
         retrieval_metrics(vectors, ["a", "a", "b"], vectors)
     with pytest.raises(RetrievalError, match=r"^ks: a list of k values, not one k; write \[5\]$"):
         retrieval_metrics(vectors, ["a", "a", "b"], ks=5)
+    for ks, said in (("1,5", "ks='1,5'"), ([1, 2.5], "ks=[1, 2.5]"), ([True], "ks=[True]")):  # "1,5": a TypeError inside
+        with pytest.raises(RetrievalError) as refused:
+            retrieval_metrics(vectors, ["a", "a", "b"], ks=ks)  # type: ignore[arg-type]
+        assert str(refused.value) == f"{said}: give a list of whole numbers, e.g. [1, 5, 10]"
     with pytest.raises(RetrievalError, match="^k must be at least 1, got 0$"):
         nearest_neighbours(vectors, vectors, 0)
     with pytest.raises(RetrievalError, match=r"^queries of shape \(3, 3\) against a gallery of shape \(3, 4\)"):
