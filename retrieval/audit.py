@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.data import COLLECTION_HINT, Collection, Item, Skipped, as_collection
+from retrieval.data import COLLECTION_HINT, Collection, Item, Skipped, as_collection, same_images
 from retrieval.duplicates import CANDIDATES, THUMBNAIL, CopyKind, CopyPair, copy_groups, find_copies
 from retrieval.embedders import Embedder, embed_items
 from retrieval.errors import RetrievalError
@@ -382,6 +382,11 @@ def audit(
                 f"audit takes collections as retrieval.audit.embed_collection(embedder, 'photos') gives them (vectors, "
                 f"digests and thumbnails), not {type(part).__module__}.{type(part).__name__}"
             )
+    if other is not None and same_images(collection.items, other.items):
+        raise RetrievalError(
+            "other: the same images as the collection audited, each of which would be listed as a leak of itself; "
+            "give another collection, e.g. the training images when the collection is a test split"
+        )
     several = len(collection.vectors) > 1  # one image has no neighbour to search for
     shared = Neighbours.of(collection.vectors, max(DEPTH, CANDIDATES, CLOSEST)) if several else None
     return Audit(

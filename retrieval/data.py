@@ -362,6 +362,12 @@ def shared_paths(first: Sequence[Item], second: Sequence[Item]) -> list[Path]:
     return [item.path for item in first if item.path in theirs]
 
 
+def same_images(first: Sequence[Item], second: Sequence[Item]) -> bool:
+    """Whether two lists of items hold the same files, all of them: an audit of one against the other would list
+    every image as a leak of itself."""
+    return len(shared_paths(first, second)) == len(first) == len(second)
+
+
 VARIANTS = "labels written alike but for case, spaces, - or _ are different classes"  # what label_variants finds
 
 

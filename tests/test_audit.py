@@ -622,3 +622,9 @@ def test_an_audit_from_python_is_the_commands(demo_run: RunDir, icons_root: Path
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(found.to_dict()))
     with pytest.raises(RetrievalError, match=r"\(vectors, digests and thumbnails\), not retrieval.embedders.Embedded$"):
         audit(embed_items(embedder, folder, progress=False))
+    collection = embed_collection(embedder, folder, progress=False)
+    with pytest.raises(RetrievalError, match="^other: the same images as the collection audited, each of which would be listed as a leak"):
+        audit(collection, embed_collection(embedder, folder, progress=False))  # every image was a leak of itself
+    some = copy_classes(icons_root, tmp_path / "some", 1, split="test")  # copies of the first class's files
+    leaked = audit(collection, embed_collection(embedder, some, progress=False)).leaks  # other files: audited
+    assert len(leaked) == len(list(some.glob("*/*"))) and {leak.kind for leak in leaked} == {CopyKind.IDENTICAL}

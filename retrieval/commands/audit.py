@@ -21,6 +21,7 @@ from retrieval.data import (
     label_variants,
     load_collection,
     require_source,
+    same_images,
     shared_paths,
 )
 from retrieval.errors import RetrievalError
@@ -64,7 +65,7 @@ def audit(
     collection = _collection(data)
     other = _collection(against, "--against") if against is not None else None
     shared = shared_paths(collection.items, other.items) if other is not None else []
-    if other is not None and len(shared) == len(collection.items) == len(other.items):
+    if other is not None and same_images(collection.items, other.items):
         raise RetrievalError(
             f"--against {against}: the same images as DATA ({data}); give another collection, e.g. the training "
             "images when DATA is a test split"
