@@ -18,7 +18,6 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from numbers import Integral
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,7 @@ from index.types import GalleryBackend, Hit, item_ids
 from retrieval.calibration import require_threshold
 from retrieval.data import decode, read_image_bytes
 from retrieval.embedders import Embedder
-from retrieval.errors import ErrorKind, Failure, ImageError, RetrievalError
+from retrieval.errors import ErrorKind, Failure, ImageError, RetrievalError, whole_number
 from retrieval.rerank import NO_RERANK, Rerank, rerank
 
 IDS_HINT = "the ids are in the id column of `retrieval search` (and its --json) and in the app's captions"
@@ -50,7 +49,7 @@ class Query:
         """Refuses values of the wrong type where they would fail deep inside the search (k "5" or 2.5, label 5), and
         k below 1; whole numbers of other types (numpy's) are kept as int."""
         for name, value in (("k", self.k), ("depth", self.depth)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)):
+            if value is not None and not whole_number(value):
                 raise RetrievalError(f"Query {name}={value!r}: give a whole number")
             object.__setattr__(self, name, None if value is None else int(value))
         if self.label is not None and not isinstance(self.label, str):

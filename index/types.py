@@ -17,7 +17,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from retrieval.data import Item
-from retrieval.errors import RetrievalError
+from retrieval.errors import RetrievalError, whole_number
 from retrieval.knn import require_searchable
 from retrieval.runs import INDEX_ITEMS, INDEX_MANIFEST, RunDir, shell_path
 
@@ -37,7 +37,7 @@ def item_ids(ids: Sequence[int]) -> list[int]:
         raise RetrievalError(f"ids: a list of item ids, not one id; write [{ids}]")
     if isinstance(ids, (str, bytes)):
         raise RetrievalError(f"ids: {ids!r} is text, not a list of item ids; give whole numbers, e.g. [3, 4]")
-    wrong = next((i for i in ids if isinstance(i, bool) or not isinstance(i, Integral)), None)
+    wrong = next((i for i in ids if not whole_number(i)), None)
     if wrong is not None:
         raise RetrievalError(f"ids: {wrong!r} is not an item id; give whole numbers (the id column of search)")
     return [int(i) for i in ids]

@@ -89,7 +89,7 @@ class OnnxEmbedder(Embedder):
 
         self.model_path = Path(model_path)
         self.card = card
-        self.threads = (None if threads is None else require_whole("threads", threads, 0)) or os.cpu_count() or 1
+        self.threads = require_whole("threads", threads, 0) if threads else (os.cpu_count() or 1)  # 0: every core
         self._one_core: OnnxEmbedder | None = None
         self.preprocessing = Preprocessing.from_dict(card["preprocessing"])
         self.dim = int(card["embedding_dim"])
@@ -270,7 +270,7 @@ class _Turns:
     def decode(self, decode: Callable[[], _Decoded]) -> _Decoded:
         """decode()'s result, run in turn with the other pipelines while decoding is the shorter part (at once
         until a batch has been embedded)."""
-        if not self._decoding < self._embedding:
+        if self._decoding >= self._embedding:
             return self._timed(decode)
         with self._lock:
             return self._timed(decode)

@@ -38,10 +38,15 @@ class ImageError(RetrievalError):
         self.reason = reason
 
 
+def whole_number(value: object) -> bool:
+    """Whether value is a whole number of any integer type (numpy's too): not 2.5, "8" or True."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
 def require_whole(name: str, value: object, least: int) -> int:
     """value as an int; refuses, naming it, what is not a whole number (2.5, "8", True) or is below least, where it
     would fail deep inside a library or, below least, do nothing without a word."""
-    if isinstance(value, bool) or not isinstance(value, Integral):
+    if not whole_number(value):
         raise RetrievalError(f"{name}={value!r}: give a whole number")
     if value < least:
         raise RetrievalError(f"{name} must be at least {least}, got {value}")

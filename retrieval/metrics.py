@@ -21,12 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from numbers import Integral
 from typing import Any
 
 import numpy as np
 
-from retrieval.errors import RetrievalError
+from retrieval.errors import RetrievalError, whole_number
 from retrieval.extras import require
 from retrieval.knn import QUERY_BLOCK, flat_index, search_flat
 from retrieval.rerank import NO_RERANK, Rerank
@@ -171,7 +170,7 @@ def require_ks(ks: Sequence[int]) -> None:
         raise RetrievalError(f"ks: a list of k values, not one k; write [{ks}]")
     if isinstance(ks, (str, bytes)) or not isinstance(ks, Iterable):
         raise RetrievalError(f"ks={ks!r}: give a list of whole numbers, e.g. [1, 5, 10]")
-    if any(isinstance(k, bool) or not isinstance(k, Integral) for k in ks):
+    if not all(whole_number(k) for k in ks):
         raise RetrievalError(f"ks={list(ks)!r}: give a list of whole numbers, e.g. [1, 5, 10]")
     if any(k < 1 for k in ks):
         raise RetrievalError(f"k must be at least 1, got {sorted(ks)}")
