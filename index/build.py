@@ -17,7 +17,7 @@ from index.milvus import MilvusIndex, MilvusOptions
 from index.ray_engine import RayOptions, iter_embedded_ray
 from index.types import MANIFEST, SKIP_REPORT, Additions, GalleryBackend, index_folder
 from retrieval.data import Collection, Item, Skipped, as_collection, write_skip_report
-from retrieval.embedders import EmbeddedBatch, Embedder, OnnxEmbedder, iter_embedded
+from retrieval.embedders import EmbeddedBatch, Embedder, OnnxEmbedder, iter_embedded, require_embedder
 from retrieval.errors import RetrievalError, require_whole
 from retrieval.runs import RunDir
 
@@ -89,7 +89,7 @@ def build_index(
     load_collection reads it, and memory may be written as --memory takes it ("4GB"); a run given as its RunDir
     stands for its own index (RUN/index).
     """
-    directory = index_folder(directory)
+    embedder, directory = require_embedder(embedder), index_folder(directory)
     collection = as_collection(collection, use="index")
     if isinstance(memory, str):
         memory = parse_memory(memory)

@@ -18,7 +18,7 @@ from index.backends import open_index
 from index.disk import writer_lock
 from index.types import Additions, GalleryBackend, index_folder, item_ids
 from retrieval.data import IMAGE_SUFFIXES, Item, Skipped, decode_image, read_image_bytes
-from retrieval.embedders import Embedder
+from retrieval.embedders import Embedder, require_embedder
 from retrieval.errors import ImageError, RetrievalError
 from retrieval.runs import RunDir, write_atomic
 
@@ -51,7 +51,12 @@ def add_images(
         raise RetrievalError(f"paths: a list of image files, not one file; write [{str(paths)!r}]")
     if not isinstance(label, str):
         raise RetrievalError(f'label: {label!r} is not text; give the images\' label, or "" for none')
-    directory, uploads, label = index_folder(directory), Path(uploads), label.strip()
+    embedder, directory, uploads, label = (
+        require_embedder(embedder),
+        index_folder(directory),
+        Path(uploads),
+        label.strip(),
+    )
     added: list[Item] = []
     images, hashes, skipped = [], [], []
     with writer_lock(directory, wait):
@@ -89,7 +94,8 @@ def remove_items(
 ) -> int:
     """Removes items from the index (its folder, its run, or the opened index) in one atomic update; their files are
     deleted only where they lie in uploads."""
-    directory, uploads = index_folder(directory), None if uploads is None else Path(uploads)
+    embedder, directory = require_embedder(embedder), index_folder(directory)
+    uploads = None if uploads is None else Path(uploads)
     ids = sorted(set(item_ids(ids)))
     if not ids:
         raise RetrievalError("no item to remove: pick one in the Browse tab or give its id")

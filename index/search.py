@@ -25,7 +25,7 @@ import numpy as np
 from index.types import GalleryBackend, Hit, item_ids
 from retrieval.calibration import require_threshold
 from retrieval.data import decode, read_image_bytes
-from retrieval.embedders import Embedder
+from retrieval.embedders import Embedder, require_embedder
 from retrieval.errors import ErrorKind, Failure, ImageError, RetrievalError, whole_number
 from retrieval.rerank import NO_RERANK, Rerank, rerank
 
@@ -309,7 +309,7 @@ def search_image_bytes(
 ) -> list[QueryResult]:
     """The hits of each image (uploads, or files read; a Failure is that query's, as it came), embedded in one call;
     one Query for all, or one per image."""
-    queries = _per_query(queries, len(images), "images")
+    embedder, queries = require_embedder(embedder), _per_query(queries, len(images), "images")
     started = time.perf_counter()
     results = [QueryResult(error=image if isinstance(image, Failure) else None) for image in images]
     decoded, digests, good = [], [], []

@@ -13,7 +13,7 @@ from index.search import deployed_ranking
 from index.tuning import leave_out, recall_at_10
 from index.types import GalleryBackend, IndexFacts
 from retrieval.copies import copy_figures
-from retrieval.embedders import Embedder
+from retrieval.embedders import Embedder, require_embedder
 from retrieval.errors import RetrievalError
 from retrieval.evaluation import Evaluation, evaluate_embedded
 from retrieval.knn import nearest_neighbours
@@ -52,6 +52,7 @@ def index_stats(
     uniformity of the stored vectors and, for an index without labels and with its encoder given,
     the figures of augmented copies of a sample of its images (retrieval.copies).
     """
+    embedder = None if embedder is None else require_embedder(embedder)
     index = open_index(directory, mmap=mmap)
     measured: dict = {}
     stored = index.stored()

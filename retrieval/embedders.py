@@ -55,6 +55,24 @@ class Embedder(Protocol):
         ...
 
 
+_EMBEDDER_PARTS = ("dim", "fingerprint", "batch_size", "input_size", "prepare", "embed_prepared", "one_core")
+
+
+def require_embedder(embedder: object) -> Embedder:
+    """embedder, where it is one; a run, its path or None given in its place (a run may be given by its path where a
+    RunDir goes, so the mistake is easy) is refused with the line that loads the run's encoder, not an AttributeError
+    from the first use."""
+    if all(hasattr(embedder, part) for part in _EMBEDDER_PARTS):
+        return embedder  # type: ignore[return-value]
+    if isinstance(embedder, (RunDir, str, os.PathLike)):
+        root = embedder.root if isinstance(embedder, RunDir) else embedder
+        raise RetrievalError(
+            f"embedder: {str(root)!r} is a run, not its encoder; load it first: OnnxEmbedder.from_run({str(root)!r})"
+        )
+    given = "None" if embedder is None else f"a {type(embedder).__name__}"
+    raise RetrievalError(f"embedder: {given} is not an encoder; give an Embedder, e.g. OnnxEmbedder.from_run(RUN)")
+
+
 def l2_normalise(vectors: np.ndarray) -> np.ndarray:
     """Returns float32 rows scaled to unit length (zero rows stay zero)."""
     vectors = np.asarray(vectors, dtype=np.float32)
@@ -220,6 +238,7 @@ def iter_embedded(
     in memory at once, whatever the number of items. thumbnail=S also keeps each picture squashed to S x S
     pixels (the audit compares pictures from them without decoding the files again).
     """
+    embedder = require_embedder(embedder)
     size = embedder.batch_size if batch_size is None else require_whole("batch_size", batch_size, 1)
     thumbnail = require_whole("thumbnail", thumbnail, 0)
     chunks = [items[start : start + size] for start in range(0, len(items), size)]

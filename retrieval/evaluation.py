@@ -26,7 +26,7 @@ from retrieval.data import (
     shared_paths,
     split_by_class,
 )
-from retrieval.embedders import Embedder, embed_items
+from retrieval.embedders import Embedder, embed_items, require_embedder
 from retrieval.errors import RetrievalError
 from retrieval.metrics import (
     QueryScores,
@@ -130,7 +130,7 @@ def evaluate_collection(
     classes), with NMI/AMI and the embedding diagnostics; the lists re-ranked by rerank (retrieval.rerank). A path
     given for the collection is read as load_collection reads it."""
     require_ks(ks)
-    collection = as_collection(collection)
+    embedder, collection = require_embedder(embedder), as_collection(collection)
     protocol = "leave-one-out"
     if split_classes:
         labeled = [item for item in collection.items if item.label]
@@ -180,7 +180,7 @@ def evaluate_query_gallery(
     """Scores each query against a separate gallery (neither contains the other's items: refused); a path is read as
     load_collection reads it."""
     require_ks(ks)
-    queries, gallery = as_collection(queries), as_collection(gallery)
+    embedder, queries, gallery = require_embedder(embedder), as_collection(queries), as_collection(gallery)
     _refuse_shared(queries, gallery)
     _refuse_disjoint(queries, gallery)
     query_vectors, query_items, skipped = _embed_labeled(embedder, queries, progress)

@@ -255,6 +255,47 @@ def test_a_run_given_where_its_index_goes(tmp_path: Path) -> None:
     assert len(open_index(run)) == 1 == len(open_index(str(run.index)))
 
 
+def test_a_run_given_where_its_encoder_goes_says_how_to_load_it(tmp_path: Path) -> None:
+    """A run goes by its path where a RunDir goes, so search_images(index, "runs/photos", ...) is an easy slip: it
+    failed with "'str' object has no attribute 'input_size'", and build_index, add_images, remove_items,
+    embed_items and evaluate_collection each with an AttributeError of their own."""
+    from index.build import build_index
+    from index.edit import add_images, remove_items
+    from index.search import Query, search_images
+    from index.stats import index_stats
+    from retrieval.embedders import PixelEmbedder, embed_items
+    from retrieval.evaluation import evaluate_collection
+    from retrieval.runs import RunDir
+    from tests.conftest import write_bad_files
+
+    run = RunDir(tmp_path / "run")
+    images = write_bad_files(tmp_path / "images" / "red")["text"].parent
+    build_index(PixelEmbedder(8), images, run, progress=False)
+    picture = next(images.glob("*.png"))
+    calls = {
+        "build_index": lambda given: build_index(given, images, tmp_path / "other", progress=False),
+        "search_images": lambda given: search_images(open_index(run), given, [picture], Query(3)),
+        "add_images": lambda given: add_images(run, given, [picture], "red", tmp_path / "uploads"),
+        "remove_items": lambda given: remove_items(run, given, [0]),
+        "embed_items": lambda given: embed_items(given, [picture], progress=False),
+        "evaluate_collection": lambda given: evaluate_collection(given, images, progress=False),
+        "index_stats": lambda given: index_stats(run.index, embedder=given),
+    }
+    said = {
+        str(run.root): f"embedder: {str(run.root)!r} is a run, not its encoder; load it first: OnnxEmbedder.from_run({str(run.root)!r})",
+        "None": "embedder: None is not an encoder; give an Embedder, e.g. OnnxEmbedder.from_run(RUN)",
+    }
+    for name, call in calls.items():
+        for given, message in [(run, said[str(run.root)]), (str(run.root), said[str(run.root)]), (run.root, said[str(run.root)]), (None, said["None"])]:
+            if given is None and name == "index_stats":  # None there: no copies measured
+                continue
+            with pytest.raises(RetrievalError) as refused:
+                call(given)
+            assert str(refused.value) == message, name
+    assert not (tmp_path / "other").exists() and not (tmp_path / "uploads").exists()
+    assert len(open_index(run)) == 1
+
+
 def test_a_file_or_an_image_folder_given_where_an_index_goes_says_what_to_give(tmp_path: Path) -> None:
     """open_index("run/model.json") said to build an index with `--index run/model.json`, which index refuses."""
     from retrieval.runs import RunDir
