@@ -52,18 +52,6 @@ class _Replay:
         return self.read()
 
 
-def _current_only(chunks: Iterator[Additions], current: dict[str, str]) -> Iterator[Additions]:
-    """Drops journal rows whose file is no longer listed or no longer has the content that was embedded."""
-    for chunk in chunks:
-        keep = [
-            i
-            for i, (item, digest) in enumerate(zip(chunk.items, chunk.hashes))
-            if current.get(str(item.path)) == digest
-        ]
-        if keep:
-            yield Additions(chunk.vectors[keep], [chunk.items[i] for i in keep], [chunk.hashes[i] for i in keep])
-
-
 def build_index(
     embedder: Embedder,
     collection: Collection | str | Path,
@@ -141,13 +129,14 @@ def _build_index(
         embedded += len(batch.items)
         unchanged_count += batch.unchanged
         skipped += batch.skipped
-    listed = {str(item.path) for item in collection.items}
+    paths = {str(item.path): item.path for item in collection.items}
+    listed = paths.keys()
     replaced = {path for path, digest in journal.hashes().items() if scan.current.get(path) == digest}
     unreadable = {str(entry.path) for entry in skipped} & indexed.keys()  # an indexed file broken since
     drop = sync and unreadable < listed & indexed.keys()  # not when none can be read: a disk gone, not the files
     gone = (indexed.keys() - listed if sync else set()) | (unreadable if drop else set())
     remove = [item_id for path, (item_id, _) in indexed.items() if path in replaced or path in gone]
-    additions = _Replay(lambda: _current_only(journal.chunks(), scan.current))
+    additions = _Replay(lambda: journal.chunks(current=scan.current, paths=paths))
     if base is not None and not replaced and not remove:
         index = base  # nothing changed: the index on disk stays as it is
     elif base is None:

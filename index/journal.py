@@ -7,7 +7,7 @@ with SIGKILL) and started again resumes where it stopped instead of embedding ev
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import closing
 from pathlib import Path
 
@@ -58,12 +58,23 @@ class Journal:
         self.connection.executemany("INSERT OR REPLACE INTO pending VALUES (?, ?, ?, ?)", rows)
         self.connection.commit()
 
-    def chunks(self, size: int = 2048) -> Iterator[Additions]:
-        """Yields the pending rows in insertion order, size at a time (memory stays bounded)."""
+    def chunks(
+        self, size: int = 2048, current: Mapping[str, str] | None = None, paths: Mapping[str, Path] | None = None
+    ) -> Iterator[Additions]:
+        """Yields the pending rows in insertion order, size at a time (memory stays bounded).
+
+        current (path -> the sha256 a job read): only the rows of the files it lists with the content that was
+        embedded. paths: the Path of a path, where the caller holds them (parsing every path again took half the
+        time of a new index's commit).
+        """
+        known = paths or {}
         cursor = self.connection.execute("SELECT path, label, sha256, vector FROM pending ORDER BY rowid")
         while rows := cursor.fetchmany(size):
+            if current is not None and not (rows := [row for row in rows if current.get(row[0]) == row[2]]):
+                continue
             vectors = np.frombuffer(b"".join(row[3] for row in rows), dtype=np.float32).reshape(len(rows), self.dim)
-            yield Additions(vectors, [Item(Path(row[0]), row[1]) for row in rows], [row[2] for row in rows])
+            items = [Item(known.get(row[0]) or Path(row[0]), row[1]) for row in rows]
+            yield Additions(vectors, items, [row[2] for row in rows])
 
     def discard(self) -> None:
         """Closes and deletes the journal once its rows are committed to the index."""
