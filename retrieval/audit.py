@@ -376,12 +376,7 @@ def audit(
     """Every finding of an audit of collection (and its leaks into other; folds: see suspects; shown: progress bars of
     the copy checks, the audit's long part). The collection's neighbours are searched once, for all three parts
     that need them."""
-    for part in (collection, other):
-        if part is not None and not isinstance(part, AuditedCollection):
-            raise RetrievalError(
-                f"audit takes collections as retrieval.audit.embed_collection(embedder, 'photos') gives them (vectors, "
-                f"digests and thumbnails), not {type(part).__module__}.{type(part).__name__}"
-            )
+    _require_parts(collection, other, folds)
     if other is not None and same_images(collection.items, other.items):
         raise RetrievalError(
             "other: the same images as the collection audited, each of which would be listed as a leak of itself; "
@@ -398,6 +393,26 @@ def audit(
         labeled=sum(bool(item.label) for item in collection.items),
         agreement=agreement(collection.items, collection.vectors, shared) if several and not folds else None,
     )
+
+
+def _require_parts(collection: object, other: object, folds: object) -> None:
+    """Refuses, in one line each, what audit cannot take: a path or None for a collection (an AttributeError deep in
+    it), a number of folds where each fold's vectors go ("'int' object is not iterable")."""
+    for part in (collection, *([other] if other is not None else [])):
+        if not isinstance(part, AuditedCollection):
+            raise RetrievalError(
+                f"audit takes collections as retrieval.audit.embed_collection(embedder, 'photos') gives them (vectors, "
+                f"digests and thumbnails), not {type(part).__module__}.{type(part).__name__}"
+            )
+    if (
+        isinstance(folds, (str, bytes))
+        or not isinstance(folds, Sequence)
+        or not all(isinstance(fold, tuple) and len(fold) == 2 for fold in folds)
+    ):
+        raise RetrievalError(
+            f"folds={folds!r}: give (vectors of every image by one fold's model, the rows it did not train on) for "
+            "each fold; `retrieval audit --folds K` trains the K models (training.folds.fold_models)"
+        )
 
 
 CSV_COLUMNS = {  # the files write_csvs writes, and their columns

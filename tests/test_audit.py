@@ -625,6 +625,15 @@ def test_an_audit_from_python_is_the_commands(demo_run: RunDir, icons_root: Path
     collection = embed_collection(embedder, folder, progress=False)
     with pytest.raises(RetrievalError, match="^other: the same images as the collection audited, each of which would be listed as a leak"):
         audit(collection, embed_collection(embedder, folder, progress=False))  # every image was a leak of itself
+    with pytest.raises(RetrievalError, match=r"\(vectors, digests and thumbnails\), not builtins.NoneType$"):
+        audit(None)  # type: ignore[arg-type]  # an AttributeError: 'NoneType' object has no attribute 'vectors'
+    for folds in (2, "2", [collection.vectors]):  # 2: "'int' object is not iterable"
+        with pytest.raises(RetrievalError) as refused:
+            audit(collection, folds=folds)  # type: ignore[arg-type]
+        assert str(refused.value).endswith(
+            ": give (vectors of every image by one fold's model, the rows it did not train on) for each fold; "
+            "`retrieval audit --folds K` trains the K models (training.folds.fold_models)"
+        ) and str(refused.value).startswith("folds=")
     some = copy_classes(icons_root, tmp_path / "some", 1, split="test")  # copies of the first class's files
     leaked = audit(collection, embed_collection(embedder, some, progress=False)).leaks  # other files: audited
     assert len(leaked) == len(list(some.glob("*/*"))) and {leak.kind for leak in leaked} == {CopyKind.IDENTICAL}
