@@ -3,7 +3,8 @@
 Fitted on held-out labeled images (`retrieval evaluate RUN IMAGES --calibrate`): every scored query's
 best hit, leave-one-out or against a gallery, is right or wrong; the threshold is the lowest best-hit
 similarity at which the hits at or above it are right at least `target` of the time, so that as
-many queries as possible are answered at that precision (their share: the coverage). A seeded half
+many queries as possible are answered at that precision (their share: the coverage), and at least
+MIN_QUERIES hits reach it (a precision of 4 hits out of 4 promised 0.9 and held 0.125 on new images). A seeded half
 of the classes is fitted and the other half checked, both ways, so the model card also says how the
 threshold holds on classes it was not fitted on. Search marks each hit a match when its score
 reaches the threshold (index.search); the app says "no confident match" when the best hit does not.
@@ -23,7 +24,10 @@ from retrieval.runs import read_json, write_json
 
 DEFAULT_TARGET = 0.9
 CARD_KEY = "match_threshold"  # where the model card keeps it
-MIN_QUERIES = 20  # fewer scored queries than this cannot measure a precision worth storing
+MIN_QUERIES = 20  # fewer scored queries (or hits at or above a threshold) cannot measure a precision worth storing
+# the threshold where no similarity reaches the target: only a hit of the query's own picture (cosine 1) is a match; one
+# just above the fitted similarities marked new images' higher hits (icons: 10 of 494, none of them right)
+UNREACHED = 1.0
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,8 @@ class MatchThreshold:
     similarity: a hit scoring at least this is a match. precision and coverage: of the fitting
     queries whose best hit reaches it, the share that is right, and their share of all queries.
     held_out_precision: the precision on the classes left out of the fit, averaged over the two
-    halves (None when the images had too few classes to split).
+    halves (None when the images had too few classes to split, or neither half gives MIN_QUERIES hits at the
+    target).
     """
 
     similarity: float
@@ -58,8 +63,9 @@ class MatchThreshold:
         """One line for people: the threshold and what it was measured at."""
         if self.precision is None:
             return (
-                f"no similarity gives top-1 precision {self.target:.2f} on {self.queries} queries of {self.images}: "
-                "every hit will be marked no match; lower --target-precision"
+                f"no similarity gives top-1 precision {self.target:.2f} to at least {MIN_QUERIES} of the "
+                f"{self.queries} queries of {self.images}: only a copy of the query (similarity 1) will be marked a "
+                "match; lower --target-precision, or calibrate on more images"
             )
         held = "" if self.held_out_precision is None else f", {self.held_out_precision:.2f} on held-out classes"
         return (
@@ -82,17 +88,20 @@ def require_target(target: float) -> None:
         raise RetrievalError(f"--target-precision {target}: give a precision between 0 and 1, e.g. 0.9")
 
 
-def fit_similarity(similarities: np.ndarray, correct: np.ndarray, target: float) -> tuple[float, float, float]:
-    """(threshold, precision, coverage): the lowest best-hit similarity at which the hits at or above it are right at
-    least target of the time. Where no similarity reaches the target, the threshold lies above every one (coverage 0,
-    precision nan): nothing is a match."""
+def fit_similarity(
+    similarities: np.ndarray, correct: np.ndarray, target: float, least: int = 1
+) -> tuple[float, float, float]:
+    """(threshold, precision, coverage): the lowest best-hit similarity at which the hits at or above it, at least
+    least of them, are right at least target of the time. Where no similarity reaches the target, the threshold is
+    UNREACHED (coverage 0, precision nan): a hit is a match only where it is the query's picture."""
     order = np.argsort(-similarities, kind="stable")
     ranked, hits = similarities[order], correct[order].astype(np.float64)
     precision = np.cumsum(hits) / np.arange(1, len(hits) + 1)
     last = len(ranked) - 1 - np.searchsorted(ranked[::-1], ranked, side="left")  # the last row tied with each row
-    good = np.flatnonzero(precision[last] >= target)  # a threshold keeps every hit tied with the lowest kept one
+    # a threshold keeps every hit tied with the lowest kept one: last + 1 of them
+    good = np.flatnonzero((precision[last] >= target) & (last + 1 >= least))
     if not len(good):
-        return float(np.nextafter(np.float32(ranked[0]), np.float32(np.inf))), float("nan"), 0.0
+        return UNREACHED, float("nan"), 0.0
     cut = int(last[good.max()])
     return float(ranked[cut]), float(precision[cut]), (cut + 1) / len(ranked)
 
@@ -116,7 +125,7 @@ def calibrate(
         )
     best = scores.similarities[:, 0].astype(np.float64)
     correct = scores.first_hit == 0
-    similarity, precision, coverage = fit_similarity(best, correct, target)
+    similarity, precision, coverage = fit_similarity(best, correct, target, MIN_QUERIES)
     held_out = _held_out(best, correct, labels, scores, target, seed)
     reached = None if np.isnan(precision) else precision
     return MatchThreshold(similarity, target, reached, coverage, held_out, len(best), images, rerank)
@@ -133,7 +142,7 @@ def _held_out(
     first = np.isin(query_labels, np.random.default_rng(seed).permutation(classes)[: len(classes) // 2])
     measured = []
     for fit, check in ((first, ~first), (~first, first)):
-        threshold = fit_similarity(best[fit], correct[fit], target)[0]
+        threshold = fit_similarity(best[fit], correct[fit], target, MIN_QUERIES)[0]
         measured.append(precision_at(best[check], correct[check], threshold)[0])
     measured = [value for value in measured if not np.isnan(value)]
     return float(np.mean(measured)) if measured else None

@@ -45,7 +45,40 @@ def test_a_threshold_never_splits_tied_similarities() -> None:
 def test_a_target_no_similarity_reaches_marks_nothing_a_match() -> None:
     similarities = np.array([0.9, 0.8, 0.7])
     threshold, precision, coverage = fit_similarity(similarities, np.zeros(3, bool), 0.9)
-    assert threshold > 0.9 and np.isnan(precision) and coverage == 0.0
+    assert threshold == 1.0 and np.isnan(precision) and coverage == 0.0  # not 0.9 and a little: new images reach it
+    assert precision_at(np.array([0.95, 0.91]), np.array([False, False]), threshold)[1] == 0.0  # none marked
+
+
+def test_a_precision_of_a_few_hits_is_no_threshold() -> None:
+    """On the icons, 4 hits out of 4 above a similarity set the threshold for a 0.9 target, and 0.125 of the hits
+    above it were right on new images: a precision is measured on at least MIN_QUERIES hits, or not stored."""
+    from retrieval.calibration import MIN_QUERIES, MatchThreshold
+
+    rng = np.random.default_rng(0)
+    similarities = np.sort(rng.uniform(0.2, 0.9, 100))[::-1].copy()
+    correct = np.zeros(100, bool)
+    correct[:4] = True  # the 4 highest right, then 1 in 3
+    correct[5::3] = True
+    assert fit_similarity(similarities, correct, 0.9) == (similarities[3], 1.0, 0.04)
+    threshold, precision, coverage = fit_similarity(similarities, correct, 0.9, MIN_QUERIES)
+    assert threshold > similarities[0] and np.isnan(precision) and coverage == 0.0
+    correct[:MIN_QUERIES] = True  # 20 right: enough to measure
+    assert fit_similarity(similarities, correct, 0.9, MIN_QUERIES)[2] >= MIN_QUERIES / 100
+    none = MatchThreshold(threshold, 0.9, None, 0.0, None, 100, "held-out")
+    assert none.describe() == (
+        "no similarity gives top-1 precision 0.90 to at least 20 of the 100 queries of held-out: only a copy of the "
+        "query (similarity 1) will be marked a match; lower --target-precision, or calibrate on more images"
+    )
+
+
+def test_calibrate_stores_no_threshold_that_rests_on_a_few_hits() -> None:
+    vectors, labels = clustered(classes=10, per_class=6, spread=1.5, seed=3)  # recall@1 0.5
+    scores = score_queries(vectors, labels)
+    best, correct = scores.similarities[:, 0], scores.first_hit == 0
+    loose = fit_similarity(best.astype(np.float64), correct, 0.9)
+    assert 0 < loose[2] * len(best) < 20  # without the rule: a threshold on a few hits
+    fitted = calibrate(scores, labels, 0.9, "clusters")
+    assert fitted.precision is None and fitted.coverage == 0.0 and fitted.similarity > best.max()
 
 
 def clustered(classes: int = 8, per_class: int = 6, spread: float = 0.4, seed: int = 0) -> tuple[np.ndarray, list[str]]:
