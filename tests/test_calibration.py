@@ -71,6 +71,21 @@ def test_a_precision_of_a_few_hits_is_no_threshold() -> None:
     )
 
 
+def test_a_threshold_that_does_not_hold_on_held_out_classes_says_so() -> None:
+    """The icons at a 0.8 target: 0.810 on the fitting classes, 0.598 on held-out halves of them, and 0.346 on the
+    test classes; evaluate --calibrate printed the 0.598 in passing and stored the threshold without a word."""
+    from retrieval.calibration import MatchThreshold
+
+    fitted = MatchThreshold(0.776, 0.8, 0.81, 0.094, 0.598, 224, "validation")
+    assert fitted.caution() == (
+        "on the classes it was not fitted on, the threshold held 0.60, below the target 0.80: on new classes fewer of "
+        "its matches will be right; calibrate on more classes, or lower --target-precision"
+    )
+    for held in (0.76, 0.9, None):  # within 0.05 of the target, above it, or not checked
+        assert MatchThreshold(0.776, 0.8, 0.81, 0.094, held, 224, "validation").caution() is None
+    assert MatchThreshold(1.0, 0.9, None, 0.0, 0.2, 224, "validation").caution() is None  # no threshold: said already
+
+
 def test_calibrate_stores_no_threshold_that_rests_on_a_few_hits() -> None:
     vectors, labels = clustered(classes=10, per_class=6, spread=1.5, seed=3)  # recall@1 0.5
     scores = score_queries(vectors, labels)
