@@ -51,12 +51,8 @@ def add_images(
         raise RetrievalError(f"paths: a list of image files, not one file; write [{str(paths)!r}]")
     if not isinstance(label, str):
         raise RetrievalError(f'label: {label!r} is not text; give the images\' label, or "" for none')
-    embedder, directory, uploads, label = (
-        require_embedder(embedder),
-        index_folder(directory),
-        Path(uploads),
-        label.strip(),
-    )
+    embedder, directory = require_embedder(embedder), index_folder(directory)
+    uploads, label = Path(uploads), label.strip()
     added: list[Item] = []
     images, hashes, skipped = [], [], []
     with writer_lock(directory, wait):

@@ -64,12 +64,16 @@ def require_embedder(embedder: object) -> Embedder:
     from the first use."""
     if all(hasattr(embedder, part) for part in _EMBEDDER_PARTS):
         return embedder  # type: ignore[return-value]
-    if isinstance(embedder, (RunDir, str, os.PathLike)):
-        root = embedder.root if isinstance(embedder, RunDir) else embedder
-        raise RetrievalError(
-            f"embedder: {str(root)!r} is a run, not its encoder; load it first: OnnxEmbedder.from_run({str(root)!r})"
-        )
-    given = "None" if embedder is None else f"a {type(embedder).__name__}"
+    root = embedder.root if isinstance(embedder, RunDir) else embedder
+    if isinstance(root, (str, os.PathLike)):
+        if Path(root).is_dir():
+            raise RetrievalError(
+                f"embedder: {str(root)!r} is a run, not its encoder; load it first: "
+                f"OnnxEmbedder.from_run({str(root)!r})"
+            )
+        given = repr(str(root))
+    else:
+        given = "None" if embedder is None else f"a value of type {type(embedder).__name__}"
     raise RetrievalError(f"embedder: {given} is not an encoder; give an Embedder, e.g. OnnxEmbedder.from_run(RUN)")
 
 

@@ -294,6 +294,9 @@ def test_a_run_given_where_its_encoder_goes_says_how_to_load_it(tmp_path: Path) 
             assert str(refused.value) == message, name
     assert not (tmp_path / "other").exists() and not (tmp_path / "uploads").exists()
     assert len(open_index(run)) == 1
+    with pytest.raises(RetrievalError) as refused:  # a file, not a run: no from_run of it advised
+        embed_items(run.root / "model.onnx", [picture], progress=False)  # type: ignore[arg-type]
+    assert str(refused.value) == f"embedder: '{run.root}/model.onnx' is not an encoder; give an Embedder, e.g. OnnxEmbedder.from_run(RUN)"
 
 
 def test_a_file_or_an_image_folder_given_where_an_index_goes_says_what_to_give(tmp_path: Path) -> None:
