@@ -398,17 +398,13 @@ def audit(
 def _require_parts(collection: object, other: object, folds: object) -> None:
     """Refuses, in one line each, what audit cannot take: a path or None for a collection (an AttributeError deep in
     it), a number of folds where each fold's vectors go ("'int' object is not iterable")."""
-    for part in (collection, *([other] if other is not None else [])):
+    for part in [collection] if other is None else [collection, other]:
         if not isinstance(part, AuditedCollection):
             raise RetrievalError(
                 f"audit takes collections as retrieval.audit.embed_collection(embedder, 'photos') gives them (vectors, "
                 f"digests and thumbnails), not {type(part).__module__}.{type(part).__name__}"
             )
-    if (
-        isinstance(folds, (str, bytes))
-        or not isinstance(folds, Sequence)
-        or not all(isinstance(fold, tuple) and len(fold) == 2 for fold in folds)
-    ):
+    if not isinstance(folds, Sequence) or not all(isinstance(fold, tuple) and len(fold) == 2 for fold in folds):
         raise RetrievalError(
             f"folds={folds!r}: give (vectors of every image by one fold's model, the rows it did not train on) for "
             "each fold; `retrieval audit --folds K` trains the K models (training.folds.fold_models)"

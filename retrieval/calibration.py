@@ -4,7 +4,7 @@ Fitted on held-out labeled images (`retrieval evaluate RUN IMAGES --calibrate`):
 best hit, leave-one-out or against a gallery, is right or wrong; the threshold is the lowest best-hit
 similarity at which the hits at or above it are right at least `target` of the time, so that as
 many queries as possible are answered at that precision (their share: the coverage), and at least
-MIN_QUERIES hits reach it (a precision of 4 hits out of 4 promised 0.9 and held 0.125 on new images). A seeded half
+MIN_QUERIES hits reach it (4 right hits of 4 promised 0.9 and held 0.125 on new images). A seeded half
 of the classes is fitted and the other half checked, both ways, so the model card also says how the
 threshold holds on classes it was not fitted on. Search marks each hit a match when its score
 reaches the threshold (index.search); the app says "no confident match" when the best hit does not.

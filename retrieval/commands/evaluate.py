@@ -275,8 +275,8 @@ def _match(run: RunDir, evaluation: Evaluation, name: str, rerank: Rerank, targe
         fitted = calibrate(evaluation.scores, evaluation.labels, target, name, rerank.describe())
         store_threshold(run.model_card, fitted)
         console.print(f"{fitted.describe()}; stored in {run.model_card}", highlight=False, soft_wrap=True)
-        if fitted.caution():
-            console.print(f"[yellow]{fitted.caution()}[/]", highlight=False, soft_wrap=True)
+        if caution := fitted.caution():
+            console.print(f"[yellow]{caution}[/]", highlight=False, soft_wrap=True)
     card = read_json(run.model_card)
     similarity = match_similarity(card, rerank.describe())
     if similarity is not None:
