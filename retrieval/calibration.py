@@ -20,7 +20,8 @@ import numpy as np
 
 from retrieval.errors import RetrievalError
 from retrieval.metrics import QueryScores
-from retrieval.runs import read_json, write_json
+from retrieval.rerank import NO_RERANK, Rerank
+from retrieval.runs import RunDir, read_json, write_json
 
 DEFAULT_TARGET = 0.9
 CARD_KEY = "match_threshold"  # where the model card keeps it
@@ -94,10 +95,10 @@ def require_threshold(threshold: float | None) -> None:
         raise RetrievalError(f"--threshold {threshold!r}: give a cosine similarity between -1 and 1")
 
 
-def require_target(target: float) -> None:
-    """Refuses a target precision outside (0, 1)."""
-    if not 0.0 < target < 1.0:
-        raise RetrievalError(f"--target-precision {target}: give a precision between 0 and 1, e.g. 0.9")
+def require_target(target: float, name: str = "--target-precision") -> None:
+    """Refuses a target precision outside (0, 1), or not a number (name: the option or argument that gave it)."""
+    if isinstance(target, bool) or not isinstance(target, Real) or not 0.0 < target < 1.0:
+        raise RetrievalError(f"{name} {target!r}: give a precision between 0 and 1, e.g. 0.9")
 
 
 def fit_similarity(
@@ -173,6 +174,13 @@ def match_similarity(card: dict, rerank: str, override: float | None = None) -> 
         return float(override)
     fitted = card_threshold(card)
     return fitted.similarity if fitted is not None and fitted.rerank == rerank else None
+
+
+def run_threshold(run: RunDir | str | Path, rerank: Rerank = NO_RERANK) -> float | None:
+    """The similarity at which a hit of the run's model is a match, searched with rerank: Query(threshold=...) marks
+    hits with it (None: the run was not calibrated for that re-ranking; its hits are not marked)."""
+    run = RunDir.of(run)
+    return match_similarity(read_json(run.model_card) if run.model_card.is_file() else {}, rerank.describe())
 
 
 def store_threshold(card_path: Path, threshold: MatchThreshold) -> None:

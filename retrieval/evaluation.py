@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from retrieval.calibration import DEFAULT_TARGET, MatchThreshold, calibrate, require_target, store_threshold
 from retrieval.data import (
     VARIANTS,
     Collection,
@@ -64,6 +65,24 @@ def trained_share(run: RunDir, collections: list[Collection]) -> TrainedOn | Non
     return TrainedOn(trained_on, [sum(item.path in seen for item in c.items) for c in collections])
 
 
+def require_held_out(run: RunDir, collections: list[Collection], asked: str = "--calibrate") -> None:
+    """Refuses to calibrate on images the run trained on (its hits there are over-confident), when its training data
+    is still where it was (asked: what the line names, the option or the Python function)."""
+    trained = trained_share(run, collections)
+    if trained is None:
+        return
+    for collection, shared in zip(collections, trained.counts, strict=True):
+        if not shared:
+            continue
+        which = f"{shared} of the {len(collection.items)} images of {collection.source} are in {trained.data}, which"
+        if Path(trained.data).resolve() == collection.source:
+            which = f"{collection.source} is what"
+        raise RetrievalError(
+            f"{asked}: {which} {run.root} trained on, where its hits are over-confident; give labeled images it "
+            "did not train on"
+        )
+
+
 @dataclass
 class Evaluation:
     """Metrics of one embedder on one protocol, the per-query scores and embeddings they came from, and the files
@@ -95,6 +114,37 @@ class Evaluation:
         """Positions (in scores) of the worst scored queries: lowest MAP@R, then the most confident top result."""
         order = np.lexsort((-self.scores.similarities[:, 0], self.scores.values["map@r"]))
         return order[:count].tolist()
+
+
+def calibrate_run(
+    run: RunDir | str | Path, evaluation: Evaluation, target: float = DEFAULT_TARGET, images: str | None = None
+) -> MatchThreshold:
+    """`retrieval evaluate RUN IMAGES --calibrate` from Python: the match threshold fitted on an evaluation, by one of
+    the run's models, of labeled images it did not train on, stored in its model card (images: the set's name there,
+    by default its path). Search marks hits with it: Query(threshold=run_threshold(run))."""
+    run = RunDir.of(run)
+    run.require_model()
+    require_target(target, "target")
+    if not isinstance(evaluation, Evaluation):
+        raise RetrievalError(
+            f"evaluation: {type(evaluation).__name__} given; give what evaluate_collection (or evaluate_query_gallery) "
+            "returns for the run's model"
+        )
+    encoder = str(evaluation.metrics.get("encoder"))
+    if encoder not in run.fingerprints().values():
+        raise RetrievalError(
+            f"evaluation: scored by encoder {encoder[:12]}…, not by a model of {run.root}; evaluate with "
+            f"OnnxEmbedder.from_run({str(run.root)!r})"
+        )
+    source = evaluation.metrics.get("images") or evaluation.metrics["queries"]
+    sets = [Collection(Path(source), evaluation.queries)]
+    if "gallery" in evaluation.metrics:
+        sets.append(Collection(Path(evaluation.metrics["gallery"]), evaluation.gallery))
+    require_held_out(run, sets, "calibrate_run")
+    name = str(source) if images is None else images
+    fitted = calibrate(evaluation.scores, evaluation.labels, target, name, str(evaluation.metrics["rerank"]))
+    store_threshold(run.model_card, fitted)
+    return fitted
 
 
 def class_recall(scores: QueryScores, labels: Sequence[str]) -> dict[str, tuple[float, int]]:

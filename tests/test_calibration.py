@@ -4,6 +4,7 @@ the model card, and search marking hits a match in the command line, the JSON AP
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,12 +17,15 @@ from app.handlers import Handlers
 from app.server import launch
 from app.service import NO_MATCH, SearchService
 from index.search import Query, search_vectors
-from retrieval.calibration import calibrate, card_threshold, fit_similarity, match_similarity, precision_at
+from retrieval.calibration import calibrate, card_threshold, fit_similarity, match_similarity, precision_at, run_threshold
 from retrieval.commands import main
 from retrieval.data import load_collection
+from retrieval.embedders import OnnxEmbedder
 from retrieval.errors import RetrievalError
+from retrieval.evaluation import calibrate_run, evaluate_collection
 from retrieval.metrics import score_queries
-from retrieval.runs import RunDir, read_json
+from retrieval.rerank import parse_rerank
+from retrieval.runs import RunDir, read_json, write_json
 from tests.conftest import copy_classes
 from tests.test_app import free_port
 from tests.test_index import build
@@ -194,6 +198,40 @@ def test_careless_thresholds_are_one_line_each(
         assert main(list(arguments)) == 2, arguments
         error = capsys.readouterr().err.strip()
         assert words in error and "Traceback" not in error and len(error.splitlines()) == 1, error
+
+
+def test_calibrate_run_is_the_command_from_python(
+    calibrated: RunDir, demo_run: RunDir, icons_root: Path, tmp_path: Path
+) -> None:
+    """calibrate_run fits and stores what `evaluate --calibrate` does, and refuses in one line what the command
+    refuses (the run's training images, a target out of range) and what only Python can give it (another run's
+    evaluation, something else); run_threshold reads the stored threshold for Query."""
+    root = tmp_path / "run"
+    shutil.copytree(calibrated.root, root)
+    run, embedder = RunDir(root), OnnxEmbedder.from_run(root)
+    held_out = copy_classes(icons_root, tmp_path / "held-out", 12, split="test")
+    evaluation = evaluate_collection(embedder, held_out, progress=False)
+    fitted = calibrate_run(str(root), evaluation, 0.3)
+    assert fitted == card_threshold(read_json(run.model_card)) and fitted.images == str(held_out)
+    assert fitted == calibrate(evaluation.scores, evaluation.labels, 0.3, str(held_out))
+    assert run_threshold(root) == fitted.similarity and run_threshold(root, parse_rerank("qe")) is None
+    assert run_threshold(tmp_path / "uncalibrated") is None
+    train = read_json(run.model_card)["trained_on"]
+    trained = evaluate_collection(embedder, train, progress=False)
+    other = tmp_path / "other"
+    shutil.copytree(demo_run.root, other)
+    write_json(other / "model.json", {**read_json(other / "model.json"), "sha256": "0" * 64}, sealed=True)
+    cases = [  # another run: its card names another model
+        (run, trained, 0.3, f"calibrate_run: {train} is what {root} trained on,"),
+        (run, evaluation, 1.5, "target 1.5: give a precision between 0 and 1"),
+        (run, evaluation, "0.9", "target '0.9': give a precision between 0 and 1"),
+        (other, evaluation, 0.3, f"not by a model of {other}; evaluate with OnnxEmbedder.from_run("),
+        (run, evaluation.metrics, 0.3, "evaluation: dict given; give what evaluate_collection"),
+    ]
+    for target_run, given, target, words in cases:
+        with pytest.raises(RetrievalError, match=re.escape(words)):
+            calibrate_run(target_run, given, target)
+    assert run_threshold(root) == fitted.similarity  # nothing refused was stored
 
 
 @pytest.fixture(scope="module")

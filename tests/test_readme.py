@@ -11,6 +11,7 @@ import pytest
 
 from retrieval.commands import main
 from retrieval.runs import RunDir
+from tests.conftest import copy_classes
 
 ROOT = Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -114,8 +115,9 @@ def test_the_json_api_examples_run(demo_run: RunDir, tmp_path: Path) -> None:
         service.close()
 
 
-def test_the_python_example_runs(small_folder: Path, tmp_path: Path) -> None:
-    """The README's Python example, on a small folder and a short run: the same functions the commands call."""
+def test_the_python_example_runs(small_folder: Path, icons_root: Path, tmp_path: Path) -> None:
+    """The README's Python example, on a small folder and a short run: the same functions the commands call, the
+    match threshold fitted on classes the run did not train on."""
     code = (
         README.split("<!-- python-example (run by tests/test_readme.py) -->")[1].split("```python")[1].split("```")[0]
     )
@@ -123,6 +125,7 @@ def test_the_python_example_runs(small_folder: Path, tmp_path: Path) -> None:
     replacements = {
         '"runs/photos"': repr(str(tmp_path / "run")),
         '"photos/train"': repr(str(small_folder)),
+        '"photos/val"': repr(str(copy_classes(icons_root, tmp_path / "val", 4, "test"))),
         '"photos/gallery"': repr(str(small_folder)),
         '"photos/test"': repr(str(small_folder)),
         '"query.jpg"': repr(str(query)),
@@ -134,4 +137,6 @@ def test_the_python_example_runs(small_folder: Path, tmp_path: Path) -> None:
     names: dict = {}
     exec(code, names)  # noqa: S102
     assert len(names["hits"]) == 5 and all(hit.path != str(query) for hit in names["hits"])
+    threshold = names["run_threshold"](names["run"])
+    assert threshold is not None and all(hit.match == (hit.score >= threshold) for hit in names["hits"])
     assert (tmp_path / "run" / "model.onnx").is_file() and (tmp_path / "run" / "index" / "manifest.json").is_file()

@@ -149,7 +149,9 @@ def _evaluate(
         return
     sources = _sources(images, query, gallery, split_classes, benchmark)
     if calibrate:
-        _require_held_out(RunDir(run), [source for source in sources if source is not None])
+        from retrieval.evaluation import require_held_out
+
+        require_held_out(RunDir(run), [source for source in sources if source is not None])
     if sources[0] is not None and not any(item.label for item in sources[0].items):
         if linear or compare is not None or calibrate:
             raise RetrievalError(f"{images}: has no labels; --linear, --compare and --calibrate need labeled images")
@@ -209,26 +211,6 @@ def _report(
     _say_unscored(evaluation)
 
 
-def _require_held_out(run: RunDir, collections: list[Collection]) -> None:
-    """Refuses to calibrate on images the run trained on (its hits there are over-confident), when its training data
-    is still where it was."""
-    from retrieval.evaluation import trained_share
-
-    trained = trained_share(run, collections)
-    if trained is None:
-        return
-    for collection, shared in zip(collections, trained.counts, strict=True):
-        if not shared:
-            continue
-        which = f"{shared} of the {len(collection.items)} images of {collection.source} are in {trained.data}, which"
-        if Path(trained.data).resolve() == collection.source:
-            which = f"{collection.source} is what"
-        raise RetrievalError(
-            f"--calibrate: {which} {run.root} trained on, where its hits are over-confident; give labeled images it "
-            "did not train on"
-        )
-
-
 def _say_unscored(evaluation: Evaluation) -> None:
     """One line where queries were not scored, naming their labels; labels written alike but for case (APPLE in the
     queries, apple in the gallery) are named, as the likely reason."""
@@ -269,11 +251,11 @@ def _say_if_trained_on(run: RunDir, collections: list[Collection]) -> None:
 def _match(run: RunDir, evaluation: Evaluation, name: str, rerank: Rerank, target: float | None) -> None:
     """With a target, fits the match threshold and stores it in the model card; either way, adds to the metrics the
     precision and coverage of the run's threshold (when it has one fitted for this re-ranking) on these queries."""
-    from retrieval.calibration import CARD_KEY, calibrate, match_figures, match_similarity, store_threshold
+    from retrieval.calibration import CARD_KEY, match_figures, match_similarity
+    from retrieval.evaluation import calibrate_run
 
     if target is not None:
-        fitted = calibrate(evaluation.scores, evaluation.labels, target, name, rerank.describe())
-        store_threshold(run.model_card, fitted)
+        fitted = calibrate_run(run, evaluation, target, name)
         console.print(f"{fitted.describe()}; stored in {run.model_card}", highlight=False, soft_wrap=True)
         if caution := fitted.caution():
             console.print(f"[yellow]{caution}[/]", highlight=False, soft_wrap=True)
