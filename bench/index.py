@@ -47,7 +47,8 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from index.choice import nlist_for, parse_memory  # noqa: E402
-from index.faiss_ops import compressed, faiss_search, new_index, search_ids, search_parameters  # noqa: E402
+import index.store  # noqa: E402
+from index.faiss_ops import compressed, faiss_search, new_index, on_huge_pages, search_ids, search_parameters  # noqa: E402
 from index.store import RERANK, GalleryIndex  # noqa: E402
 from index.tuning import recall_at_10  # noqa: E402
 from index.types import Additions, index_kind  # noqa: E402
@@ -228,6 +229,7 @@ def main() -> None:
     parser.add_argument("--types", default=None, help="factory strings for the curves separated by ; with Flat first (default: Flat, HNSW32, IVF-Flat, IVF-SQ8, OPQ+IVF-PQ; '' for none)")
     parser.add_argument("--no-auto", action="store_true", help="the curves only, without part 2")
     parser.add_argument("--rounds", type=int, default=3, help="part 2: batch rounds of exact then auto (medians)")
+    parser.add_argument("--pages-ab", action="store_true", help="part 2 twice in one process: the indexes on 4 KiB pages, then on huge pages (index.faiss_ops.on_huge_pages)")
     parser.add_argument("--plot", type=Path, default=None, help="default docs/index-<data>.png")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON (a part not run this time is kept from the file)")
     args = parser.parse_args()
@@ -256,16 +258,27 @@ def main() -> None:
 
 
 def automatic(args: argparse.Namespace, gallery: np.ndarray, queries: np.ndarray, title: str) -> list[dict]:
-    """Part 2: exact search and the automatic choice, built and searched through GalleryIndex, batches in rounds."""
+    """Part 2: exact search and the automatic choice, built and searched through GalleryIndex, batches in rounds
+    (with --pages-ab, first with the indexes' arrays left on 4 KiB pages, then moved to huge pages as searches move
+    them, in the same process: the rows of both)."""
+    moved = index.store.on_huge_pages
+    if args.pages_ab:
+        index.store.on_huge_pages = lambda vectors: 0  # the first rounds on 4 KiB pages
     with tempfile.TemporaryDirectory() as folder:
         exact_index, exact = through_search("Flat", gallery, queries, parse_memory(args.memory), Path(folder))
         auto_index, auto = through_search(None, gallery, queries, parse_memory(args.memory), Path(folder))
-        exact_qps, auto_qps, truth, found = rounds(exact_index, auto_index, queries, args.rounds)
-    exact.update(exact_qps)
-    auto.update(auto_qps)
-    auto["recall@10"] = recall_at_10(found, truth)
-    show_auto(exact, auto, auto["choice"], title)
-    return [exact, auto]
+        pages = ["4 KiB", "huge"] if args.pages_ab else ["as searched"]
+        rows = []
+        for name in pages:
+            if name == "huge":
+                started = time.perf_counter()
+                taken = [moved(built.vectors) / 2**20 for built in (exact_index, auto_index)]
+                print(f"moved {taken[0]:.0f} MiB (exact) and {taken[1]:.0f} MiB ({auto['factory']}) to huge pages in {time.perf_counter() - started:.1f} s")
+            exact_qps, auto_qps, truth, found = rounds(exact_index, auto_index, queries, args.rounds)
+            rows += [{**exact, **exact_qps, "pages": name}, {**auto, **auto_qps, "pages": name, "recall@10": recall_at_10(found, truth)}]
+            show_auto(rows[-2], rows[-1], f"{auto['choice']}; pages: {name}", title)
+    index.store.on_huge_pages = moved
+    return rows
 
 
 def show_curves(curves: list[dict], exact_qps: float, title: str) -> None:

@@ -6,7 +6,9 @@ size of tie group. Compressed types (SQ, PQ) re-score rerank × k candidates wit
 
 from __future__ import annotations
 
+import ctypes
 import re
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -32,6 +34,8 @@ REFUSED = {  # parts of a factory string whose index cannot grow or be searched 
     "RFlat": f"leave RFlat out: {RESCORED}",
 }
 EF_CONSTRUCTION = 80  # HNSW's candidates while linking a new vector (FAISS: 40); a better graph for 2x the build
+MADV_COLLAPSE = 25  # Linux 6.1 on: back a range with 2 MiB pages now, not when the kernel's scanner gets to it
+HUGE_PAGE = 1 << 21
 
 
 def compressed(factory: str) -> bool:
@@ -244,6 +248,34 @@ def on_gpus(vectors: faiss.Index, kind: str) -> faiss.Index:
             f"searching on the CPU: FAISS cannot move this index to the GPU ({first_line(error)})", stacklevel=2
         )
         return vectors
+
+
+def on_huge_pages(vectors: faiss.Index) -> int:
+    """Backs what a search reads at random, the stored codes and a graph's links, with 2 MiB pages where Linux can
+    (madvise MADV_COLLAPSE, 6.1 on); returns the bytes moved (0 on other systems, where the kernel cannot, or for
+    memory-mapped codes). A graph search reads thousands of vectors scattered over the gallery, and with 4 KiB pages
+    nearly every read also misses the TLB: HNSW on a million vectors searches faster by about a fifth (measured in
+    docs/benchmarks.md), for about 2.5 s a GiB once."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    inner = faiss.downcast_index(vectors.index) if isinstance(vectors, faiss.IndexIDMap2) else vectors
+    arrays = [(inner.hnsw.neighbors, 4)] if isinstance(inner, faiss.IndexHNSW) else []
+    storage = faiss.downcast_index(inner.storage) if isinstance(inner, faiss.IndexHNSW) else inner
+    if isinstance(storage, faiss.IndexFlatCodes):
+        arrays.append((storage.codes, 1))
+    return sum(_collapse(array, width) for array, width in arrays if array.is_owned and array.size())
+
+
+def _collapse(array: object, width: int) -> int:
+    """The whole 2 MiB pages within a FAISS array of items width bytes wide, collapsed; the bytes (0: refused)."""
+    start = int(faiss.rev_swig_ptr(array.data(), 1).__array_interface__["data"][0])  # type: ignore[attr-defined]
+    end = start + array.size() * width  # type: ignore[attr-defined]
+    first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+    if last <= first:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return last - first if libc.madvise(first, last - first, MADV_COLLAPSE) == 0 else 0
 
 
 def search_parameters(kind: str, depth: int | None, selector: object | None = None) -> object | None:

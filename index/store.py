@@ -34,6 +34,7 @@ from index.faiss_ops import (
     new_index,
     numpy_call,
     on_gpus,
+    on_huge_pages,
     remove_ids,
     search_ids,
     search_parameters,
@@ -109,9 +110,12 @@ class GalleryIndex(ManifestFacts):
 
     @property
     def searcher(self) -> faiss.Index:
-        """The index searches run on: a copy sharded over every GPU FAISS sees, else the CPU index."""
+        """The index searches run on: a copy sharded over every GPU FAISS sees, else the CPU index, its arrays moved
+        to huge pages at the first search (faiss_ops.on_huge_pages)."""
         if self._searcher is None:
             self._searcher = on_gpus(self.vectors, self.kind)
+            if self._searcher is self.vectors:
+                on_huge_pages(self.vectors)
         return self._searcher
 
     def __len__(self) -> int:
