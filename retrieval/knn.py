@@ -103,19 +103,20 @@ def search_flat(
 
 
 def ranked(
-    search: Search, queries: np.ndarray, k: int, total: int, own: np.ndarray | None = None
+    search: Search, queries: np.ndarray, k: int, total: int, own: np.ndarray | None = None, margin: int = TIE_MARGIN
 ) -> tuple[np.ndarray, np.ndarray]:
     """(ids [Q, k], scores [Q, k]) of each query's k best items by score, then by the lower id.
 
     search returns candidates best first out of `total` items; a query's own id (own[i]) is left out.
-    When the last candidate fetched ties the k-th score, the tie group may go on beyond it, so that
-    query is searched again with twice as many candidates, until the group is seen whole. Missing
-    places (fewer than k items) have id -1 and score -inf.
+    The first search fetches margin (at least 1) candidates more than it keeps. When the last candidate
+    fetched ties the k-th score, the tie group may go on beyond it, so that query is searched again with
+    twice as many candidates, until the group is seen whole. Missing places (fewer than k items) have id
+    -1 and score -inf.
     """
     ids = np.full((len(queries), k), -1, np.int64)
     scores = np.full((len(queries), k), -np.inf, np.float32)
     pending = np.arange(len(queries))
-    wanted = min(total, k + (own is not None) + TIE_MARGIN)
+    wanted = min(total, k + (own is not None) + max(1, margin))
     while len(pending) and wanted > 0:
         found_scores, found = search(np.ascontiguousarray(queries[pending]), wanted)
         last = found_scores[:, -1].copy()

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from index.store import GalleryIndex
+from index.types import Additions
 from retrieval.data import Item
 from retrieval.knn import nearest_neighbours
 from retrieval.metrics import retrieval_metrics
@@ -68,3 +69,15 @@ def test_the_index_search_follows_the_same_rule(tmp_path: Path) -> None:
     twin_ids = [i + 1 for i, label in enumerate(labels) if label == "twin"]
     only = [hit.id for hit in index.search(query, 40, label="twin")[0]]
     assert only == twin_ids  # a label filter: all 30 tied items, by id
+
+
+def test_a_graph_searched_at_the_depth_of_k_follows_the_same_rule(tmp_path: Path) -> None:
+    """A graph fetches no more candidates than its depth leaves beyond k (FAISS's HNSW keeps max(efSearch, k): more
+    searched deeper than tuned); a tie group beyond them is still searched again until it is seen whole."""
+    query, gallery, labels = tied_gallery(4)
+    items = [Item(Path(f"{i}.png"), label) for i, label in enumerate(labels)]
+    additions = [Additions(gallery, items, [f"{i:064x}" for i in range(100)])]
+    index = GalleryIndex.create(tmp_path / "index", additions, "enc", 16, "HNSW16")
+    for k, depth in ((3, 3), (10, 12), (30, 30), (35, 40)):
+        found = [hit.id - 1 for hit in index.search(query, k, depth=depth)[0]]
+        assert found == reference(query, gallery, k).tolist(), (k, depth)
