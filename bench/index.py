@@ -259,15 +259,14 @@ def main() -> None:
 
 def automatic(args: argparse.Namespace, gallery: np.ndarray, queries: np.ndarray, title: str) -> list[dict]:
     """Part 2: exact search and the automatic choice, built and searched through GalleryIndex, batches in rounds
-    (with --pages-ab, first with the indexes' arrays left on 4 KiB pages, then moved to huge pages as searches move
-    them, in the same process: the rows of both)."""
+    on huge pages, as an index that has answered index.store.HUGE_PAGES_AFTER queries is (with --pages-ab, first on
+    4 KiB pages, then moved, in the same process: the rows of both)."""
     moved = index.store.on_huge_pages
-    if args.pages_ab:
-        index.store.on_huge_pages = lambda vectors: 0  # the first rounds on 4 KiB pages
+    index.store.on_huge_pages = lambda vectors: 0  # moved before the rounds, as a server's index is, not within them
     with tempfile.TemporaryDirectory() as folder:
         exact_index, exact = through_search("Flat", gallery, queries, parse_memory(args.memory), Path(folder))
         auto_index, auto = through_search(None, gallery, queries, parse_memory(args.memory), Path(folder))
-        pages = ["4 KiB", "huge"] if args.pages_ab else ["as searched"]
+        pages = ["4 KiB", "huge"] if args.pages_ab else ["huge"]
         rows = []
         for name in pages:
             if name == "huge":

@@ -20,6 +20,7 @@ from index.stats import index_stats
 from index import faiss_ops
 from index.faiss_ops import faiss, new_index, parsed_factory, search_ids, search_parameters, stored_vectors
 from index.search import Query, search_items
+from index import store
 from index.store import Additions, GalleryIndex
 from index.tuning import CONFIDENCE, RecallProbe, intrinsic_dimension, leave_out, recall_at_10, tune_depth
 from index.types import index_kind
@@ -404,24 +405,27 @@ def test_an_hnsw_search_for_more_hits_than_its_depth_returns_k(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("factory, widths", [("Flat", [1]), ("HNSW16", [4, 1]), ("IVF32,Flat", [])])
-def test_the_first_search_moves_the_arrays_read_at_random_to_huge_pages(
+def test_an_index_that_has_answered_many_queries_moves_to_huge_pages(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, factory: str, widths: list[int]
 ) -> None:
-    """A graph search reads vectors scattered over the gallery: the codes (1-byte items) and a graph's links (4-byte
-    ids) go to 2 MiB pages once, at the first search (inverted lists are read in runs and stay); the hits are the
-    same."""
+    """A graph search reads vectors scattered over the gallery: once the index has answered HUGE_PAGES_AFTER queries
+    (a server, an evaluation; not a one-off search, which would not repay the move), the codes (1-byte items) and a
+    graph's links (4-byte ids) go to 2 MiB pages, once; inverted lists, read in runs, stay. The hits are the same."""
     vectors = clustered(n=6000, dim=128)  # 3 MiB of codes: at least one whole huge page
     index = GalleryIndex.create(tmp_path / "index", chunks(vectors), "enc", 128, factory=factory)
-    unmoved = index.search_arrays(vectors[:50], 10)
     moved, collapse = [], faiss_ops._collapse
     monkeypatch.setattr(faiss_ops, "_collapse", lambda array, width: moved.append((array.size(), width)) or collapse(array, width))
-    index._searcher = None  # as opened
-    again = index.search_arrays(vectors[:50], 10)
-    index.search_arrays(vectors[:50], 10)  # once only
+    monkeypatch.setattr(store, "HUGE_PAGES_AFTER", 100)
+    index._answered = 0  # as opened
+    before = index.search_arrays(vectors[:60], 10)
+    index.search(vectors[:60], 10)  # 60 answered before it: not yet
+    assert moved == []
+    after = index.search_arrays(vectors[:60], 10)  # 120 answered before it
+    index.search_arrays(vectors[:60], 10)  # once only
     assert [width for _, width in moved] == widths and all(size > 0 for size, _ in moved)
     assert not widths or moved[-1][0] == 6000 * 128 * 4  # the float32 codes
-    np.testing.assert_array_equal(again.ids, unmoved.ids)
-    np.testing.assert_allclose(again.scores, unmoved.scores)
+    np.testing.assert_array_equal(after.ids, before.ids)
+    np.testing.assert_allclose(after.scores, before.scores)
     taken = faiss_ops.on_huge_pages(index.vectors)  # what the kernel moved: whole huge pages within the arrays
     assert taken % faiss_ops.HUGE_PAGE == 0 and taken <= sum(size * width for size, width in moved)
 
