@@ -206,7 +206,7 @@ def search_ids(
 def _tie_margin(params: object | None, k: int) -> int:
     """The candidates fetched beyond k, to see tie groups at the k-th place whole: TIE_MARGIN, but for a graph no
     more than its depth leaves (a graph keeps max(efSearch, k) candidates: 18 at efSearch 16 searched deeper than
-    the depth tuned, at 0.85x of the graph's own speed)."""
+    the depth tuned, at 0.82x of the bare graph's speed against 0.90x fetching 16)."""
     if isinstance(params, faiss.SearchParametersHNSW):
         return min(TIE_MARGIN, params.efSearch - k)
     return TIE_MARGIN
@@ -263,8 +263,8 @@ def on_huge_pages(vectors: faiss.Index) -> int:
     """Backs what a search reads at random, the stored codes and a graph's links, with 2 MiB pages where Linux can
     (madvise MADV_COLLAPSE, 6.1 on); returns the bytes moved (0 on other systems, where the kernel cannot, or for
     memory-mapped codes). A graph search reads thousands of vectors scattered over the gallery, and with 4 KiB pages
-    nearly every read also misses the TLB: HNSW on a million vectors searches faster by about a fifth (measured in
-    docs/benchmarks.md), for about 2.5 s a GiB once."""
+    nearly every read also misses the TLB: HNSW on a million vectors searched 7-11% faster after the move, on 200,000
+    17% (docs/benchmarks.md), which took 1-2 s a GiB, once."""
     if not sys.platform.startswith("linux"):
         return 0
     inner = faiss.downcast_index(vectors.index) if isinstance(vectors, faiss.IndexIDMap2) else vectors
