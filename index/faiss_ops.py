@@ -282,7 +282,7 @@ def _collapse(array: object, width: int) -> int:
     first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
     if last <= first:
         return 0
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL(None)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return last - first if libc.madvise(first, last - first, MADV_COLLAPSE) == 0 else 0
 

@@ -251,11 +251,11 @@ def _say_if_trained_on(run: RunDir, collections: list[Collection]) -> None:
 def _match(run: RunDir, evaluation: Evaluation, name: str, rerank: Rerank, target: float | None) -> None:
     """With a target, fits the match threshold and stores it in the model card; either way, adds to the metrics the
     precision and coverage of the run's threshold (when it has one fitted for this re-ranking) on these queries."""
-    from retrieval.calibration import CARD_KEY, match_figures, match_similarity
-    from retrieval.evaluation import calibrate_run
+    from retrieval.calibration import CARD_KEY, calibrate, match_figures, match_similarity, store_threshold
 
-    if target is not None:
-        fitted = calibrate_run(run, evaluation, target, name)
+    if target is not None:  # its images were checked before they were embedded (calibrate_run's checks, made early)
+        fitted = calibrate(evaluation.scores, evaluation.labels, target, name, rerank.describe())
+        store_threshold(run.model_card, fitted)
         console.print(f"{fitted.describe()}; stored in {run.model_card}", highlight=False, soft_wrap=True)
         if caution := fitted.caution():
             console.print(f"[yellow]{caution}[/]", highlight=False, soft_wrap=True)
