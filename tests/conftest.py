@@ -20,7 +20,9 @@ from retrieval.runs import RunDir
 
 # torchvision's weight cache, empty: the default recipe uses ImageNet weights when they are cached, and the tests
 # (and the commands they start) must train the same recipe on every machine
-os.environ["TORCH_HOME"] = tempfile.mkdtemp(prefix="retrieval-tests-torch-")
+# (one per test process, removed when it exits: every run of the suite left its empty folders in /tmp)
+_TORCH_HOME = tempfile.TemporaryDirectory(prefix="retrieval-tests-torch-")
+os.environ["TORCH_HOME"] = _TORCH_HOME.name
 
 
 @pytest.fixture(scope="session")
