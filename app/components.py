@@ -13,6 +13,7 @@ import gradio as gr
 from pydantic import ValidationError
 
 log = logging.getLogger("retrieval.app")
+SESSIONS_KEPT = 1_000  # Gradio sessions whose state a server keeps (Gradio: 10,000), the ones used last
 
 
 def refused(message: str) -> gr.Error:
@@ -38,7 +39,17 @@ def tile_gallery(elem_id: str, label: str, columns: int, value: object = None) -
 
 class Blocks(gr.Blocks):
     """gr.Blocks whose requests with a value of the wrong shape for a component (an API call with one file where the
-    component takes a list, a number for an image) are refused in one log line, not a traceback."""
+    component takes a list, a number for an image) are refused in one log line, not a traceback, and which keeps the
+    state of the SESSIONS_KEPT sessions used last.
+
+    Gradio keeps, per session, a copy of every component's settings (about 160 KiB for this app), and each call of the
+    Gradio route without a session (curl, a script's POST to /gradio_api/call/search) opens a new one: with Gradio's
+    10,000 a server grew by 190 KiB a call, up to about 1.9 GB more. A browser session pushed out starts afresh at its
+    next event (its search still works; an opened audit suspect has to be clicked again)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.state_session_capacity = SESSIONS_KEPT  # read when the app is mounted (gr.Blocks.launch's setting)
 
     async def preprocess_data(self, *args: Any, **kwargs: Any) -> Any:
         try:

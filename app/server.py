@@ -37,6 +37,7 @@ STATIC_ROUTE = "/app-static"
 KERNEL_SHARE = 0.5  # of the cores, for the encoder and FAISS in a server (the rest serve HTTP)
 HEAD = f'<link rel="stylesheet" href="{STATIC_ROUTE}/app.css"><script src="{STATIC_ROUTE}/app.js"></script>'
 STYLE_AT_LAUNCH = "head" in inspect.signature(gr.Blocks.launch).parameters  # Gradio 6 takes it there, 5 in Blocks()
+IDLE_POLL_SECONDS = 0.01  # how often the app's event queue looks for new events while it has none
 
 
 def loopback(host: str) -> bool:
@@ -114,13 +115,25 @@ def launch(
     api.mount(STATIC_ROUTE, StaticFiles(directory=STATIC), name="app-static")
     settings = {"auth": credentials, "allowed_paths": [str(service.cache)], "max_file_size": max_upload.lower()}
     settings.update({"head": HEAD} if STYLE_AT_LAUNCH else {})
-    demo.queue(default_concurrency_limit=1)
+    queued(demo)
     app = gr.mount_gradio_app(api, demo, path="", show_error=True, **settings)
     server = Server(app, host, port)
     server.start(port, host)
     if block:
         wait_until_stopped(server)
     return server
+
+
+def queued(demo: gr.Blocks) -> gr.Blocks:
+    """Gives the app its event queue: one event at a time per handler, new events looked for every 10 ms when idle.
+
+    Gradio's queue looks every millisecond while it has nothing to do (every 50 ms on Windows): a thousand wake-ups
+    a second, 3-4 % of a core for a server nobody is using. Every 10 ms costs a search through the app nothing a
+    person or a client sees (`python bench/app_load.py --idle`; docs/benchmarks.md)."""
+    demo.queue(default_concurrency_limit=1)
+    queue = demo._queue  # Gradio has no public setting for it
+    queue.sleep_when_free = max(queue.sleep_when_free, IDLE_POLL_SECONDS)
+    return demo
 
 
 def wait_until_stopped(server: Server) -> None:

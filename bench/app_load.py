@@ -4,11 +4,13 @@ By default, one asynchronous client process (httpx, one connection per client, c
 client sends its next query when the last is answered) drives one `retrieval serve`: rows for 1, 16
 and 64 clients on the JSON API (POST /api/v1/search, the image as the body, k=10) and 16 on the
 Gradio route (upload, /gradio_api/call/search, its event stream: what gradio_client and the browser
-do), --seconds each; queries/s, p50/p95/p99, errors, and the server's CPU milliseconds per query
-(its utime + stime over the row, from /proc). The clients share one process, so they do not eat the
+do, each call without a session, as curl does), --seconds each; queries/s, p50/p95/p99, errors, and the server's CPU milliseconds per query
+(its utime + stime over the row, from /proc) and its resident memory after the row. The clients share one process, so they do not eat the
 server's cores the way a process per user does.
 
-    python bench/app_load.py [--clients 1,16,64] [--gradio-clients 16] [--seconds 30] [--images 10000]
+    python bench/app_load.py [--clients 1,16,64] [--gradio-clients 16] [--seconds 30] [--images 10000] [--idle 20]
+
+--idle N adds a last row per server: its CPU over N seconds without queries, after the rows (cores busy).
 
 --processes runs the earlier setting: N gradio_client users, each a process of its own:
 
@@ -267,6 +269,7 @@ def main() -> None:
     parser.add_argument("--plain-http", action="store_true", help="the same rows again on a server with uvicorn's pure-Python HTTP (h11) and asyncio's loop")
     parser.add_argument("--against", type=Path, action="append", default=[], help="a checkout of another version of this project (git worktree): the same rows on its server, side by side (repeatable)")
     parser.add_argument("--max-batch", type=int, default=None, help="retrieval serve --max-batch (default: each server's own)")
+    parser.add_argument("--idle", type=float, default=0.0, help="after the rows, also the server's CPU over this many seconds without queries (a last row, its cores busy)")
     parser.add_argument("--rounds", type=int, default=3, help="with --against or --plain-http: rounds over the servers in turn (medians)")
     args = parser.parse_args()
     console = Console(width=150)
@@ -420,7 +423,7 @@ def asynchronous(args: argparse.Namespace, run: Path, index: Path, queries: list
             try:
                 for route, clients, figures in load_rows(url, rows, server, images, args):
                     measured.setdefault((setting, route, clients), []).append(figures)
-                    console.print(f"{setting}: {route}, {clients} clients: {figures['queries/s']:.1f} queries/s, p95 {figures['p95 ms']:.0f} ms, server CPU {figures['server CPU ms/query']:.2f} ms/query")
+                    console.print(f"{setting}: {route}, {clients} clients: {figures['queries/s']:.1f} queries/s, p95 {figures['p95 ms']:.0f} ms, server CPU {figures['server CPU ms/query']:.2f} ms/query, cores busy {figures['cores busy']:.3f}, server {figures['server MiB']:.0f} MiB")
             finally:
                 server.terminate()
                 server.wait()
@@ -430,11 +433,11 @@ def asynchronous(args: argparse.Namespace, run: Path, index: Path, queries: list
         table.add_column(column, justify="right")
     for (setting, route, clients), runs in measured.items():
         medians = [float(np.median([figures[name] for figures in runs])) for name in FIGURES]
-        table.add_row(setting, route, str(clients), f"{sum(figures['queries'] for figures in runs) // len(runs):,}", *(f"{value:.1f}" for value in medians), str(sum(figures["errors"] for figures in runs)))
+        table.add_row(setting, route, str(clients), f"{sum(figures['queries'] for figures in runs) // len(runs):,}", *(f"{value:.3f}" if name == "cores busy" else f"{value:.1f}" for name, value in zip(FIGURES, medians)), str(sum(figures["errors"] for figures in runs)))
     console.print(table)
 
 
-FIGURES = ("queries/s", "p50 ms", "p95 ms", "p99 ms", "server CPU ms/query", "client CPU ms/query", "cores busy")
+FIGURES = ("queries/s", "p50 ms", "p95 ms", "p99 ms", "server CPU ms/query", "client CPU ms/query", "cores busy", "server MiB")
 
 
 def plain_http_shim(work: Path) -> Path:
@@ -457,7 +460,12 @@ def load_rows(url: str, rows: list, server: subprocess.Popen, images: list[bytes
         busy = (used + client) / (time.monotonic() - started)  # of os.cpu_count() cores
         p50, p95, p99 = np.percentile(np.asarray(latencies or [float("nan")]) * 1000, [50, 95, 99])
         per_query = 1000 / max(1, len(latencies))
-        yield route, clients, {"queries": len(latencies), "queries/s": len(latencies) / args.seconds, "p50 ms": p50, "p95 ms": p95, "p99 ms": p99, "server CPU ms/query": used * per_query, "client CPU ms/query": client * per_query, "cores busy": busy, "errors": errors}
+        yield route, clients, {"queries": len(latencies), "queries/s": len(latencies) / args.seconds, "p50 ms": p50, "p95 ms": p95, "p99 ms": p99, "server CPU ms/query": used * per_query, "client CPU ms/query": client * per_query, "cores busy": busy, "server MiB": resident_mib(server.pid), "errors": errors}
+    if args.idle:
+        time.sleep(2.0)  # the last row's answers and thumbnails finished
+        cpu = cpu_seconds(server.pid)
+        time.sleep(args.idle)
+        yield "idle (no queries)", 0, {"queries": 0, **dict.fromkeys(FIGURES, float("nan")), "cores busy": (cpu_seconds(server.pid) - cpu) / args.idle, "server MiB": resident_mib(server.pid), "errors": 0}
 
 if __name__ == "__main__":
     main()

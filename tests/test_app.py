@@ -17,12 +17,13 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import gradio as gr
 import numpy as np
 import pytest
 from PIL import Image
 
 from app.handlers import metrics_rows, parse_ids
-from app.server import launch, loopback, parse_auth
+from app.server import IDLE_POLL_SECONDS, Server, launch, loopback, parse_auth
 from app.service import TRAINED_ON, SearchService, project_2d
 from index.build import build_index
 from index.disk import writer_lock
@@ -348,6 +349,62 @@ def test_only_the_apps_own_files_are_served(client: object, service: SearchServi
     assert status(gallery[0]["image"]) == 200 and status(str(service.thumbnails([next(iter(service.items))])[0])) == 200
     refused = ["/etc/passwd", str(item.path), str(app_run.model), str(service.index_dir / "items.sqlite"), f"{service.cache}/../../etc/passwd", "README.md", "%2e%2e/%2e%2e/etc/passwd"]
     assert {path: status(path) for path in refused} == {path: 403 for path in refused}
+
+
+def test_an_idle_server_looks_for_new_events_every_10_ms(service: SearchService) -> None:
+    """Gradio's queue looked for new events every millisecond while it had none: a thousand wake-ups a second, 3-4 %
+    of a core for a server nobody was using (bench/app_load.py --idle)."""
+    import inspect
+
+    from gradio.queueing import Queue
+
+    assert "self.sleep_when_free" in inspect.getsource(Queue.start_processing)  # the setting Gradio's loop reads
+    server = launch(service, port=free_port(), block=False)
+    try:
+        assert mounted_blocks(server)._queue.sleep_when_free == IDLE_POLL_SECONDS == 0.01
+    finally:
+        server.close()
+
+
+def mounted_blocks(server: Server) -> gr.Blocks:
+    """The Gradio app a server serves."""
+    (mounted,) = [route.app for route in server.server.config.app.routes if hasattr(route.app, "get_blocks")]
+    return mounted.get_blocks()
+
+
+def call_search_route(url: str, image: Path) -> list:
+    """What curl does with the app's /search: upload the file, start a call (no session), read its event stream."""
+    import httpx
+
+    uploaded = httpx.post(f"{url}gradio_api/upload", files={"files": ("query.png", image.read_bytes(), "image/png")})
+    data = [{"path": uploaded.json()[0], "meta": {"_type": "gradio.FileData"}}, 3, "", 0, False]
+    event = httpx.post(f"{url}gradio_api/call/search", json={"data": data}).json()["event_id"]
+    stream = httpx.get(f"{url}gradio_api/call/search/{event}", timeout=60).text
+    return json.loads(stream.split("event: complete", 1)[1].split("data:", 1)[1].strip().splitlines()[0])
+
+
+def test_calls_without_a_session_do_not_pile_up_in_memory(service: SearchService, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each call of the Gradio route without a session (curl, a script's POST) opened a session that Gradio kept,
+    about 160 KiB of component settings each, up to 10,000 sessions: 1.9 GB more for a server that scripts query.
+    The server keeps the sessions used last; a browser's or a client's session pushed out starts afresh."""
+    from gradio_client import Client, handle_file
+
+    import app.components
+
+    assert app.components.SESSIONS_KEPT == 1_000
+    monkeypatch.setattr(app.components, "SESSIONS_KEPT", 3)
+    port = free_port()
+    server = launch(service, port=port, block=False)
+    try:
+        url, image = f"http://127.0.0.1:{port}/", next(iter(service.items.values())).path
+        client = Client(url, verbose=False)  # a session of its own, like a browser's
+        assert len(client.predict(handle_file(str(image)), 3, "", 0, api_name="/search")[0]) == 3
+        for _ in range(6):
+            assert len(call_search_route(url, image)[0]) == 3
+        assert len(mounted_blocks(server).state_holder.session_data) == 3  # Gradio kept all 7
+        assert len(client.predict(handle_file(str(image)), 3, "", 0, api_name="/search")[0]) == 3  # pushed out, works
+    finally:
+        server.close()
 
 
 def test_authentication_and_binding(service: SearchService, monkeypatch: pytest.MonkeyPatch) -> None:
