@@ -7,10 +7,12 @@ FastAPI application, and serves it in a thread; `serve` blocks until Ctrl+C or S
 
 from __future__ import annotations
 
+import functools
 import inspect
 import ipaddress
 import os
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -38,6 +40,7 @@ KERNEL_SHARE = 0.5  # of the cores, for the encoder and FAISS in a server (the r
 HEAD = f'<link rel="stylesheet" href="{STATIC_ROUTE}/app.css"><script src="{STATIC_ROUTE}/app.js"></script>'
 STYLE_AT_LAUNCH = "head" in inspect.signature(gr.Blocks.launch).parameters  # Gradio 6 takes it there, 5 in Blocks()
 IDLE_POLL_SECONDS = 0.01  # how often the app's event queue looks for new events while it has none
+GRADIO_FOLDER = "GRADIO_TEMP_DIR"  # Gradio's folder for uploads and copies of the images it shows
 
 
 def loopback(host: str) -> bool:
@@ -109,6 +112,7 @@ def launch(
         )
     os.environ.setdefault("GRADIO_ANALYTICS_MAX_EVENTS", str(ANALYTICS_EVENTS))  # read when the queue is made
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(ANALYTICS_SUMMARY_EVERY))
+    gradio_folder()  # before the app is built: its components take their folder then
     demo = build_app(service, None if STYLE_AT_LAUNCH else {"head": HEAD})
     release_memory_periodically()
     api = build_api(service, credentials, max_upload)
@@ -122,6 +126,23 @@ def launch(
     if block:
         wait_until_stopped(server)
     return server
+
+
+def gradio_folder() -> Path:
+    """Where Gradio keeps uploads and its copies of the images it shows: GRADIO_TEMP_DIR where it is set, else a
+    folder of this process's own, removed when the process exits (its servers with it).
+
+    Gradio's default is the shared /tmp/gradio, never emptied: every query image uploaded and a copy of every image
+    shown stayed there after the server had stopped (359 files after five searches of a 176-label gallery)."""
+    if not os.environ.get(GRADIO_FOLDER):
+        os.environ[GRADIO_FOLDER] = _own_folder().name
+    return Path(os.environ[GRADIO_FOLDER])
+
+
+@functools.cache
+def _own_folder() -> tempfile.TemporaryDirectory:
+    """This process's Gradio folder, made once and kept (removed at exit, by its finalizer)."""
+    return tempfile.TemporaryDirectory(prefix="retrieval-gradio-", ignore_cleanup_errors=True)
 
 
 def queued(demo: gr.Blocks) -> gr.Blocks:

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -333,11 +334,11 @@ def test_concurrent_queries_are_batched(client: object, service: SearchService) 
 
 
 def test_only_the_apps_own_files_are_served(client: object, service: SearchService, app_run: RunDir) -> None:
-    from gradio_client import handle_file
+    from gradio_client import Client, handle_file
 
     item = next(iter(service.items.values()))
-    gallery, _ = client.predict(handle_file(str(item.path)), 2, "", 0, api_name="/search")  # type: ignore[attr-defined]
     base = client.src.rstrip("/")  # type: ignore[attr-defined]
+    gallery, _ = Client(base, verbose=False, download_files=False).predict(handle_file(str(item.path)), 2, "", 0, api_name="/search")  # the server's paths
 
     def status(path: str) -> int:
         try:
@@ -346,9 +347,15 @@ def test_only_the_apps_own_files_are_served(client: object, service: SearchServi
         except urllib.error.HTTPError as error:
             return error.code
 
-    assert status(gallery[0]["image"]) == 200 and status(str(service.thumbnails([next(iter(service.items))])[0])) == 200
-    refused = ["/etc/passwd", str(item.path), str(app_run.model), str(service.index_dir / "items.sqlite"), f"{service.cache}/../../etc/passwd", "README.md", "%2e%2e/%2e%2e/etc/passwd"]
-    assert {path: status(path) for path in refused} == {path: 403 for path in refused}
+    assert status(gallery[0]["image"]["path"]) == 200 and status(str(service.thumbnails([next(iter(service.items))])[0])) == 200
+    other_app = Path(tempfile.gettempdir()) / "gradio" / "another-app" / f"upload-{os.getpid()}.txt"  # Gradio's shared folder
+    other_app.parent.mkdir(parents=True, exist_ok=True)
+    other_app.write_text("another Gradio app's upload")
+    try:
+        refused = ["/etc/passwd", str(item.path), str(app_run.model), str(service.index_dir / "items.sqlite"), f"{service.cache}/../../etc/passwd", "README.md", "%2e%2e/%2e%2e/etc/passwd", str(other_app)]
+        assert {path: status(path) for path in refused} == {path: 403 for path in refused}
+    finally:
+        other_app.unlink()
 
 
 def test_an_idle_server_looks_for_new_events_every_10_ms(service: SearchService) -> None:
@@ -551,22 +558,29 @@ def test_the_memory_release_setting(monkeypatch: pytest.MonkeyPatch) -> None:
         memory.release_memory_periodically()
 
 
-def test_a_stopped_server_leaves_no_cache_folder(app_run: RunDir, tmp_path: Path) -> None:
-    """SIGTERM (systemd, docker stop) ends `retrieval serve` like Ctrl+C: its thumbnails folder is removed."""
+def test_a_stopped_server_leaves_no_cache_folder(app_run: RunDir, icons_root: Path, tmp_path: Path) -> None:
+    """SIGTERM (systemd, docker stop) ends `retrieval serve` like Ctrl+C: its thumbnails folder is removed, and so is
+    Gradio's folder with the uploaded query images and its copies of the results (kept in /tmp/gradio for good)."""
+    from gradio_client import Client, handle_file
+
     port = free_port()
     retrieval = str(Path(sys.executable).with_name("retrieval"))
-    environment = {**os.environ, "TMPDIR": str(tmp_path)}
+    environment = {key: value for key, value in os.environ.items() if key != "GRADIO_TEMP_DIR"} | {"TMPDIR": str(tmp_path)}
     server = subprocess.Popen([retrieval, "serve", str(app_run.root), "--port", str(port)], env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not list(tmp_path.glob("retrieval-app-*")) or not answers(f"http://127.0.0.1:{port}/"):
             assert server.poll() is None and time.monotonic() < deadline, server.stderr.read() if server.stderr else ""
             time.sleep(0.5)
+        query = next((icons_root / "test").rglob("*.png"))
+        results, _ = Client(f"http://127.0.0.1:{port}/", verbose=False, download_files=False).predict(handle_file(str(query)), 3, "", 0, api_name="/search")
+        assert len(results) == 3 and [folder.name[:17] for folder in tmp_path.glob("retrieval-gradio-*")] == ["retrieval-gradio-"]
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0
     finally:
         server.kill()
-    assert not list(tmp_path.glob("retrieval-app-*"))
+    assert not list(tmp_path.glob("retrieval-app-*")) and not list(tmp_path.glob("retrieval-gradio-*"))
+    assert [path for path in tmp_path.rglob("*") if path.suffix in (".png", ".jpg", ".jpeg", ".webp")] == []
 
 
 def answers(url: str) -> bool:
