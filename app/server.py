@@ -149,8 +149,9 @@ def queued(demo: gr.Blocks) -> gr.Blocks:
     """Gives the app its event queue: one event at a time per handler, new events looked for every 10 ms when idle.
 
     Gradio's queue looks every millisecond while it has nothing to do (every 50 ms on Windows): a thousand wake-ups
-    a second, 3-4 % of a core for a server nobody is using. Every 10 ms costs a search through the app nothing a
-    person or a client sees (`python bench/app_load.py --idle`; docs/benchmarks.md)."""
+    a second, 3-5 % of a core for a server nobody is using (1.5 % every 10 ms). A search through the app then waits
+    about 3 ms more at one client (p50 29 -> 32 ms), none at 16, where the queue is never empty; the JSON API does not
+    use this queue (`python bench/app_load.py --idle`; docs/benchmarks.md)."""
     demo.queue(default_concurrency_limit=1)
     queue = demo._queue  # Gradio has no public setting for it
     queue.sleep_when_free = max(queue.sleep_when_free, IDLE_POLL_SECONDS)
