@@ -79,7 +79,7 @@ def test_the_api_example_runs(demo_run: RunDir) -> None:
     try:
         names: dict = {}
         exec(code.replace("http://127.0.0.1:7860/", f"http://127.0.0.1:{port}/").replace('"query.jpg"', repr(str(query))), names)  # noqa: S102
-        assert len(names["results"]) == 10 and names["summary"].startswith("10 results")
+        assert len(names["results"]) == 10 and names["summary"].startswith("10 results"), names["summary"]
     finally:
         demo.close()
         service.close()
