@@ -14,9 +14,6 @@ from pydantic import ValidationError
 
 log = logging.getLogger("retrieval.app")
 SESSIONS_KEPT = 1_000  # Gradio sessions whose state a server keeps (Gradio: 10,000), the ones used last
-# every hour, the uploads and copies of results that Gradio made or last handed out over a day ago are removed
-# (Gradio: never, while the server runs; a server up for weeks kept every query image uploaded to it)
-FILES_SWEPT_EVERY, FILES_KEPT_FOR = 3600, 86400
 
 
 def refused(message: str) -> gr.Error:
@@ -48,11 +45,10 @@ class Blocks(gr.Blocks):
     Gradio keeps, per session, a copy of every component's settings (about 160 KiB for this app), and each call of the
     Gradio route without a session (curl, a script's POST to /gradio_api/call/search) opens a new one: with Gradio's
     10,000 a server grew by 190 KiB a call, up to about 1.9 GB more. A browser session pushed out starts afresh at its
-    next event (its search still works; an opened audit suspect has to be clicked again). Uploads and copies of
-    results are removed a day after they were made or last handed out."""
+    next event (its search still works; an opened audit suspect has to be clicked again)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs, delete_cache=(FILES_SWEPT_EVERY, FILES_KEPT_FOR))
+        super().__init__(*args, **kwargs)
         self.state_session_capacity = SESSIONS_KEPT  # read when the app is mounted (gr.Blocks.launch's setting)
 
     async def preprocess_data(self, *args: Any, **kwargs: Any) -> Any:

@@ -175,12 +175,6 @@ Searched = tuple[Tiles, str, list[dict], str]
 Picked = tuple[str, str, gr.Tabs, Tiles, str, list[dict], str]  # a pick: the query, its label, the tab, its search
 
 
-def gone(path: str) -> str:
-    """The message for a query image that is no longer on the server: a page kept it in its query box for longer than
-    uploads are kept (app.components.FILES_KEPT_FOR)."""
-    return f"{Path(path).name}: no longer on the server (uploads are kept a day); upload the image again"
-
-
 class Handlers:
     """The app's event handlers over one search service: each formats what the service (and index/ beneath it) returns.
 
@@ -235,7 +229,7 @@ class Handlers:
             data, digest = read_image_bytes(Path(path))
             image: ImageQuery | Failure = ImageQuery(Path(path).name, data, digest)
         except ImageError as error:
-            image = Failure.of(error) if Path(path).exists() else Failure(ErrorKind.UNREADABLE_IMAGE, gone(path))
+            image = Failure.of(error)
         return self.service.batcher.submit(image, query)
 
     def _shown(self, result: QueryResult, label: str) -> Searched:

@@ -414,38 +414,6 @@ def test_calls_without_a_session_do_not_pile_up_in_memory(service: SearchService
         server.close()
 
 
-def test_uploads_are_removed_once_older_than_the_setting(service: SearchService, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Gradio kept every uploaded query image (and its copies of the results) while the server ran: weeks of them."""
-    import httpx
-    from gradio_client import Client, handle_file
-
-    import app.components
-    from app.server import gradio_folder
-
-    assert (app.components.FILES_SWEPT_EVERY, app.components.FILES_KEPT_FOR) == (3600, 86400)
-    monkeypatch.setattr(app.components, "FILES_SWEPT_EVERY", 1)
-    monkeypatch.setattr(app.components, "FILES_KEPT_FOR", 2)
-    query = tmp_path / "a-query-of-mine.png"
-    Image.fromarray(np.random.default_rng(5).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(query)
-    port = free_port()
-    server = launch(service, port=port, block=False)
-    try:
-        url = f"http://127.0.0.1:{port}/"
-        assert len(Client(url, verbose=False, download_files=False).predict(handle_file(str(query)), 3, "", 0, api_name="/search")[0]) == 3
-        (upload,) = gradio_folder().rglob(query.name)
-        deadline = time.monotonic() + 30
-        while upload.exists():
-            assert time.monotonic() < deadline, f"{upload} still there"
-            time.sleep(0.5)
-        data = [{"path": str(upload), "meta": {"_type": "gradio.FileData"}}, 3, "", 0, False]  # a page that kept it
-        event = httpx.post(f"{url}gradio_api/call/search", json={"data": data}).json()["event_id"]
-        stream = httpx.get(f"{url}gradio_api/call/search/{event}", timeout=60).text
-        answer = json.loads(stream.split("event: complete", 1)[1].split("data:", 1)[1].strip().splitlines()[0])
-        assert answer[:2] == [[], "⚠️ a-query-of-mine.png: no longer on the server (uploads are kept a day); upload the image again"]
-    finally:
-        server.close()
-
-
 def test_authentication_and_binding(service: SearchService, monkeypatch: pytest.MonkeyPatch) -> None:
     from gradio_client import Client
 
