@@ -112,7 +112,7 @@ def launch(
         )
     os.environ.setdefault("GRADIO_ANALYTICS_MAX_EVENTS", str(ANALYTICS_EVENTS))  # read when the queue is made
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(ANALYTICS_SUMMARY_EVERY))
-    gradio_folder()  # before the app is built: its components take their folder then
+    use_own_gradio_folder()  # before the app is built: its components take their folder then
     demo = build_app(service, None if STYLE_AT_LAUNCH else {"head": HEAD})
     release_memory_periodically()
     api = build_api(service, credentials, max_upload)
@@ -128,15 +128,14 @@ def launch(
     return server
 
 
-def gradio_folder() -> Path:
-    """Where Gradio keeps uploads and its copies of the images it shows: GRADIO_TEMP_DIR where it is set, else a
-    folder of this process's own, removed when the process exits (its servers with it).
+def use_own_gradio_folder() -> None:
+    """Has Gradio keep uploads and its copies of the images it shows in a folder of this process's own, removed
+    when the process exits (its servers with it); GRADIO_TEMP_DIR, where it is set, is left as it is.
 
     Gradio's default is the shared /tmp/gradio, never emptied: every query image uploaded and a copy of every image
     shown stayed there after the server had stopped (359 files after five searches of a 176-label gallery)."""
     if not os.environ.get(GRADIO_FOLDER):
         os.environ[GRADIO_FOLDER] = _own_folder().name
-    return Path(os.environ[GRADIO_FOLDER])
 
 
 @functools.cache
