@@ -16,7 +16,7 @@ from index.journal import Journal
 from index.milvus import MilvusIndex, MilvusOptions
 from index.ray_engine import RayOptions, iter_embedded_ray
 from index.types import MANIFEST, SKIP_REPORT, Additions, GalleryBackend, index_folder
-from retrieval.data import Collection, Item, Skipped, as_collection, write_skip_report
+from retrieval.data import Collection, Item, Skipped, as_collection, none_readable, write_skip_report
 from retrieval.embedders import EmbeddedBatch, Embedder, OnnxEmbedder, iter_embedded, require_embedder
 from retrieval.errors import RetrievalError, require_whole
 from retrieval.runs import RunDir
@@ -129,6 +129,9 @@ def _build_index(
         embedded += len(batch.items)
         unchanged_count += batch.unchanged
         skipped += batch.skipped
+    if base is None and skipped and not journal.hashes():  # a new index, and not one image could be read
+        journal.discard()
+        raise none_readable(collection.source, skipped)
     paths = {str(item.path): item.path for item in collection.items}
     listed = paths.keys()
     replaced = {path for path, digest in journal.hashes().items() if scan.current.get(path) == digest}

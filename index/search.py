@@ -295,7 +295,7 @@ def search_images(
     for path in images:
         try:
             data, digest = read_image_bytes(Path(path))
-            read.append(ImageQuery(Path(path).name, data, digest))
+            read.append(ImageQuery(str(path), data, digest))
         except ImageError as error:
             read.append(Failure.of(error))
     return search_image_bytes(index, embedder, read, queries)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.data import COLLECTION_HINT, Collection, Item, Skipped, as_collection, same_images
+from retrieval.data import COLLECTION_HINT, Collection, Item, Skipped, as_collection, none_readable, same_images
 from retrieval.duplicates import CANDIDATES, THUMBNAIL, CopyKind, CopyPair, copy_groups, find_copies
 from retrieval.embedders import Embedder, embed_items
 from retrieval.errors import RetrievalError
@@ -327,9 +327,10 @@ def embed_collection(
     thumbnails kept, on which the copies are checked; what cannot be read is kept as skipped."""
     collection = as_collection(collection)
     done = embed_items(embedder, collection.items, progress=progress, thumbnail=THUMBNAIL)
+    skipped = collection.skipped + done.skipped
     if not done.items:
-        raise RetrievalError(f"{collection.source}: none of its {len(collection.items)} image(s) could be read")
-    return AuditedCollection(done.items, done.vectors, done.hashes, done.thumbnails, collection.skipped + done.skipped)  # type: ignore[arg-type]
+        raise none_readable(collection.source, skipped)
+    return AuditedCollection(done.items, done.vectors, done.hashes, done.thumbnails, skipped)  # type: ignore[arg-type]
 
 
 def duplicates(

@@ -113,8 +113,9 @@ def load_collection(source: str | Path) -> Collection:
         ) from None
     if not collection.items:
         if collection.skipped:  # every file it names was refused: say why, not only that none is left
-            first = collection.skipped[0]
-            found = f"no usable images ({len(collection.skipped)} skipped; the first, {first.path}: {first.reason})"
+            found = (
+                f"no usable images ({len(collection.skipped)} skipped; the first, {first_skipped(collection.skipped)})"
+            )
         elif source.is_dir():
             found = f"no images found (looked for {', '.join(sorted(IMAGE_SUFFIXES))})"
         else:
@@ -128,6 +129,20 @@ def load_collection(source: str | Path) -> Collection:
 
 
 COLLECTION_HINT = "an image folder ROOT/<label>/<image> or a CSV with columns path,label"
+
+
+def first_skipped(skipped: Sequence[Skipped]) -> str:
+    """ "PATH: REASON" of the first skipped file, to say why a job has nothing left."""
+    return f"{skipped[0].path}: {skipped[0].reason}"
+
+
+def none_readable(source: str | Path, skipped: Sequence[Skipped]) -> RetrievalError:
+    """The error for a collection none of whose images could be read: how many, and the first one's reason (every
+    file corrupt, or a CSV's paths relative to another folder), where a count of classes or images would mislead."""
+    return RetrievalError(
+        f"{source}: none of its {len(skipped)} image(s) could be read (the first, {first_skipped(skipped)}); "
+        "replace or remove them, or point at the right folder"
+    )
 
 
 def one_level_too_high(source: str | Path, labels: set[str]) -> str:

@@ -21,8 +21,10 @@ from retrieval.data import (
     Skipped,
     as_collection,
     describe_variants,
+    first_skipped,
     label_variants,
     load_collection,
+    none_readable,
     one_level_too_high,
     shared_paths,
     split_by_class,
@@ -164,6 +166,8 @@ def _embed_labeled(
     if not labeled:
         raise RetrievalError(f"{collection.source}: no labeled image (ROOT/<label>/<image> or a CSV with labels)")
     embedded = embed_items(embedder, labeled, progress=progress)
+    if not embedded.items:
+        raise none_readable(collection.source, collection.skipped + embedded.skipped)
     return embedded.vectors, embedded.items, skipped + embedded.skipped
 
 
@@ -189,9 +193,11 @@ def evaluate_collection(
         collection = replace(collection, items=held_out)
     labels = {item.label for item in collection.items if item.label}
     if len(labels) < 2:
+        missing = collection.skipped  # the other classes' files may be the ones not found
+        gone = f" ({len(missing)} listed file(s) skipped; the first, {first_skipped(missing)})" if missing else ""
         raise RetrievalError(
-            f"{collection.source}: evaluation needs at least two labeled "
-            f"classes (ROOT/<label>/<image> or a CSV with labels){one_level_too_high(collection.source, labels)}"
+            f"{collection.source}: evaluation needs at least two labeled classes (ROOT/<label>/<image> or a CSV with "
+            f"labels){gone}{one_level_too_high(collection.source, labels)}"
         )
     vectors, items, skipped = _embed_labeled(embedder, collection, progress)
     described = {"protocol": protocol, "images": str(collection.source), "encoder": embedder.fingerprint}

@@ -130,7 +130,7 @@ def test_search_with_several_images_answers_each_and_reports_the_unreadable(demo
     captured = capsys.readouterr()
     answers = json.loads(captured.out)
     assert [answer["query"] for answer in answers] == queries and [len(answers[i]["hits"]) for i in (0, 2)] == [2, 2]
-    assert answers[1]["error"] == {"kind": "unreadable image", "message": "notes.png: not a readable image (not a format Pillow recognises)"}
+    assert answers[1]["error"] == {"kind": "unreadable image", "message": f"{queries[1]}: not a readable image (not a format Pillow recognises)"}
     assert "1 of 3 query images skipped" in captured.err and answers[0]["hits"] != answers[2]["hits"]
     assert main(["search", str(demo_run.root), *queries, "-k", "1"]) == 0  # piped: a block per query
     assert capsys.readouterr().out.count("# nearest to ") == 2
@@ -644,3 +644,52 @@ def test_classes_beyond_the_icons_are_all_of_them_said_once(capsys: pytest.Captu
     assert _all_or(100_000) is None and _all_or(available) is None
     said = capsys.readouterr().out.splitlines()
     assert said == [f"--classes {n}: the icons have {available} training classes; all are used" for n in (100_000, available)]
+
+
+@pytest.mark.parametrize("command", ["train", "evaluate", "index", "audit"])
+def test_a_collection_of_unreadable_images_says_which_and_why(demo_run: RunDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: str) -> None:
+    """Two labeled folders whose files are all broken: training said "0 image(s) for the self-supervised loss", indexing
+    "nothing to index (no readable images)" and left its journal behind, evaluating "fewer than two classes have readable
+    images"; each now names how many could not be read, the first and why."""
+    from retrieval.commands import main
+
+    for label in ("cats", "dogs"):
+        (tmp_path / "broken" / label).mkdir(parents=True)
+        (tmp_path / "broken" / label / "1.jpg").write_text("saved from a web page, not a picture")
+    monkeypatch.chdir(tmp_path)
+    arguments = {
+        "train": ["train", "broken", "--run", "run", *TINY],
+        "evaluate": ["evaluate", str(demo_run.root), "broken"],
+        "index": ["index", str(demo_run.root), "broken", "--index", "gallery"],
+        "audit": ["audit", str(demo_run.root), "broken"],
+    }[command]
+    assert main(arguments) == 2
+    err = capsys.readouterr().err
+    first = tmp_path / "broken" / "cats" / "1.jpg"
+    assert err.endswith(f"none of its 2 image(s) could be read (the first, {first}: not a readable image (not a format Pillow recognises)); replace or remove them, or point at the right folder\n")
+    assert err.count("error:") == 1 and "Traceback" not in err
+    left = sorted(path.name for path in tmp_path.iterdir() if not path.name.endswith(".lock"))  # a folder's lock stays
+    assert left == ["broken"]  # no run, index or journal
+
+
+def test_a_query_that_cannot_be_read_is_named_as_it_was_given(demo_run: RunDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two broken queries of the same name in two folders were both reported as "1.jpg"."""
+    from retrieval.commands import main
+
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "1.jpg").write_text("not a picture")
+    monkeypatch.chdir(tmp_path)
+    assert main(["search", str(demo_run.root), "a/1.jpg", "b/1.jpg"]) == 2
+    err = capsys.readouterr().err
+    assert "error: a/1.jpg: not a readable image" in err and "error: b/1.jpg: not a readable image" in err
+
+
+def test_too_few_classes_to_evaluate_names_the_files_not_found(demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A CSV of two classes whose second class's file is not there said only "needs at least two labeled classes"."""
+    from retrieval.commands import main
+
+    (tmp_path / "listed.csv").write_text(f"path,label\n{first_test_image(demo_run)},cats\nmoved/away.png,dogs\n")
+    assert main(["evaluate", str(demo_run.root), str(tmp_path / "listed.csv")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"(1 listed file(s) skipped; the first, {tmp_path / 'moved' / 'away.png'}: listed in the CSV but not found)" in err

@@ -27,6 +27,7 @@ from retrieval.data import (
     describe_variants,
     label_variants,
     load_collection,
+    none_readable,
     one_level_too_high,
     read_image_bytes,
     split_by_class,
@@ -90,6 +91,8 @@ def prepare_data(config: TrainConfig, progress: bool, ranks: Ranks) -> TrainingD
     checked = readable_items(listed, progress, sides) if ranks.is_main else None
     readable, skipped, digests = broadcast_object(checked)  # type: ignore[misc]
     skipped = collection.skipped + gallery.skipped + skipped
+    if not readable:
+        raise none_readable(config.data, skipped)
     seen = {item.path for item in gallery.items}
     own = [item for item in readable if item.path not in seen or item.label]
     shown = [item for item in readable if item.path in seen and not item.label]
