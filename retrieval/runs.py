@@ -216,9 +216,11 @@ class RunDir:
                 f"train one with `retrieval train DATA --run {shell_path(self.root)}`"
             )
         if not self.model.is_file() or not self.model_card.is_file():
+            trained = self.last_checkpoint.is_file() or self.best_checkpoint.is_file()
+            step = "export" if trained else "train DATA --run"  # a folder that is no run must be trained first
             raise RetrievalError(
-                f"{self.root}: no exported model (model.onnx + model.json); "
-                f"run `retrieval export {shell_path(self.root)}` first"
+                f"{self.root}: no exported model (model.onnx + model.json){'' if trained else ' and no checkpoint'}; "
+                f"run `retrieval {step} {shell_path(self.root)}` first"
             )
         return self.model
 

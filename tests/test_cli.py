@@ -92,11 +92,16 @@ def test_train_on_missing_empty_and_one_class_folders(tmp_path: Path, small_fold
 
 @pytest.mark.parametrize("command", ["export", "index", "search", "evaluate", "serve"])
 def test_a_run_without_a_model_names_what_to_do(command: str, tmp_path: Path, small_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An empty run folder is to be trained first (the others said to export it, and export then said to train); a
+    trained one, to be exported."""
     run = tmp_path / "run"
     run.mkdir()
     extra = {"index": [str(small_folder)], "search": [str(next(small_folder.rglob("*.png")))], "evaluate": [str(small_folder)]}.get(command, [])
-    hint = "retrieval train" if command == "export" else "retrieval export"
-    expect_error([command, str(run), *extra], capsys, str(run), hint)
+    expect_error([command, str(run), *extra], capsys, str(run), f"retrieval train DATA --run {run}")
+    if command != "export":
+        (run / "checkpoints").mkdir()
+        (run / "checkpoints" / "last.safetensors").write_bytes(b"")  # trained: only the exported model is missing
+        expect_error([command, str(run), *extra], capsys, str(run), f"run `retrieval export {run}` first")
 
 
 def test_bad_k_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -685,6 +685,16 @@ def test_a_query_that_cannot_be_read_is_named_as_it_was_given(demo_run: RunDir, 
     assert "error: a/1.jpg: not a readable image" in err and "error: b/1.jpg: not a readable image" in err
 
 
+def test_an_empty_folder_given_as_the_run_says_to_train_not_to_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`retrieval serve runs/new` of an empty folder (a typo'd or not yet trained run) said to run `retrieval export`,
+    which then said to train: the first step is training."""
+    from retrieval.commands import main
+
+    (tmp_path / "new").mkdir()
+    assert main(["serve", str(tmp_path / "new")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'new'}: no exported model (model.onnx + model.json) and no checkpoint; run `retrieval train DATA --run {tmp_path / 'new'}` first\n"
+
+
 def test_too_few_classes_to_evaluate_names_the_files_not_found(demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A CSV of two classes whose second class's file is not there said only "needs at least two labeled classes"."""
     from retrieval.commands import main
