@@ -430,6 +430,14 @@ def test_careless_audits_are_one_line_each(
             "--fold-epochs 3 sets the length of each --folds run: add --folds K",
         ),
         "missing files": ([str(demo_run.root), str(listed)], "not there"),
+        "--against an empty folder": (  # OTHER's errors began with its path alone, as DATA's do
+            [str(demo_run.root), str(audited_folder), "--against", str(tmp_path / "empty")],
+            f"error: --against {tmp_path / 'empty'}: no images found",
+        ),
+        "--against a CSV of files not there": (
+            [str(demo_run.root), str(audited_folder), "--against", str(write_collection_csv(tmp_path / "gone.csv", [Item(tmp_path / "gone.png", "a")]))],
+            f"error: --against {tmp_path / 'gone.csv'}: no usable images",
+        ),
         "wrong path": ([str(demo_run.root), str(tmp_path / "nowhere")], "no such file or folder"),
         "--csv on a file": ([str(demo_run.root), str(audited_folder), "--csv", str(listed)], "a file is there"),
         "--csv nowhere": ([str(demo_run.root), str(audited_folder), "--csv", f"{listed}/found"], "cannot be made"),
@@ -452,6 +460,11 @@ def test_careless_audits_are_one_line_each(
         assert said in captured.err and len(captured.err.strip().splitlines()) == 1, (name, captured.err)
         assert "Traceback" not in captured.err
     assert labels.read_bytes() == written
+    (tmp_path / "broken" / "a").mkdir(parents=True)
+    (tmp_path / "broken" / "a" / "1.png").write_text("not a picture")
+    assert main(["audit", str(demo_run.root), str(audited_folder), "--against", str(tmp_path / "broken")]) == 2
+    said = f"error: --against {tmp_path / 'broken'}: none of its 1 image(s) could be read (the first, {tmp_path / 'broken' / 'a' / '1.png'}: "
+    assert capsys.readouterr().err.splitlines()[-1].startswith(said)  # after DATA's embedding line
     assert main(["audit", str(demo_run.root), str(labels), "--csv", str(tmp_path / "found")]) == 0
     assert main(["audit", str(demo_run.root), str(labels), "--csv", str(tmp_path / "found")]) == 0  # its own: replaced
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -91,7 +93,8 @@ def audit(
     embedder = OnnxEmbedder.from_run(run_dir, model=model)
     embedded = embed_collection(embedder, collection, not as_json)
     spaces = _fold_spaces(run_dir, embedded, folds, fold_epochs, model, not as_json) if folds else []
-    against_embedded = embed_collection(embedder, other, not as_json) if other is not None else None
+    with _naming("--against"):
+        against_embedded = embed_collection(embedder, other, not as_json) if other is not None else None
     found = run_audit(embedded, against_embedded, spaces, shown=not as_json)
     if csv_dir is not None:
         written = write_csvs(found, csv_dir)
@@ -135,9 +138,22 @@ def _say_before(run: RunDir, collection: Collection, shared: list[Path], folds: 
         )
 
 
+@contextmanager
+def _naming(option: str) -> Iterator[None]:
+    """Puts option before a one-line error about the collection it gave (`--against tests.csv: no usable images`),
+    where the line does not already start with it, so that DATA's and OTHER's errors read apart."""
+    try:
+        yield
+    except RetrievalError as error:
+        if not option or str(error).startswith(option):
+            raise
+        raise RetrievalError(f"{option} {error}", error.kind) from None
+
+
 def _collection(source: Path, option: str = "") -> Collection:
     """The collection at source, or one line: not there, no image in it, or a CSV naming files that are gone."""
-    collection = load_collection(require_source(source, option))
+    with _naming(option):
+        collection = load_collection(require_source(source, option))
     missing = [entry for entry in collection.skipped if entry.reason == MISSING]
     if missing:
         raise RetrievalError(
