@@ -124,6 +124,18 @@ def test_protocol_mistakes_are_explained(demo_run: RunDir, tmp_path: Path, capsy
     assert message in capsys.readouterr().err.replace("\n", "")
 
 
+def test_a_query_or_gallery_that_cannot_be_read_names_its_option(demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Errors about --query's or --gallery's images began with the path alone: which of the two was wrong was left to
+    guess."""
+    (tmp_path / "empty").mkdir()
+    assert main(["evaluate", str(demo_run.root), "--query", str(tmp_path / "empty"), "--gallery", str(tmp_path / "empty")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --query {tmp_path / 'empty'}: no images found")
+    (tmp_path / "queries" / "a").mkdir(parents=True)
+    (tmp_path / "queries" / "a" / "1.png").write_bytes(b"listed, not yet read")
+    assert main(["evaluate", str(demo_run.root), "--query", str(tmp_path / "queries"), "--gallery", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --gallery {tmp_path / 'nowhere'}: no such file or folder")
+
+
 def test_evaluating_the_images_a_run_trained_on_says_the_figures_flatter_it(demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """recall@1 1.000 on a run's own training images was printed like any other figure; held-out images say
     nothing more, and an evaluation with nothing to confuse says so in one line (it was an empty table)."""

@@ -6,15 +6,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
-from retrieval.commands.output import ModelOption, RunArg, console, errors
+from retrieval.commands.output import ModelOption, RunArg, console, errors, option_named
 from retrieval.data import (
     COLLECTION_HINT,
     VARIANTS,
@@ -93,7 +91,7 @@ def audit(
     embedder = OnnxEmbedder.from_run(run_dir, model=model)
     embedded = embed_collection(embedder, collection, not as_json)
     spaces = _fold_spaces(run_dir, embedded, folds, fold_epochs, model, not as_json) if folds else []
-    with _naming("--against"):
+    with option_named("--against"):
         against_embedded = embed_collection(embedder, other, not as_json) if other is not None else None
     found = run_audit(embedded, against_embedded, spaces, shown=not as_json)
     if csv_dir is not None:
@@ -138,21 +136,9 @@ def _say_before(run: RunDir, collection: Collection, shared: list[Path], folds: 
         )
 
 
-@contextmanager
-def _naming(option: str) -> Iterator[None]:
-    """Puts option before a one-line error about the collection it gave (`--against tests.csv: no usable images`),
-    where the line does not already start with it, so that DATA's and OTHER's errors read apart."""
-    try:
-        yield
-    except RetrievalError as error:
-        if not option or str(error).startswith(option):
-            raise
-        raise RetrievalError(f"{option} {error}", error.kind) from None
-
-
 def _collection(source: Path, option: str = "") -> Collection:
     """The collection at source, or one line: not there, no image in it, or a CSV naming files that are gone."""
-    with _naming(option):
+    with option_named(option):
         collection = load_collection(require_source(source, option))
     missing = [entry for entry in collection.skipped if entry.reason == MISSING]
     if missing:

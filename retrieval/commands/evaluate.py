@@ -20,6 +20,7 @@ from retrieval.commands.output import (
     confusion_table,
     console,
     metrics_table,
+    option_named,
     parse_ks,
     report_skipped,
 )
@@ -345,7 +346,10 @@ def _sources(
         return chosen.test, chosen.query, chosen.gallery
     if images is not None:
         return load_collection(images), None, None
-    return None, load_collection(query), load_collection(gallery)  # type: ignore[arg-type]
+    with option_named("--query"):
+        queries = load_collection(query)  # type: ignore[arg-type]
+    with option_named("--gallery"):
+        return None, queries, load_collection(gallery)  # type: ignore[arg-type]
 
 
 def _score(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -20,6 +22,19 @@ def stopped_by_ctrl_c(line: str) -> NoReturn:
     """Ends a command that Ctrl+C stopped: the line that says what is kept and what to run next, exit status 130."""
     errors.print(line, soft_wrap=True, highlight=False, markup=False)
     raise typer.Exit(130)
+
+
+@contextmanager
+def option_named(option: str) -> Iterator[None]:
+    """Puts option before a one-line error about the collection it gave (`--against tests.csv: no usable images`),
+    where the line does not already start with it, so that the errors of two collections a command reads (DATA and
+    --against, --query and --gallery) read apart."""
+    try:
+        yield
+    except RetrievalError as error:
+        if not option or str(error).startswith(option):
+            raise
+        raise RetrievalError(f"{option} {error}", error.kind) from None
 
 
 RUN_HELP = "Run directory (holds config, checkpoints, model.onnx, index/)."
