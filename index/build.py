@@ -129,12 +129,13 @@ def _build_index(
         embedded += len(batch.items)
         unchanged_count += batch.unchanged
         skipped += batch.skipped
-    if base is None and skipped and not journal.hashes():  # a new index, and not one image could be read
+    pending = journal.hashes()
+    if base is None and skipped and not pending:  # a new index, and not one image could be read
         journal.discard()
         raise none_readable(collection.source, skipped)
     paths = {str(item.path): item.path for item in collection.items}
     listed = paths.keys()
-    replaced = {path for path, digest in journal.hashes().items() if scan.current.get(path) == digest}
+    replaced = {path for path, digest in pending.items() if scan.current.get(path) == digest}
     unreadable = {str(entry.path) for entry in skipped} & indexed.keys()  # an indexed file broken since
     drop = sync and unreadable < listed & indexed.keys()  # not when none can be read: a disk gone, not the files
     gone = (indexed.keys() - listed if sync else set()) | (unreadable if drop else set())

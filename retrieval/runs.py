@@ -195,17 +195,21 @@ class RunDir:
                 f"`retrieval train {shell_path(self.root)} --run runs/NAME`"
             )
 
+    @property
+    def trained_checkpoint(self) -> Path | None:
+        """The checkpoint an export reads: the best (when training validated), else the last; None before any."""
+        return next((path for path in (self.best_checkpoint, self.last_checkpoint) if path.is_file()), None)
+
     def require_checkpoint(self) -> Path:
         """Returns the best checkpoint (when training validated) or the last one, or says to train first."""
         self._require_run_folder()
-        if self.best_checkpoint.is_file():
-            return self.best_checkpoint
-        if not self.last_checkpoint.is_file():
+        checkpoint = self.trained_checkpoint
+        if checkpoint is None:
             raise RetrievalError(
                 f"{self.root}: no trained checkpoint ({self.last_checkpoint.name}); "
                 f"run `retrieval train DATA --run {shell_path(self.root)}` first"
             )
-        return self.last_checkpoint
+        return checkpoint
 
     def require_model(self) -> Path:
         """Returns the exported ONNX model, or says to export first."""
@@ -216,7 +220,7 @@ class RunDir:
                 f"train one with `retrieval train DATA --run {shell_path(self.root)}`"
             )
         if not self.model.is_file() or not self.model_card.is_file():
-            trained = self.last_checkpoint.is_file() or self.best_checkpoint.is_file()
+            trained = self.trained_checkpoint is not None
             step = "export" if trained else "train DATA --run"  # a folder that is no run must be trained first
             raise RetrievalError(
                 f"{self.root}: no exported model (model.onnx + model.json){'' if trained else ' and no checkpoint'}; "

@@ -14,7 +14,6 @@ from rich.table import Table
 
 from retrieval.commands.output import ModelOption, RunArg, console, errors, option_named
 from retrieval.data import (
-    COLLECTION_HINT,
     VARIANTS,
     Collection,
     describe_variants,
@@ -137,17 +136,16 @@ def _say_before(run: RunDir, collection: Collection, shared: list[Path], folds: 
 
 
 def _collection(source: Path, option: str = "") -> Collection:
-    """The collection at source, or one line: not there, no image in it, or a CSV naming files that are gone."""
+    """The collection at source, or one line (after the option that gave it): not there, no image in it, or a CSV
+    naming files that are gone."""
     with option_named(option):
         collection = load_collection(require_source(source, option))
-    missing = [entry for entry in collection.skipped if entry.reason == MISSING]
-    if missing:
-        raise RetrievalError(
-            f"{option + ' ' if option else ''}{source}: names {len(missing)} file(s) that are not there (first: "
-            f"{missing[0].path}); restore them or remove their rows"
-        )
-    if not collection.items:
-        raise RetrievalError(f"{option + ' ' if option else ''}{source}: no image in it; give {COLLECTION_HINT}")
+        missing = [entry for entry in collection.skipped if entry.reason == MISSING]
+        if missing:
+            raise RetrievalError(
+                f"{source}: names {len(missing)} file(s) that are not there (first: {missing[0].path}); restore them "
+                "or remove their rows"
+            )
     return collection
 
 
