@@ -24,6 +24,14 @@ from retrieval.runs import RunDir
 _TORCH_HOME = tempfile.TemporaryDirectory(prefix="retrieval-tests-torch-")
 os.environ["TORCH_HOME"] = _TORCH_HOME.name
 
+# the temporary files of the libraries the tests drive, in this process and the commands it starts (gradio_client
+# leaves an empty folder in the temporary folder per file it downloads, and its downloads in <temp>/gradio; torchrun
+# its logs): in a folder of this test process's own, removed when it exits; pytest's tmp_path folders stay in the
+# system's temporary folder, kept after a failure as pytest keeps them
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+_TEMPORARY = tempfile.TemporaryDirectory(prefix="retrieval-tests-tmp-", ignore_cleanup_errors=True)
+tempfile.tempdir = os.environ["TMPDIR"] = _TEMPORARY.name
+
 
 @pytest.fixture(scope="session")
 def icons_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
