@@ -195,6 +195,15 @@ class RunDir:
                 f"`retrieval train {shell_path(self.root)} --run runs/NAME`"
             )
 
+    def _require_existing_run(self) -> None:
+        """Says what to give where the run is no run (`_require_run_folder`), and to train one where it is not there."""
+        self._require_run_folder()
+        if not self.root.is_dir():
+            raise RetrievalError(
+                f"{self.root}: no such run directory; "
+                f"train one with `retrieval train DATA --run {shell_path(self.root)}`"
+            )
+
     @property
     def trained_checkpoint(self) -> Path | None:
         """The checkpoint an export reads: the best (when training validated), else the last; None before any."""
@@ -202,7 +211,7 @@ class RunDir:
 
     def require_checkpoint(self) -> Path:
         """Returns the best checkpoint (when training validated) or the last one, or says to train first."""
-        self._require_run_folder()
+        self._require_existing_run()
         checkpoint = self.trained_checkpoint
         if checkpoint is None:
             raise RetrievalError(
@@ -213,12 +222,7 @@ class RunDir:
 
     def require_model(self) -> Path:
         """Returns the exported ONNX model, or says to export first."""
-        self._require_run_folder()
-        if not self.root.is_dir():
-            raise RetrievalError(
-                f"{self.root}: no such run directory; "
-                f"train one with `retrieval train DATA --run {shell_path(self.root)}`"
-            )
+        self._require_existing_run()
         if not self.model.is_file() or not self.model_card.is_file():
             trained = self.trained_checkpoint is not None
             step = "export" if trained else "train DATA --run"  # a folder that is no run must be trained first

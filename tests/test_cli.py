@@ -92,11 +92,13 @@ def test_train_on_missing_empty_and_one_class_folders(tmp_path: Path, small_fold
 
 @pytest.mark.parametrize("command", ["export", "index", "search", "evaluate", "serve"])
 def test_a_run_without_a_model_names_what_to_do(command: str, tmp_path: Path, small_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """An empty run folder is to be trained first (the others said to export it, and export then said to train); a
+    """A run folder that is not there is one to train, named so by every command (export spoke of a checkpoint in
+    it); an empty one is to be trained first (the others said to export it, and export then said to train); a
     trained one, to be exported."""
     run = tmp_path / "run"
-    run.mkdir()
     extra = {"index": [str(small_folder)], "search": [str(next(small_folder.rglob("*.png")))], "evaluate": [str(small_folder)]}.get(command, [])
+    expect_error([command, str(run), *extra], capsys, f"{run}: no such run directory; train one with `retrieval train DATA --run {run}`")
+    run.mkdir()
     expect_error([command, str(run), *extra], capsys, str(run), f"retrieval train DATA --run {run}")
     if command != "export":
         (run / "checkpoints").mkdir()
