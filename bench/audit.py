@@ -14,7 +14,8 @@
   test/ (to report). Pairs of the original images count as false unless their pixels are identical.
 - outliers: 20 noise images and 20 glyphs planted into the icons' test/: how many are listed, and how
   many of the icons are.
-- time: an audit of 10,000 images (augmented copies of the icons) beside the embedding pass alone.
+- time: an audit of 10,000 images beside the embedding pass alone: augmented copies of the icons (many near
+  copies: the copy check's worst case) and mosaics of four icons each (distinct pictures).
 
     python bench/audit.py [--work DIR] [--out docs/audit.json] [--plot docs/audit-copies.png]
 """
@@ -53,6 +54,7 @@ from threshold import SHORT, glyph_sets, noise_images, trained  # noqa: E402
 SHARE = 0.05  # of the labels moved
 SEEDS = range(5)
 KINDS = ("jpeg", "resize", "crop", "grey")
+SIZE = 64  # the icons' size, and the mosaics'
 
 
 def slug(name: str) -> str:
@@ -216,24 +218,51 @@ def separation(own: np.ndarray, foreign: np.ndarray, trained_on: np.ndarray) -> 
     }  # fmt: skip
 
 
-def time_setting(run: Path, items: list[Item], work: Path, count: int = 10_000) -> dict:
-    """The audit of `count` augmented copies of the items beside the embedding pass alone (one run, side by side)."""
-    folder = work / "ten-thousand"
-    if not folder.is_dir() or len(list(folder.glob("*.png"))) < count:
-        folder.mkdir(parents=True, exist_ok=True)
-        rng = np.random.default_rng(0)
-        for number in range(count):
+def mosaic(parts: list[Image.Image]) -> Image.Image:
+    """Four pictures in a 2 x 2 grid at the icons' size: a picture unlike any other of the collection."""
+    half = SIZE // 2
+    canvas = Image.new("RGB", (SIZE, SIZE), "white")
+    for place, part in enumerate(parts):
+        canvas.paste(part.convert("RGB").resize((half, half)), ((place % 2) * half, (place // 2) * half))
+    return canvas
+
+
+def time_collection(items: list[Item], work: Path, kind: str, count: int) -> Path:
+    """A CSV of `count` pictures made from the items: their augmented copies (many near copies, the copy
+    check's worst case; labels they do not carry) or mosaics of four (distinct pictures, each labeled by
+    its first part's label)."""
+    folder = work / f"ten-thousand-{kind.replace(' ', '-')}"
+    fresh = not folder.is_dir() or len(list(folder.glob("*.png"))) < count
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    listed = []
+    for number in range(count):
+        path = folder / f"{number:05d}.png"
+        if kind == "augmented copies":
             item = items[number % len(items)]
-            augmented_copy(load_image(item.path), rng).save(folder / f"{number:05d}.png")
-    data = write_collection_csv(work / "ten-thousand.csv", [Item(path, path.stem[-1]) for path in sorted(folder.glob("*.png"))])
+            listed.append(Item(path, str(number % 10)))
+            if fresh:
+                augmented_copy(load_image(item.path), rng).save(path)
+        else:
+            parts = [items[index] for index in rng.choice(len(items), 4, replace=False)]
+            listed.append(Item(path, parts[0].label))
+            if fresh:
+                mosaic([load_image(part.path) for part in parts]).save(path)
+    return write_collection_csv(work / f"{folder.name}.csv", listed)
+
+
+def time_setting(run: Path, items: list[Item], work: Path, kind: str, count: int = 10_000) -> dict:
+    """The audit of `count` pictures of `time_collection` beside the embedding pass alone (one run, side by side)."""
+    data = time_collection(items, work, kind, count)
     embedder = OnnxEmbedder.from_run(RunDir(run))
     started = time.perf_counter()
     embed_items(embedder, load_collection(data).items, progress=False)
     embedding = time.perf_counter() - started
     started = time.perf_counter()
-    audited(run, data)
+    report = audited(run, data)
     whole = time.perf_counter() - started
-    return {"images": count, "embedding pass s": round(embedding, 1), "audit s (command, start-up included)": round(whole, 1), "ratio": round(whole / embedding, 2)}
+    found = {"label suspects": len(report["labels"]), "copy groups": len(report["duplicates"])}
+    return {"collection": kind, "images": count, **found, "embedding pass s": round(embedding, 1), "audit s (command, start-up included)": round(whole, 1), "ratio": round(whole / embedding, 2)}
 
 
 def folds_setting(work: Path, epochs: int) -> dict:
@@ -323,7 +352,8 @@ def main() -> None:
             outliers_setting("icons test/ + 20 noise + 20 glyphs b, d, f (report)", icon_run, test, report, spreads),
         ]
     if "time" not in skip:
-        result["time"] = time_setting(icon_run, test + load_collection(icons() / "train").items, work)
+        everything = test + load_collection(icons() / "train").items
+        result["time"] = [time_setting(icon_run, everything, work, kind) for kind in ("augmented copies", "mosaics")]
     if "folds" not in skip:
         result["folds"] = folds_setting(work, arguments.fold_run_epochs)
     shown = {key: value for key, value in result.items() if key != "copies"}
