@@ -26,11 +26,15 @@ os.environ["TORCH_HOME"] = _TORCH_HOME.name
 
 # the temporary files of the libraries the tests drive, in this process and the commands it starts (gradio_client
 # leaves an empty folder in the temporary folder per file it downloads, and its downloads in <temp>/gradio; torchrun
-# its logs): in a folder of this test process's own, removed when it exits; pytest's tmp_path folders stay in the
-# system's temporary folder, kept after a failure as pytest keeps them
-os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
-_TEMPORARY = tempfile.TemporaryDirectory(prefix="retrieval-tests-tmp-", ignore_cleanup_errors=True)
-tempfile.tempdir = os.environ["TMPDIR"] = _TEMPORARY.name
+# its logs; Ray its sessions): in a folder of the test run's own, removed when the process that made it exits;
+# pytest's tmp_path folders stay in the system's temporary folder, kept after a failure as pytest keeps them. Made
+# once: this module is imported again as tests.conftest, and by the processes the tests start. Its name is short:
+# Ray's socket paths under it must stay within 107 bytes.
+if "RETRIEVAL_TESTS_TMP" not in os.environ:
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    _TEMPORARY = tempfile.TemporaryDirectory(prefix="retrieval-tmp-", ignore_cleanup_errors=True)
+    os.environ["RETRIEVAL_TESTS_TMP"] = _TEMPORARY.name
+tempfile.tempdir = os.environ["TMPDIR"] = os.environ["RETRIEVAL_TESTS_TMP"]
 
 
 @pytest.fixture(scope="session")
