@@ -312,17 +312,26 @@ def _shares(crops: np.ndarray, wholes: _Wholes, rows: np.ndarray, cut: float = P
     """[P, V]: per pair, the share of each crop's drawn pixels ([P, V, C, D]) that differ by more than cut from
     the whole picture of its row of wholes (outside its spread range), ties broken by the mean difference so that
     the crop that fits best wins; one array operation over a block of pairs."""
-    whole, background = wholes.views[rows], wholes.background[rows][:, None]
+    return _drawn_shares(crops, wholes, rows, cut) + _closeness(crops, wholes, rows)
+
+
+def _drawn_shares(crops: np.ndarray, wholes: _Wholes, rows: np.ndarray, cut: float = PIXEL_CUT) -> np.ndarray:
+    """[P, V]: _shares without its tie-break, which only adds (under 0.001)."""
     low, high = wholes.low[rows][:, None] - cut, wholes.high[rows][:, None] + cut
     outside = np.less(crops, low)  # in place where it can be: fewer arrays made and passed over
     outside |= np.greater(crops, high)
     differing = _counts(_across_planes(outside))
-    apart = np.subtract(crops, background)
+    apart = np.subtract(crops, wholes.background[rows][:, None])
     np.abs(apart, out=apart)
     drawn = _across_planes(np.greater(apart, PIXEL_CUT, out=outside)) | wholes.drawn[rows][:, None]
-    np.abs(np.subtract(crops, whole[:, None], out=apart), out=apart)
-    closeness = apart.mean(axis=(2, 3)) * 1e-3
-    return differing / np.maximum(_counts(drawn), 1) + closeness
+    return differing / np.maximum(_counts(drawn), 1)
+
+
+def _closeness(crops: np.ndarray, wholes: _Wholes, rows: np.ndarray) -> np.ndarray:
+    """[P, V]: _shares' tie-break, the mean difference of each crop from its whole picture, scaled under 0.001."""
+    apart = np.subtract(crops, wholes.views[rows][:, None])
+    np.abs(apart, out=apart)
+    return apart.mean(axis=(2, 3)) * 1e-3
 
 
 def _across_planes(flags: np.ndarray) -> np.ndarray:
@@ -448,8 +457,9 @@ def _rough(
     mine: np.ndarray, theirs: np.ndarray, a: np.ndarray, b: np.ndarray, done: Callable[[int], object] | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """[2, P] each: per pair (row a of mine, row b of theirs), the share of the best crop of the rough grid, and its
-    number, of a's crops on b's whole picture and of b's on a's; ROUGH_BLOCK pairs at once, each picture's crops
-    drawn once; done(count), if given, is told of each block's pairs."""
+    number, of a's crops on b's whole picture and of b's on a's (_best_crops: past ROUGH_BOUND, only a share past
+    it); ROUGH_BLOCK pairs at once, each picture's crops drawn once; done(count), if given, is told of each block's
+    pairs."""
     if mine is theirs:
         rows_a = rows_b = np.unique(np.concatenate([a, b]))
         rough_a = rough_b = _rough_views(mine[rows_a])
@@ -462,16 +472,27 @@ def _rough(
     best, crop = np.ones((2, len(a))), np.zeros((2, len(a)), np.int64)
     for start in range(0, len(a), ROUGH_BLOCK):
         block = slice(start, start + ROUGH_BLOCK)
-        for side, shares in enumerate(
-            (
-                _shares(np.divide(rough_a[at_a[block]], 255, dtype=np.float32), whole_b, at_b[block]),
-                _shares(np.divide(rough_b[at_b[block]], 255, dtype=np.float32), whole_a, at_a[block]),
-            )
+        for side, (views, at, wholes, other) in enumerate(
+            ((rough_a, at_a, whole_b, at_b), (rough_b, at_b, whole_a, at_a))
         ):
-            best[side, block], crop[side, block] = shares.min(1), shares.argmin(1)
+            best[side, block], crop[side, block] = _best_crops(
+                np.divide(views[at[block]], 255, dtype=np.float32), wholes, other[block]
+            )
         if done is not None:
             done(len(a[block]))
     return best, crop
+
+
+def _best_crops(crops: np.ndarray, wholes: _Wholes, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[P] each: the smallest of _shares over each pair's crops and its crop's number, where it can be within
+    ROUGH_BOUND; elsewhere a share above ROUGH_BOUND. The tie-break is added only to the pairs whose best share
+    without it is within the bound: it only adds, so no other pair comes within it (most pairs of a collection
+    without copies are such, and the tie-break was a quarter of their check)."""
+    shares = _drawn_shares(crops, wholes, rows)
+    near = shares.min(1) <= ROUGH_BOUND
+    if near.any():
+        shares[near] += _closeness(crops[near], wholes, rows[near])
+    return shares.min(1), shares.argmin(1)
 
 
 def _greys(pictures: np.ndarray, rows: np.ndarray) -> np.ndarray:

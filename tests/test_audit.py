@@ -206,6 +206,26 @@ def test_pairs_compared_in_blocks_get_the_difference_each_pair_gets_alone(monkey
         assert pair.difference == difference(thumbnails[pair.a], thumbnails[6 + pair.b]), (pair.a, pair.b)
 
 
+def test_the_rough_check_breaks_ties_only_where_a_pair_can_be_near_and_decides_as_with_ties_broken_everywhere() -> None:
+    """The rough grid's tie-break (each crop's mean difference, under 0.001) only adds, so it is computed only for the
+    pairs whose best crop can come within ROUGH_BOUND: which pairs go on to the fine search, which picture is the
+    cropped one, its crop and its share are those of the tie-break added to every crop of every pair."""
+    pictures = shapes(8)
+    thumbnails = np.stack(pictures + [changed(pictures[i], kind) for i, kind in enumerate(["jpeg", "resize", "crop", "grey"])])
+    a, b = np.triu_indices(len(thumbnails), 1)
+    best, crop = copy_check._rough(thumbnails, thumbnails, a, b)
+    views = copy_check._rough_views(thumbnails)
+    wholes = copy_check._Wholes.of(views[:, 0].astype(np.float32) / 255, copy_check.ROUGH[0], 1.0)
+    full = np.stack([copy_check._shares(views[x].astype(np.float32) / 255, wholes, y) for x, y in ((a, b), (b, a))])
+    near = full.min(2).min(0) <= copy_check.ROUGH_BOUND
+    assert 4 <= near.sum() < len(a) and np.array_equal(best.min(0) <= copy_check.ROUGH_BOUND, near)
+    side = (full[1].min(1) < full[0].min(1)).astype(np.int64)
+    assert np.array_equal((best[1] < best[0])[near], side[near].astype(bool))
+    rows = np.flatnonzero(near)
+    assert np.array_equal(crop[side[rows], rows], full.argmin(2)[side[rows], rows])
+    assert np.array_equal(best[side[rows], rows], full.min(2)[side[rows], rows])
+
+
 def test_the_neighbourhood_blur_and_spread_are_those_of_a_padded_picture_pixel_by_pixel() -> None:
     """_blur and _spread work on flat views of a padded buffer (one contiguous loop per operation): their values,
     edges and corners included, must be those of the 3 x 3 neighbourhood of the edge-padded planes, in the same
