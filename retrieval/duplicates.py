@@ -487,7 +487,7 @@ def _best_crops(crops: np.ndarray, wholes: _Wholes, rows: np.ndarray) -> tuple[n
     """[P] each: the smallest of _shares over each pair's crops and its crop's number, where it can be within
     ROUGH_BOUND; elsewhere a share above ROUGH_BOUND. The tie-break is added only to the pairs whose best share
     without it is within the bound: it only adds, so no other pair comes within it (most pairs of a collection
-    without copies are such, and the tie-break was a quarter of their check)."""
+    without copies are such, and the tie-break is about a fifth of their check)."""
     shares = _drawn_shares(crops, wholes, rows)
     near = shares.min(1) <= ROUGH_BOUND
     if near.any():
