@@ -345,18 +345,26 @@ def busy_port() -> tuple[object, int]:
     return holder, holder.getsockname()[1]
 
 
-@pytest.mark.parametrize("command", ["demo", "serve"])
-def test_a_busy_port_fails_in_one_line_before_any_work(command: str, demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("command", ["demo", "serve", "make demo"])
+def test_a_busy_port_fails_in_one_line_before_any_work(
+    command: str, demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One line naming a free port; the make variable to give it only where make started the command (MAKELEVEL):
+    `retrieval serve` was told to run `make demo PORT=N`."""
     from retrieval.commands import main
 
+    monkeypatch.delenv("MAKELEVEL", raising=False)
+    if command == "make demo":
+        monkeypatch.setenv("MAKELEVEL", "1")  # as make sets it for the commands of its recipes
     holder, port = busy_port()
     try:
-        arguments = ["demo", "--run", str(tmp_path / "run")] if command == "demo" else ["serve", str(demo_run.root)]
+        arguments = ["serve", str(demo_run.root)] if command == "serve" else ["demo", "--run", str(tmp_path / "run")]
         assert main([*arguments, "--port", str(port)]) == 2
     finally:
         holder.close()  # type: ignore[attr-defined]
     err = capsys.readouterr().err
     assert f"port {port} on 127.0.0.1 is in use: give another with --port" in err and err.count("\n") == 1
+    assert ("through make: make demo PORT=" in err) == (command == "make demo")
     assert not (tmp_path / "run").exists()  # nothing trained
 
 

@@ -76,7 +76,8 @@ def require_free_port(host: str, port: int) -> None:
             probe.bind((host, 0))
             free = probe.getsockname()[1]
         reason = "in use" if error.errno == errno.EADDRINUSE else error.strerror or error
+        through_make = f"; through make: make demo PORT={free}" if "MAKELEVEL" in os.environ else ""  # `make demo`
         raise RetrievalError(
-            f"port {port} on {host} is {reason}: give another with --port (e.g. --port {free}; "
-            f"through make: make demo PORT={free}), or stop what holds it"
+            f"port {port} on {host} is {reason}: give another with --port (e.g. --port {free}{through_make}), "
+            "or stop what holds it"
         ) from None
