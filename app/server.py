@@ -7,12 +7,10 @@ FastAPI application, and serves it in a thread; `serve` blocks until Ctrl+C or S
 
 from __future__ import annotations
 
-import functools
 import inspect
 import ipaddress
 import os
 import signal
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -20,6 +18,7 @@ from pathlib import Path
 import gradio as gr
 from fastapi.staticfiles import StaticFiles
 
+from app.gradio_folder import use_own_gradio_folder
 from app.memory import release_memory_periodically
 from app.service import MAX_BATCH, SearchService
 from app.tabs import build_app
@@ -40,7 +39,6 @@ KERNEL_SHARE = 0.5  # of the cores, for the encoder and FAISS in a server (the r
 HEAD = f'<link rel="stylesheet" href="{STATIC_ROUTE}/app.css"><script src="{STATIC_ROUTE}/app.js"></script>'
 STYLE_AT_LAUNCH = "head" in inspect.signature(gr.Blocks.launch).parameters  # Gradio 6 takes it there, 5 in Blocks()
 IDLE_POLL_SECONDS = 0.01  # how often the app's event queue looks for new events while it has none
-GRADIO_FOLDER = "GRADIO_TEMP_DIR"  # Gradio's folder for uploads and copies of the images it shows
 
 
 def loopback(host: str) -> bool:
@@ -126,22 +124,6 @@ def launch(
     if block:
         wait_until_stopped(server)
     return server
-
-
-def use_own_gradio_folder() -> None:
-    """Has Gradio keep uploads and its copies of the images it shows in a folder of this process's own, removed
-    when the process exits (its servers with it); GRADIO_TEMP_DIR, where it is set, is left as it is.
-
-    Gradio's default is the shared /tmp/gradio, never emptied: every query image uploaded and a copy of every image
-    shown stayed there after the server had stopped (359 files after five searches of a 176-label gallery)."""
-    if not os.environ.get(GRADIO_FOLDER):
-        os.environ[GRADIO_FOLDER] = _own_folder().name
-
-
-@functools.cache
-def _own_folder() -> tempfile.TemporaryDirectory:
-    """This process's Gradio folder, made once and kept (removed at exit, by its finalizer)."""
-    return tempfile.TemporaryDirectory(prefix="retrieval-gradio-", ignore_cleanup_errors=True)
 
 
 def queued(demo: gr.Blocks) -> gr.Blocks:

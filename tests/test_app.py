@@ -581,6 +581,7 @@ def test_a_stopped_server_leaves_no_cache_folder(app_run: RunDir, icons_root: Pa
         server.kill()
     assert not list(tmp_path.glob("retrieval-app-*")) and not list(tmp_path.glob("retrieval-gradio-*"))
     assert [path for path in tmp_path.rglob("*") if path.suffix in (".png", ".jpg", ".jpeg", ".webp")] == []
+    assert not (tmp_path / "gradio").exists()  # Gradio's shared folder: its vibe_edit_history was made at every start
 
 
 def answers(url: str) -> bool:

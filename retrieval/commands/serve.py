@@ -49,6 +49,9 @@ def serve(
     require_threshold(threshold)
     require_free_port(host, port)
     RunDir(run).require_model()  # said before Gradio is loaded (seconds)
+    from app.gradio_folder import use_own_gradio_folder
+
+    use_own_gradio_folder()  # before Gradio is imported, which reads it for some of its paths
     from app.server import serve as run_server
 
     options = {"allow_write": allow_write, "auth": auth, "max_upload": max_upload, "mmap": mmap}
