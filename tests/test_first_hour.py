@@ -345,20 +345,20 @@ def busy_port() -> tuple[object, int]:
     return holder, holder.getsockname()[1]
 
 
-@pytest.mark.parametrize("command", ["demo", "serve", "make demo"])
+@pytest.mark.parametrize("command", ["demo", "serve", "make demo", "make serve"])
 def test_a_busy_port_fails_in_one_line_before_any_work(
     command: str, demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One line naming a free port; the make variable to give it only where make started the command (MAKELEVEL):
-    `retrieval serve` was told to run `make demo PORT=N`."""
+    """One line naming a free port; the make variable to give it only where `make demo` started the demo (MAKELEVEL):
+    `retrieval serve` was told to run `make demo PORT=N`, also from a Makefile of its user's."""
     from retrieval.commands import main
 
     monkeypatch.delenv("MAKELEVEL", raising=False)
-    if command == "make demo":
+    if command.startswith("make"):
         monkeypatch.setenv("MAKELEVEL", "1")  # as make sets it for the commands of its recipes
     holder, port = busy_port()
     try:
-        arguments = ["serve", str(demo_run.root)] if command == "serve" else ["demo", "--run", str(tmp_path / "run")]
+        arguments = ["serve", str(demo_run.root)] if command.endswith("serve") else ["demo", "--run", str(tmp_path / "run")]
         assert main([*arguments, "--port", str(port)]) == 2
     finally:
         holder.close()  # type: ignore[attr-defined]

@@ -7,6 +7,7 @@ training goes on from its last finished epoch when run again with the same optio
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 import time
@@ -61,7 +62,8 @@ def demo(
 ) -> None:
     """Train on the embedded icons dataset, export, index and evaluate its unseen test classes, then serve."""
     if serve_app:
-        require_free_port(host, port)  # before minutes of training, not after
+        make = "make demo PORT" if "MAKELEVEL" in os.environ else ""  # started by `make demo`, whose PORT sets --port
+        require_free_port(host, port, make)  # before minutes of training, not after
     run_dir = RunDir(run)
     run_dir.refuse_foreign_folder()
     if not retrain:

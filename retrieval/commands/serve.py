@@ -60,9 +60,10 @@ def serve(
     run_server(RunDir(run), host, port, index_dir, **options)
 
 
-def require_free_port(host: str, port: int) -> None:
-    """Refuses a port that another program already listens on, before any work, naming a free one to use; and a host
-    that is not a name or address of this machine."""
+def require_free_port(host: str, port: int, make_variable: str = "") -> None:
+    """Refuses a port that another program already listens on, before any work, naming a free one to use (also as
+    make_variable=N, where a Makefile's variable sets the port); and a host that is not a name or address of this
+    machine."""
     hosts = "give 127.0.0.1 (this machine only) or 0.0.0.0 (every network, with --auth)"
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
@@ -79,7 +80,7 @@ def require_free_port(host: str, port: int) -> None:
             probe.bind((host, 0))
             free = probe.getsockname()[1]
         reason = "in use" if error.errno == errno.EADDRINUSE else error.strerror or error
-        through_make = f"; through make: make demo PORT={free}" if "MAKELEVEL" in os.environ else ""  # `make demo`
+        through_make = f"; through make: {make_variable}={free}" if make_variable else ""
         raise RetrievalError(
             f"port {port} on {host} is {reason}: give another with --port (e.g. --port {free}{through_make}), "
             "or stop what holds it"
