@@ -179,7 +179,8 @@ class RunDir:
 
     def _require_run_folder(self) -> None:
         """Says so where the run given is a file (a CSV, an image), an index's folder or a folder of images: what
-        to give instead, not to export or train "there" (`serve photos` said to run `retrieval export photos`)."""
+        to give instead, not to export or train "there" (`serve photos` said to run `retrieval export photos`); and
+        to train one where the folder is not there."""
         if self.root.exists() and not self.root.is_dir():
             raise RetrievalError(
                 f"{self.root}: a file, not a run directory; give the folder `retrieval train DATA --run RUN` made"
@@ -194,10 +195,6 @@ class RunDir:
                 f"{self.root}: a folder of images, not a run; give the run directory, or make one with "
                 f"`retrieval train {shell_path(self.root)} --run runs/NAME`"
             )
-
-    def _require_existing_run(self) -> None:
-        """Says what to give where the run is no run (`_require_run_folder`), and to train one where it is not there."""
-        self._require_run_folder()
         if not self.root.is_dir():
             raise RetrievalError(
                 f"{self.root}: no such run directory; "
@@ -211,7 +208,7 @@ class RunDir:
 
     def require_checkpoint(self) -> Path:
         """Returns the best checkpoint (when training validated) or the last one, or says to train first."""
-        self._require_existing_run()
+        self._require_run_folder()
         checkpoint = self.trained_checkpoint
         if checkpoint is None:
             raise RetrievalError(
@@ -222,7 +219,7 @@ class RunDir:
 
     def require_model(self) -> Path:
         """Returns the exported ONNX model, or says to export first."""
-        self._require_existing_run()
+        self._require_run_folder()
         if not self.model.is_file() or not self.model_card.is_file():
             trained = self.trained_checkpoint is not None
             step = "export" if trained else "train DATA --run"  # a folder that is no run must be trained first
