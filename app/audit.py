@@ -21,6 +21,7 @@ from retrieval.decisions import LABELS_CSV, Decision, LabelDecision, decide, dec
 from retrieval.errors import RetrievalError
 from retrieval.knn import Neighbours
 from retrieval.runs import shell_path
+from retrieval.wording import counted
 
 SUSPECTS_SHOWN = 200  # rows of the suspects table at most
 
@@ -104,7 +105,8 @@ def record(service: SearchService, shown: ShownSuspect, accept: bool) -> str:
     decision = LabelDecision(path, label, shown.label, Decision.ACCEPTED if accept else Decision.KEPT)
     decisions = decide(target, [items[i] for i in sorted(items)], decision)  # decide applies the earlier ones
     done = f"**{as_text(path.name)}**: " + as_text(f"{shown.label} → {label}" if accept else f"kept as {label}")
-    return f"{done}; {len(decisions)} decision(s) in `{target}` (train on it: `retrieval train {shell_path(target)}`)"
+    kept = f"{counted(len(decisions), 'decision')} in `{target}`"
+    return f"{done}; {kept} (train on it: `retrieval train {shell_path(target)}`)"
 
 
 def closed() -> tuple:
@@ -127,7 +129,10 @@ class AuditHandlers:
         if not found.total:
             return [], [], "No suspected wrong label: every image's closest images agree with its label."
         more = f" (the first {len(found.shown)} shown)" if found.total > len(found.shown) else ""
-        line = f"**{found.total}** suspected wrong label(s) of {labeled} labeled images{more}: click one to see it."
+        line = (
+            f"**{found.total}** suspected wrong {'label' if found.total == 1 else 'labels'} of {labeled} labeled images"
+        )
+        line += f"{more}: click one to see it."
         said = describe_agreement(found.agreement)
         line += f" {said[:1].upper()}{said[1:]}." if said else ""
         return as_rows(found.shown), as_data(found.shown), line

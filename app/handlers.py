@@ -27,6 +27,7 @@ from index.search import ImageQuery, Query, QueryResult
 from index.types import Hit
 from retrieval.data import read_image_bytes
 from retrieval.errors import ErrorKind, Failure, ImageError, RetrievalError
+from retrieval.wording import counted
 
 NO_QUERY = "Upload or paste an image, or click one in a gallery."
 MISSED_POINT = "No gallery item there: click on a point of the map."
@@ -77,9 +78,11 @@ def lost_note(tiles: Tiles, hits: list[Hit]) -> str:
     lost = [hit.path for hit, (tile, _) in zip(hits, tiles) if Path(tile).name == LOST_TILE]
     if not lost:
         return ""
+    one = len(lost) == 1
     return (
-        f"\n\n⚠️ {len(lost)} hit(s) shown grey: their files cannot be read (e.g. {as_text(str(lost[0]))}); moved or "
-        "deleted since they were indexed? Put them back, or index their folder again with `--sync`"
+        f"\n\n⚠️ {counted(len(lost), 'hit')} shown grey: {'its file' if one else 'their files'} cannot be read (e.g. "
+        f"{as_text(str(lost[0]))}); moved or deleted since {'it was' if one else 'they were'} indexed? Put "
+        f"{'it' if one else 'them'} back, or index their folder again with `--sync`"
     )
 
 
@@ -364,7 +367,7 @@ class Handlers:
             ids, skipped = self.service.add_images(files, label or "")
         except RetrievalError as error:
             raise refused(str(error)) from None
-        message = f"added {len(ids)} image(s)" + (f" (ids {ids[0]}–{ids[-1]})" if ids else "")
+        message = f"added {counted(len(ids), 'image')}" + (f" (ids {ids[0]}–{ids[-1]})" if ids else "")
         if skipped:
             message += "; left out: " + "; ".join(f"{s.path.name}: {s.reason}" for s in skipped)
         return message, self.label_table()
@@ -374,7 +377,7 @@ class Handlers:
             removed = self.service.remove_items(parse_ids(ids))
         except RetrievalError as error:
             raise refused(str(error)) from None
-        return f"removed {removed} item(s)", self.label_table()
+        return f"removed {counted(removed, 'item')}", self.label_table()
 
     def add_on_page(self, files: list[str] | None, label: str | None) -> tuple[str, object]:
         """add, for the page's button: a refusal is said beside the button and the labels table stays (an error

@@ -38,6 +38,7 @@ from index.types import (
     rebuild_advice,
     search_queries,
     storable,
+    unknown_ids,
 )
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
@@ -273,9 +274,7 @@ class MilvusIndex(ManifestFacts):
                 rows[int(row["id"])] = row["embedding"]
         missing = [i for i in ids if int(i) not in rows]
         if missing:
-            raise RetrievalError(
-                f"{self.directory}: no item with id(s) {', '.join(map(str, missing))[:200]} in this index"
-            )
+            raise unknown_ids(self.directory, missing)
         return np.asarray([rows[int(i)] for i in ids], np.float32)
 
     def rows(self, ids: Sequence[int] | None = None) -> dict[int, Row]:

@@ -56,6 +56,7 @@ from index.types import (
     rebuild_advice,
     search_queries,
     storable,
+    unknown_ids,
 )
 from retrieval.data import Item
 from retrieval.errors import RetrievalError
@@ -311,8 +312,7 @@ class GalleryIndex(ManifestFacts):
         """The stored vectors of indexed items, to search with items already in the gallery."""
         known = self.rows(list(ids))
         if len(known) != len(set(ids)):
-            absent = ", ".join(str(i) for i in ids if i not in known)[:200]
-            raise RetrievalError(f"{self.directory}: no item with id(s) {absent} in this index")
+            raise unknown_ids(self.directory, [i for i in ids if i not in known])
         if self.raw is not None:
             return np.asarray(self.raw[np.asarray(ids, np.int64) - 1], np.float32)
         if not len(ids):

@@ -43,6 +43,14 @@ def item_ids(ids: Sequence[int]) -> list[int]:
     return [int(i) for i in ids]
 
 
+def unknown_ids(directory: Path, missing: Sequence[int]) -> RetrievalError:
+    """The error for ids that no item of the index at directory has (named in up to 200 characters)."""
+    named = ", ".join(str(int(i)) for i in missing)[:200]
+    return RetrievalError(
+        f"{directory}: no {'item with id' if len(missing) == 1 else 'items with ids'} {named} in this index"
+    )
+
+
 def storable(ids: Iterable[int]) -> list[int]:
     """The distinct ids an index can hold (64-bit), sorted: one beyond them is no item's, not a failure of the
     store (SQLite's OverflowError was a 500 of the API for /items/99999999999999999999/neighbours)."""

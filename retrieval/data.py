@@ -20,6 +20,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from retrieval.errors import ImageError, RetrievalError
 from retrieval.runs import IMAGE_SUFFIXES, RunDir, holds_index, write_json
+from retrieval.wording import counted
 
 HEIF_BRANDS = frozenset({b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx"})  # ISO-BMFF brands of HEIC photos
 HEIF_ADVICE = "a HEIC/HEIF photo: install pillow-heif to read it (pip install pillow-heif), or convert it to JPEG"
@@ -139,8 +140,13 @@ def first_skipped(skipped: Sequence[Skipped]) -> str:
 def none_readable(source: str | Path, skipped: Sequence[Skipped]) -> RetrievalError:
     """The error for a collection none of whose images could be read: how many, and the first one's reason (every
     file corrupt, or a CSV's paths relative to another folder), where a count of classes or images would mislead."""
+    if len(skipped) == 1:
+        return RetrievalError(
+            f"{source}: its one image could not be read ({first_skipped(skipped)}); replace or remove it, or point at "
+            "the right folder"
+        )
     return RetrievalError(
-        f"{source}: none of its {len(skipped)} image(s) could be read (the first, {first_skipped(skipped)}); "
+        f"{source}: none of its {len(skipped):,} images could be read (the first, {first_skipped(skipped)}); "
         "replace or remove them, or point at the right folder"
     )
 
@@ -401,7 +407,7 @@ def describe_variants(groups: Sequence[dict[str, int]], shown: int = 3) -> str:
     words = []
     for group in groups[:shown]:
         (first, count), *rest = group.items()
-        named = [f"{first!r} ({count} image{'s' if count != 1 else ''})", *(f"{label!r} ({n})" for label, n in rest)]
+        named = [f"{first!r} ({counted(count, 'image')})", *(f"{label!r} ({n})" for label, n in rest)]
         words.append(" and ".join(named))
     more = f"; and {len(groups) - shown} more" if len(groups) > shown else ""
     return "; ".join(words) + more

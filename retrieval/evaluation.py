@@ -42,6 +42,7 @@ from retrieval.metrics import (
 from retrieval.mistakes import mistakes
 from retrieval.rerank import NO_RERANK, Rerank
 from retrieval.runs import RunDir, read_json
+from retrieval.wording import counted
 
 WORST_CLASSES = 10  # classes listed in metrics.json, lowest recall@1 first
 
@@ -194,7 +195,9 @@ def evaluate_collection(
     labels = {item.label for item in collection.items if item.label}
     if len(labels) < 2:
         missing = collection.skipped  # the other classes' files may be the ones not found
-        gone = f" ({len(missing)} listed file(s) skipped; the first, {first_skipped(missing)})" if missing else ""
+        gone = (
+            f" ({counted(len(missing), 'listed file')} skipped; the first, {first_skipped(missing)})" if missing else ""
+        )
         raise RetrievalError(
             f"{collection.source}: evaluation needs at least two labeled classes (ROOT/<label>/<image> or a CSV with "
             f"labels){gone}{one_level_too_high(collection.source, labels)}"

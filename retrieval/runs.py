@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from retrieval.errors import RetrievalError
+from retrieval.wording import counted
 
 IMAGE_SUFFIXES = frozenset(  # the files a collection reads as images (retrieval.data); a run is told apart from them
     {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".avif", ".heic", ".heif"}
@@ -78,7 +79,7 @@ class RunDir:
             return
         trained = len(self.train_log.read_text(encoding="utf-8").splitlines()) if self.train_log.is_file() else 0
         raise RetrievalError(
-            f"{self.root} already holds a run ({trained} epoch(s) trained); continue it with "
+            f"{self.root} already holds a run ({counted(trained, 'epoch')} trained); continue it with "
             f"`retrieval train --run {shell_path(self.root)} --resume`, or start over with --overwrite (from Python: "
             "train(..., resume=True) or overwrite=True)"
         )

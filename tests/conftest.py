@@ -118,6 +118,6 @@ def pytest_terminal_summary(terminalreporter: object, exitstatus: int, config: o
     skipped = [report for report in terminalreporter.stats.get("skipped", []) if "test_browser" in report.nodeid]  # type: ignore[attr-defined]
     if skipped:
         terminalreporter.write_line(  # type: ignore[attr-defined]
-            f"{len(skipped)} browser test(s) skipped: they need Debian's Chromium and Playwright (sudo apt-get install chromium)",
+            f"{len(skipped)} browser {'test' if len(skipped) == 1 else 'tests'} skipped: they need Debian's Chromium and Playwright (sudo apt-get install chromium)",
             yellow=True,
         )

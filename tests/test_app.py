@@ -448,10 +448,10 @@ def test_add_and_remove_through_the_api(client: object, service: SearchService, 
         Image.new("RGB", (64, 64), colour).save(path)
     before = len(service.items)
     message, table = client.predict([handle_file(str(path)) for path in paths], "swatch", api_name="/add")  # type: ignore[attr-defined]
-    assert message.startswith("added 2 image(s)") and ["swatch", 2] in table["data"] and len(service.items) == before + 2
+    assert message.startswith("added 2 images") and ["swatch", 2] in table["data"] and len(service.items) == before + 2
     new_ids = sorted(service.items)[-2:]
     message, table = client.predict(", ".join(map(str, new_ids)), api_name="/remove")  # type: ignore[attr-defined]
-    assert message == "removed 2 item(s)" and len(service.items) == before
+    assert message == "removed 2 items" and len(service.items) == before
     with pytest.raises(Exception, match="give item ids"):
         client.predict("all of them", api_name="/remove")  # type: ignore[attr-defined]
 
@@ -478,7 +478,7 @@ def test_hits_whose_files_are_gone_are_said_and_shown_again_once_back(service: S
         copies = {item_id: service.items[item_id].path for item_id in ids}
         away = {item_id: path.rename(tmp_path / f"away-{item_id}.png") for item_id, path in copies.items()}
         summary = Handlers(service).search_id(ids[0], 3, None)[1]
-        assert f"hit(s) shown grey: their files cannot be read (e.g. {copies[ids[1]]})" in summary
+        assert f"1 hit shown grey: its file cannot be read (e.g. {copies[ids[1]]}); moved or deleted since it was" in summary
         assert "index their folder again with `--sync`" in summary
         away[ids[1]].rename(copies[ids[1]])  # moved back
         tile = service.thumbnails([ids[1]])[0]

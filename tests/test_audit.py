@@ -394,7 +394,7 @@ def test_a_folder_given_relative_with_a_file_of_another_type_prints_its_tables_w
     inside = sorted(path for path in root.iterdir() if path.is_dir())[0]  # --against a part of DATA: leaks of themselves
     assert main(["audit", str(demo_run.root), "pics", "--against", str(inside.relative_to(tmp_path))]) == 0
     count = len(list(inside.iterdir()))
-    assert f"note: {count} file(s) are in DATA and in --against alike (e.g. {inside.resolve()}/" in capsys.readouterr().err
+    assert f"note: {count} files are in DATA and in --against alike (e.g. {inside.resolve()}/" in capsys.readouterr().err
 
 
 def test_an_audit_of_the_images_the_run_trained_on_points_to_folds(demo_run: RunDir, capsys: pytest.CaptureFixture[str]) -> None:
@@ -483,7 +483,7 @@ def test_careless_audits_are_one_line_each(
     (tmp_path / "broken" / "a").mkdir(parents=True)
     (tmp_path / "broken" / "a" / "1.png").write_text("not a picture")
     assert main(["audit", str(demo_run.root), str(audited_folder), "--against", str(tmp_path / "broken")]) == 2
-    said = f"error: --against {tmp_path / 'broken'}: none of its 1 image(s) could be read (the first, {tmp_path / 'broken' / 'a' / '1.png'}: "
+    said = f"error: --against {tmp_path / 'broken'}: its one image could not be read ({tmp_path / 'broken' / 'a' / '1.png'}: "
     assert capsys.readouterr().err.splitlines()[-1].startswith(said)  # after DATA's embedding line
     assert main(["audit", str(demo_run.root), str(labels), "--csv", str(tmp_path / "found")]) == 0
     assert main(["audit", str(demo_run.root), str(labels), "--csv", str(tmp_path / "found")]) == 0  # its own: replaced
@@ -543,7 +543,7 @@ def test_the_audit_tab_counts_every_suspect_beyond_those_it_shows(audit_run: tup
         service.close()
     assert len(every) > 1 and len(rows) == 1
     labeled = sum(bool(item.label) for item in service.items.values())
-    assert said.startswith(f"**{len(every)}** suspected wrong label(s) of {labeled} labeled images (the first 1 shown): click one to see it. The closest image has the same label for ")
+    assert said.startswith(f"**{len(every)}** suspected wrong {'label' if len(every) == 1 else 'labels'} of {labeled} labeled images (the first 1 shown): click one to see it. The closest image has the same label for ")
     assert "(leave-one-out recall@1)" in said
 
 
@@ -561,7 +561,7 @@ def test_the_audit_tab_lists_suspects_and_keeps_decisions_in_a_labels_csv(audit_
         assert str(moved.path) in paths  # the moved image is among the suspects
         first, second = data[0], data[1] if len(data) > 1 else None
         message, rows_after, data_after, _, view, proposed, opened, *buttons = on.accept(first)
-        assert "1 decision(s)" in message and labels_csv(service).is_file()
+        assert "1 decision in" in message and labels_csv(service).is_file()
         # the decided suspect closed, the buttons disabled: a second click wrote it again or turned it over unseen
         assert (view, proposed, opened) == ([], "", None) and [button["interactive"] for button in buttons] == [False, False]
         assert first["path"] not in [row["path"] for row in data_after]  # decided: off the list

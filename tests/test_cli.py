@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -30,13 +31,29 @@ def test_top_level_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -
     assert all(command in out for command in COMMANDS)
 
 
+def test_counts_are_worded_in_the_singular_for_one_and_never_as_s_in_brackets() -> None:
+    """Messages said "1 epoch(s) trained", "311 suspected wrong label(s)": counted words them as a reader would."""
+    from retrieval.wording import counted
+
+    assert [counted(n, "image") for n in (0, 1, 2, 12_345)] == ["0 images", "1 image", "2 images", "12,345 images"]
+    assert (counted(1, "batch", "batches"), counted(3, "batch", "batches")) == ("1 batch", "3 batches")
+    sources = Path(__file__).resolve().parents[1]
+    bracketed = []
+    for folder in ("app", "index", "retrieval", "training"):
+        for path in (sources / folder).rglob("*.py"):
+            with path.open("rb") as source:
+                strings = [token.string for token in tokenize.tokenize(source.readline) if token.type == tokenize.STRING]
+            bracketed += [f"{path.name}: {text}" for text in strings if re.search(r"[a-z]\(s\)", text) and not text.startswith('"""')]
+    assert bracketed == []
+
+
 def test_stages_on_a_users_folder_with_bad_files(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = write_bad_files(small_folder / sorted(p.name for p in small_folder.iterdir())[0])
     run = RunDir(tmp_path / "run")
     assert main(["train", str(small_folder), "--run", str(run.root), "--epochs", "1", "--batch-size", "8", "--image-size", "32"]) == 0
     report = {Path(entry["path"]).name: entry["reason"] for entry in json.loads((run.root / "skipped.json").read_text())}
     assert set(report) == {path.name for path in bad.values()}
-    assert "skipped 3 file(s)" in capsys.readouterr().err
+    assert "skipped 3 files" in capsys.readouterr().err
 
     assert main(["export", str(run.root)]) == 0
     assert main(["index", str(run.root), str(small_folder)]) == 0

@@ -183,7 +183,7 @@ def test_search_says_when_the_hits_files_are_gone(demo_run: RunDir, small_folder
     assert main(["search", str(demo_run.root), "--index", str(index), "--id", "1", "-k", "2", "--json"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["hits"]  # the JSON on stdout is whole; the note goes to stderr
-    assert f"note: 2 hit(s)' files are no longer there (e.g. {small_folder}/" in captured.err
+    assert f"note: the files of 2 hits are no longer there (e.g. {small_folder}/" in captured.err
     assert "index their folder again with --sync" in captured.err
 
 
@@ -225,7 +225,7 @@ def test_a_run_directory_is_resumed_or_overwritten_never_silently_replaced(small
     assert main(["train", str(small_folder), "--run", str(run.root), *TINY]) == 0
     capsys.readouterr()
     assert main(["train", str(small_folder), "--run", str(run.root), *TINY]) == 2
-    assert "already holds a run (1 epoch(s) trained)" in capsys.readouterr().err
+    assert "already holds a run (1 epoch trained)" in capsys.readouterr().err
     assert main(["train", "--run", str(run.root), "--resume"]) == 2  # no DATA needed, and nothing left to do
     assert "is finished (1 of 1 epochs trained): nothing to resume" in capsys.readouterr().err
     write_json(run.config, {**read_json(run.config), "epochs": 2}, sealed=True)  # one more epoch to go
@@ -325,7 +325,7 @@ def test_ctrl_c_during_the_demo_says_what_is_kept_and_the_same_command_goes_on_f
     status, err = ctrl_c_when(command, prints("epoch 2/4"))
     assert status == 130 and "Traceback" not in err, err
     said = re.fullmatch(
-        rf"interrupted: the demo in {re.escape(str(run))} has (\d) epoch\(s\) trained and saved; the same command again "
+        rf"interrupted: the demo in {re.escape(str(run))} has (\d) epochs? trained and saved; the same command again "
         r"goes on from there \(--retrain starts over\)",
         err.strip().splitlines()[-1],
     )
@@ -635,7 +635,7 @@ def test_the_python_entry_points_take_a_run_or_a_collection_as_a_path(small_fold
     model = (RunDir(run).model).read_bytes()
     with pytest.raises(RetrievalError) as refused:  # a notebook cell run again trained over the run, its model kept
         train(config, run, progress=False)
-    assert str(refused.value).startswith(f"{run} already holds a run (1 epoch(s) trained); continue it with")
+    assert str(refused.value).startswith(f"{run} already holds a run (1 epoch trained); continue it with")
     assert str(refused.value).endswith("(from Python: train(..., resume=True) or overwrite=True)")
     assert RunDir(run).model.read_bytes() == model and RunDir(run).last_checkpoint.is_file()
     assert train(config, run, progress=False, overwrite=True).final_loss > 0
@@ -656,7 +656,7 @@ def test_classes_beyond_the_icons_are_all_of_them_said_once(capsys: pytest.Captu
 
 @pytest.mark.parametrize("command", ["train", "evaluate", "index", "audit"])
 def test_a_collection_of_unreadable_images_says_which_and_why(demo_run: RunDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: str) -> None:
-    """Two labeled folders whose files are all broken: training said "0 image(s) for the self-supervised loss", indexing
+    """Two labeled folders whose files are all broken: training said "0 images for the self-supervised loss", indexing
     "nothing to index (no readable images)" and left its journal behind, evaluating "fewer than two classes have readable
     images"; each now names how many could not be read, the first and why."""
     from retrieval.commands import main
@@ -674,7 +674,7 @@ def test_a_collection_of_unreadable_images_says_which_and_why(demo_run: RunDir, 
     assert main(arguments) == 2
     err = capsys.readouterr().err
     first = tmp_path / "broken" / "cats" / "1.jpg"
-    assert err.endswith(f"none of its 2 image(s) could be read (the first, {first}: not a readable image (not a format Pillow recognises)); replace or remove them, or point at the right folder\n")
+    assert err.endswith(f"none of its 2 images could be read (the first, {first}: not a readable image (not a format Pillow recognises)); replace or remove them, or point at the right folder\n")
     assert err.count("error:") == 1 and "Traceback" not in err
     left = sorted(path.name for path in tmp_path.iterdir() if not path.name.endswith(".lock"))  # a folder's lock stays
     assert left == ["broken"]  # no run, index or journal
@@ -710,4 +710,4 @@ def test_too_few_classes_to_evaluate_names_the_files_not_found(demo_run: RunDir,
     (tmp_path / "listed.csv").write_text(f"path,label\n{first_test_image(demo_run)},cats\nmoved/away.png,dogs\n")
     assert main(["evaluate", str(demo_run.root), str(tmp_path / "listed.csv")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"(1 listed file(s) skipped; the first, {tmp_path / 'moved' / 'away.png'}: listed in the CSV but not found)" in err
+    assert err.count("\n") == 1 and f"(1 listed file skipped; the first, {tmp_path / 'moved' / 'away.png'}: listed in the CSV but not found)" in err

@@ -149,8 +149,10 @@ def test_search_depth_vectors_by_id_and_mistakes(tmp_path: Path) -> None:
         exact.search(vectors[:1], 5, depth=4)
     with pytest.raises(RetrievalError, match=r"--depth 65: this IVF64,Flat index has 64 inverted lists; give at most 64"):
         ivf.search(vectors[:1], 5, depth=65)
-    with pytest.raises(RetrievalError, match="no item with id"):
+    with pytest.raises(RetrievalError, match="no item with id 999999 in this index"):
         ivf.vectors_of([999_999])
+    with pytest.raises(RetrievalError, match="no items with ids 999998, 999999 in this index"):
+        ivf.vectors_of([5, 999_998, 999_999])
     with pytest.raises(RetrievalError, match="FAISS cannot build it"):
         GalleryIndex.create(tmp_path / "bad", chunks(vectors), "enc", 32, factory="IVF,Nonsense")
     with pytest.raises(RetrievalError, match="needs at least 4,096 vectors to train on"):

@@ -154,9 +154,10 @@ def test_ctrl_c_during_indexing_says_what_is_kept_and_the_same_command_goes_on(d
     status, err = ctrl_c_when(command, lambda _: pending_rows(journal_path(directory)) >= 100)
     kept = pending_rows(journal_path(directory))
     assert status == 130 and "Traceback" not in err, err
+    kept_words, them = ("1 embedded image is", "it") if kept == 1 else (f"{kept:,} embedded images are", "them")
     assert err.strip().splitlines()[-1] == (
-        f"interrupted: {kept:,} embedded image(s) are kept in {journal_path(directory)}; run the same command again "
-        "to go on from them (the index is not changed until a job ends)"
+        f"interrupted: {kept_words} kept in {journal_path(directory)}; run the same command again "
+        f"to go on from {them} (the index is not changed until a job ends)"
     )
     finished = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=300)
     assert finished.returncode == 0 and f"resumed {kept}" in finished.stdout.replace("\n", " "), finished.stderr

@@ -236,7 +236,7 @@ def test_labels_withheld_partly_labeled_and_adapted_runs(icons_root: Path, tmp_p
 @pytest.mark.parametrize(
     "make,options,words",
     [
-        ("one", [], "1 image(s) for the self-supervised loss"),
+        ("one", [], "1 image for the self-supervised loss"),
         ("identical", [], "every image has the same content"),
         ("labeled", ["--adapt", "{tmp}/nowhere"], "--adapt {tmp}/nowhere: no such file or folder"),
         ("labeled", ["--adapt", "{tmp}/empty"], "no images found"),

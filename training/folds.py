@@ -19,6 +19,7 @@ import numpy as np
 from retrieval.audit import check_folds
 from retrieval.data import Item, write_collection_csv
 from retrieval.runs import RunDir, read_json
+from retrieval.wording import counted
 from training.config import TrainConfig
 from training.exporting import export
 from training.loop import train
@@ -52,7 +53,7 @@ def fold_models(
         data = write_collection_csv(work / f"fold-{number}.csv", kept)
         config = replace(recipe, data=str(data), epochs=epochs, val_classes=0.0, patience=0, adapt=None)
         config = replace(config, checkpoint_every=0, tensorboard=False)
-        said(f"fold {number + 1}/{int(fold.max()) + 1}: training on {len(kept)} images for {epochs} epoch(s)")
+        said(f"fold {number + 1}/{int(fold.max()) + 1}: training on {len(kept)} images for {counted(epochs, 'epoch')}")
         target = RunDir(work / f"fold-{number}")
         train(config, target, progress=False, overwrite=True)
         export(target)

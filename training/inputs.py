@@ -37,6 +37,7 @@ from retrieval.errors import ImageError, RetrievalError
 from retrieval.progress import progress as progress_bar
 from retrieval.progress import say
 from retrieval.runs import RunDir, write_json
+from retrieval.wording import counted
 from training.config import ADAPTED, PARTLY_LABELED, SELF_SUPERVISED, SUPERVISED, TrainConfig
 from training.distributed import Ranks, broadcast_object
 from training.images import DECODED_SIDES
@@ -168,8 +169,8 @@ def _refuse(config: TrainConfig, data: TrainingData, distinct: int) -> None:
         raise RetrievalError(f"{config.data}: {found}; training needs at least two labeled classes{remedy}")
     if config.mode != SUPERVISED and len(data.pool) < 2:
         raise RetrievalError(
-            f"{config.data}: {len(data.pool)} image(s) for the self-supervised loss; it contrasts each image with "
-            "the others, so it needs at least two (more: hundreds)"
+            f"{config.data}: {counted(len(data.pool), 'image')} for the self-supervised loss; it contrasts each image "
+            "with the others, so it needs at least two (more: hundreds)"
         )
     if config.mode == SELF_SUPERVISED and distinct < 2:
         raise RetrievalError(

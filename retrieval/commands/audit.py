@@ -25,6 +25,7 @@ from retrieval.data import (
 )
 from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir, writable_folder
+from retrieval.wording import counted
 
 if TYPE_CHECKING:
     from retrieval.audit import Audit, AuditedCollection
@@ -121,8 +122,8 @@ def _say_before(run: RunDir, collection: Collection, shared: list[Path], folds: 
         _say_if_trained_on(run, collection)
     if shared:
         errors.print(
-            f"note: {len(shared)} file(s) are in DATA and in --against alike (e.g. {shared[0]}): each is listed as "
-            "a leak of itself; a file belongs in one split",
+            f"note: {counted(len(shared), 'file')} {'is' if len(shared) == 1 else 'are'} in DATA and in --against "
+            f"alike (e.g. {shared[0]}): each is listed as a leak of itself; a file belongs in one split",
             highlight=False,
             soft_wrap=True,
         )
@@ -142,9 +143,10 @@ def _collection(source: Path, option: str = "") -> Collection:
         collection = load_collection(require_source(source, option))
         missing = [entry for entry in collection.skipped if entry.reason == MISSING]
         if missing:
+            one = len(missing) == 1
             raise RetrievalError(
-                f"{source}: names {len(missing)} file(s) that are not there (first: {missing[0].path}); restore them "
-                "or remove their rows"
+                f"{source}: names {counted(len(missing), 'file')} that {'is' if one else 'are'} not there (first: "
+                f"{missing[0].path}); restore {'it or remove its row' if one else 'them or remove their rows'}"
             )
     return collection
 

@@ -26,6 +26,7 @@ from retrieval.errors import RetrievalError
 from retrieval.evaluation import evaluate_collection, write_plots
 from retrieval.extras import require
 from retrieval.runs import RunDir, read_json, writable_folder, write_json
+from retrieval.wording import counted
 
 if TYPE_CHECKING:
     from training.config import TrainConfig
@@ -115,8 +116,8 @@ def _interrupted(run: RunDir) -> NoReturn:
     done = _saved_epochs(run)
     if done:
         line = (
-            f"interrupted: the demo in {run.root} has {done} epoch(s) trained and saved; the same command again goes "
-            "on from there (--retrain starts over)"
+            f"interrupted: the demo in {run.root} has {counted(done, 'epoch')} trained and saved; the same command "
+            "again goes on from there (--retrain starts over)"
         )
     else:
         line = f"interrupted before the demo's first epoch ended; the same command again starts it over in {run.root}"

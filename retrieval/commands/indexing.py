@@ -22,6 +22,7 @@ from retrieval.data import load_collection
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
 from retrieval.runs import INDEX_MANIFEST, RunDir
+from retrieval.wording import counted
 
 if TYPE_CHECKING:
     from index.build import IndexReport
@@ -110,9 +111,11 @@ def _report(report: IndexReport, target: Path) -> None:
         f"unchanged {report.unchanged} · removed {report.removed} · skipped {len(report.skipped)}"
     )
     if report.stale:
+        one = len(report.stale) == 1
         console.print(
-            f"note: {len(report.stale)} indexed file(s) can no longer be read (e.g. {report.stale[0]}): their entries "
-            "keep what the files held when indexed; --sync removes them",
+            f"note: {counted(len(report.stale), 'indexed file')} can no longer be read (e.g. {report.stale[0]}): "
+            f"{'its entry keeps what the file' if one else 'their entries keep what the files'} held when indexed; "
+            f"--sync removes {'it' if one else 'them'}",
             highlight=False,
             soft_wrap=True,
         )
@@ -128,8 +131,9 @@ def _interrupted(target: Path) -> NoReturn:
     kept = pending_rows(journal)
     if kept:
         line = (
-            f"interrupted: {kept:,} embedded image(s) are kept in {journal}; run the same command again to go on "
-            "from them (the index is not changed until a job ends)"
+            f"interrupted: {counted(kept, 'embedded image')} {'is' if kept == 1 else 'are'} kept in {journal}; run the "
+            f"same command again to go on from {'it' if kept == 1 else 'them'} (the index is not changed until a job "
+            "ends)"
         )
     else:
         line = "interrupted before any image was embedded; nothing was kept and the index is not changed"

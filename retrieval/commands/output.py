@@ -13,6 +13,7 @@ from rich.table import Table
 
 from retrieval.data import Skipped
 from retrieval.errors import RetrievalError
+from retrieval.wording import counted
 
 console = Console(soft_wrap=True)  # lines of text keep their paths whole; tables still fit the width
 errors = Console(stderr=True, soft_wrap=True)
@@ -126,7 +127,7 @@ def report_skipped(skipped: list[Skipped], report: Path | None) -> None:
     if not skipped:
         return
     where = f"; the list is in {report}" if report else ""
-    errors.print(f"skipped {len(skipped)} file(s){where}", soft_wrap=True)
+    errors.print(f"skipped {counted(len(skipped), 'file')}{where}", soft_wrap=True)
     for entry in skipped[:5]:
         errors.print(f"  {entry.path}: {entry.reason}", highlight=False, soft_wrap=True, markup=False)
     if len(skipped) > 5:

@@ -17,6 +17,7 @@ from retrieval.errors import RetrievalError
 from retrieval.rerank import SPEC_HELP as RERANK_HELP
 from retrieval.rerank import parse_rerank
 from retrieval.runs import RunDir, shell_path
+from retrieval.wording import counted
 
 if TYPE_CHECKING:
     from index.search import QueryResult
@@ -109,9 +110,11 @@ def _print(answered: list[tuple[str | int | None, QueryResult]], threshold: floa
             _print_hits(result, query, threshold)
     gone = sorted({hit.path for _, result in answered for hit in result.hits if not os.path.exists(hit.path)})
     if gone:  # a gallery moved or deleted since it was indexed: the paths printed lead nowhere
+        one = len(gone) == 1
         errors.print(
-            f"note: {len(gone)} hit(s)' files are no longer there (e.g. {gone[0]}); moved or deleted since they were "
-            "indexed? Put them back, or index their folder again with --sync",
+            f"note: the {'file' if one else 'files'} of {counted(len(gone), 'hit')} {'is' if one else 'are'} no longer "
+            f"there (e.g. {gone[0]}); moved or deleted since {'it was' if one else 'they were'} indexed? Put "
+            f"{'it' if one else 'them'} back, or index their folder again with --sync",
             soft_wrap=True,
             highlight=False,
             markup=False,

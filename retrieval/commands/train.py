@@ -16,6 +16,7 @@ from retrieval.data import load_collection, require_source
 from retrieval.errors import RetrievalError
 from retrieval.extras import require
 from retrieval.runs import RunDir, read_json, shell_path, writable_folder
+from retrieval.wording import counted
 
 if TYPE_CHECKING:
     from training.config import TrainConfig
@@ -232,8 +233,8 @@ def _interrupted(run: RunDir) -> NoReturn:
     if record is None:
         line = "interrupted before the first epoch ended, nothing saved; start again with --overwrite"
     else:
-        done = f"{record.epoch} finished epoch{'s' if record.epoch != 1 else ''}"  # it said "epoch 1, batch 0"
-        done += f" and {record.batch} batch{'es' if record.batch != 1 else ''} of the next" if record.batch else ""
+        done = f"{counted(record.epoch, 'finished epoch')}"  # it said "epoch 1, batch 0"
+        done += f" and {counted(record.batch, 'batch', 'batches')} of the next" if record.batch else ""
         line = (
             f"interrupted: the trainer state after {done} is kept in {run.trainer_state}; "
             f"resume with `retrieval train --run {shell_path(run.root)} --resume`"

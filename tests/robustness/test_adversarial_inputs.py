@@ -94,7 +94,7 @@ def test_evaluate_scores_the_good_files_and_reports_the_bad(corpus: Corpus, demo
     assert main(["evaluate", str(run.root), str(corpus.folder)]) == 0
     metrics = json.loads(run.metrics.read_text())
     assert metrics["num_queries"] == len(corpus.good) + len(real_images(corpus))
-    assert f"skipped {len(corpus.bad)} file(s)" in capsys.readouterr().err
+    assert f"skipped {len(corpus.bad)} files" in capsys.readouterr().err
 
 
 def test_the_app_answers_good_uploads_refuses_bad_ones_and_adds_only_good_files(corpus: Corpus, demo_run: RunDir, tmp_path: Path) -> None:
@@ -137,7 +137,7 @@ def test_the_app_api_answers_every_uploadable_file(corpus: Corpus, demo_run: Run
             assert (len(gallery) == 3) if kind in corpus.good else (gallery == [] and "⚠️" in summary), (kind, summary)
         message, _ = client.predict([handle_file(str(path)) for path in uploadable.values()], "api", api_name="/add")
         good = sum(kind in corpus.good for kind in uploadable)
-        assert message.startswith(f"added {good} image(s)") and message.count(": ") >= len(uploadable) - good, message
+        assert message.startswith(f"added {good} image" + ("" if good == 1 else "s")) and message.count(": ") >= len(uploadable) - good, message
     finally:
         demo.close()
         service.close()
