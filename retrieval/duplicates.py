@@ -61,6 +61,7 @@ ROUGH_BLOCK = 8  # pairs given the rough check at once: their crops (1 MB) stay 
 BLUR_PLANES = 128  # chroma planes blurred at once (about 0.6 MB)
 FINE_BLOCK = 8  # pairs given the fine search at once (larger blocks fall out of the cache: slower, measured)
 LUMA = np.array([0.299, 0.587, 0.114], np.float32)  # Pillow's grey
+BYTES = np.divide(np.arange(256, dtype=np.uint8), 255, dtype=np.float32)  # each byte's value as the checks read it
 SHARED_PAIRS = 2000  # candidate pairs from which the checks are shared out over the cores (a process's start: ~1 s)
 
 
@@ -308,6 +309,38 @@ class _Wholes:
         return cls(views, low.reshape(views.shape), high.reshape(views.shape), background, drawn)
 
 
+@dataclass(frozen=True)
+class _ByteBounds:
+    """_Wholes' tests of a grey pixel as bounds on its byte: the rough check compares its uint8 crops with them (a
+    quarter of the memory of floats, and no conversion) and decides every pixel as _drawn_shares does on the floats
+    the bytes stand for, to the bit (each test is monotonic in the byte, so the bytes that pass lie between two)."""
+
+    below: np.ndarray  # [N, 1, D] uint8: a byte under it is below the pixel's spread range by more than PIXEL_CUT
+    above: np.ndarray  # [N, 1, D]: a byte over it is above the range by more than PIXEL_CUT
+    plain_low: np.ndarray  # [N, 1, 1]: a byte under it is drawn (apart from the background by more than PIXEL_CUT)
+    plain_high: np.ndarray  # [N, 1, 1]: a byte over it is drawn
+
+    @classmethod
+    def of(cls, wholes: _Wholes) -> _ByteBounds:
+        below = np.searchsorted(BYTES, wholes.low - PIXEL_CUT, side="left")  # how many bytes read under it
+        above = np.searchsorted(BYTES, wholes.high + PIXEL_CUT, side="right") - 1
+        plain = ~np.greater(np.abs(BYTES - wholes.background[:, 0]), PIXEL_CUT)  # [N, 256], as _drawn_shares tests
+        first, last = plain.argmax(axis=1), 255 - plain[:, ::-1].argmax(axis=1)  # a byte near the background is plain
+        return cls(
+            *(np.asarray(bound, np.uint8) for bound in (below, above, first[:, None, None], last[:, None, None]))
+        )
+
+
+def _byte_shares(crops: np.ndarray, wholes: _Wholes, bounds: _ByteBounds, rows: np.ndarray) -> np.ndarray:
+    """[P, V]: _drawn_shares of grey crops given as bytes ([P, V, 1, D] uint8), the same to the bit."""
+    outside = np.less(crops, bounds.below[rows][:, None])
+    outside |= np.greater(crops, bounds.above[rows][:, None])
+    differing = _counts(outside[:, :, 0])
+    drawn = np.greater(crops, bounds.plain_high[rows][:, None], out=outside)
+    drawn |= np.less(crops, bounds.plain_low[rows][:, None])
+    return differing / np.maximum(_counts(drawn[:, :, 0] | wholes.drawn[rows][:, None]), 1)
+
+
 def _shares(crops: np.ndarray, wholes: _Wholes, rows: np.ndarray, cut: float = PIXEL_CUT) -> np.ndarray:
     """[P, V]: per pair, the share of each crop's drawn pixels ([P, V, C, D]) that differ by more than cut from
     the whole picture of its row of wholes (outside its spread range), ties broken by the mean difference so that
@@ -466,32 +499,38 @@ def _rough(
     else:
         rows_a, rows_b = np.unique(a), np.unique(b)
         rough_a, rough_b = _rough_views(mine[rows_a]), _rough_views(theirs[rows_b])
-    whole_a = _Wholes.of(rough_a[:, 0].astype(np.float32) / 255, ROUGH[0], 1.0)
-    whole_b = whole_a if rough_b is rough_a else _Wholes.of(rough_b[:, 0].astype(np.float32) / 255, ROUGH[0], 1.0)
+    against_a = _against(rough_a)  # what the other side's crops are compared with
+    against_b = against_a if rough_b is rough_a else _against(rough_b)
     at_a, at_b = np.searchsorted(rows_a, a), np.searchsorted(rows_b, b)
     best, crop = np.ones((2, len(a))), np.zeros((2, len(a)), np.int64)
     for start in range(0, len(a), ROUGH_BLOCK):
         block = slice(start, start + ROUGH_BLOCK)
-        for side, (views, at, wholes, other) in enumerate(
-            ((rough_a, at_a, whole_b, at_b), (rough_b, at_b, whole_a, at_a))
+        for side, (views, at, against, other) in enumerate(
+            ((rough_a, at_a, against_b, at_b), (rough_b, at_b, against_a, at_a))
         ):
-            best[side, block], crop[side, block] = _best_crops(
-                np.divide(views[at[block]], 255, dtype=np.float32), wholes, other[block]
-            )
+            best[side, block], crop[side, block] = _best_crops(views[at[block]], *against, other[block])
         if done is not None:
             done(len(a[block]))
     return best, crop
 
 
-def _best_crops(crops: np.ndarray, wholes: _Wholes, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[P] each: the smallest of _shares over each pair's crops and its crop's number, where it can be within
-    ROUGH_BOUND; elsewhere a share above ROUGH_BOUND. The tie-break is added only to the pairs whose best share
-    without it is within the bound: it only adds, so no other pair comes within it (most pairs of a collection
-    without copies are such, and the tie-break is about a fifth of their check)."""
-    shares = _drawn_shares(crops, wholes, rows)
+def _against(views: np.ndarray) -> tuple[_Wholes, _ByteBounds]:
+    """The whole pictures of rough views ([N, V, 1, D] bytes) that crops are compared with, and their byte bounds."""
+    wholes = _Wholes.of(views[:, 0].astype(np.float32) / 255, ROUGH[0], 1.0)
+    return wholes, _ByteBounds.of(wholes)
+
+
+def _best_crops(
+    crops: np.ndarray, wholes: _Wholes, bounds: _ByteBounds, rows: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """[P] each: the smallest of _shares over each pair's crops (bytes, [P, V, 1, D]) and its crop's number, where it
+    can be within ROUGH_BOUND; elsewhere a share above ROUGH_BOUND. The tie-break is added only to the pairs whose
+    best share without it is within the bound: it only adds, so no other pair comes within it (most pairs of a
+    collection without copies are such, and the tie-break is about a fifth of their check)."""
+    shares = _byte_shares(crops, wholes, bounds, rows)
     near = shares.min(1) <= ROUGH_BOUND
     if near.any():
-        shares[near] += _closeness(crops[near], wholes, rows[near])
+        shares[near] += _closeness(np.divide(crops[near], 255, dtype=np.float32), wholes, rows[near])
     return shares.min(1), shares.argmin(1)
 
 
