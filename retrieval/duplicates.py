@@ -83,10 +83,13 @@ class CopyPair:
 
 
 def perceptual_hashes(thumbnails: np.ndarray) -> np.ndarray:
-    """[N, 8] uint8: each picture's 64-bit DCT hash, packed (grey 32 x 32, low 8 x 8 frequencies above their median)."""
+    """[N, 8] uint8: each picture's 64-bit DCT hash, packed (grey 32 x 32, low 8 x 8 frequencies above their median).
+    The frequencies are rounded to a millionth first: those that are equal (a symmetric picture's zeros) then stay
+    equal, where rounding errors of the products would otherwise decide their bits, differently for each way of
+    summing them."""
     grey = np.stack([_grey_square(picture) for picture in thumbnails]) if len(thumbnails) else np.zeros((0, 32, 32))
     basis = np.cos(np.pi * (2 * np.arange(32)[None] + 1) * np.arange(8)[:, None] / 64)  # DCT-II rows
-    low = np.einsum("us,nst,vt->nuv", basis, grey, basis).reshape(len(grey), 64)
+    low = np.round(basis @ grey.astype(np.float64) @ basis.T, 6).reshape(len(grey), 64)
     return np.packbits(low > np.median(low, axis=1, keepdims=True), axis=1)
 
 

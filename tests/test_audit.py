@@ -248,6 +248,26 @@ def test_the_rough_check_on_bytes_decides_every_pixel_as_the_float_check_does_ti
     assert 0 < (floats <= copy_check.ROUGH_BOUND).sum() < floats.size and (floats > 0.5).any()
 
 
+def test_a_symmetric_pictures_hash_does_not_depend_on_how_its_frequencies_are_summed() -> None:
+    """A blank or symmetric picture has DCT frequencies that are exactly equal (zeros); their hash bits (above the
+    median or not) were decided by the rounding errors of the einsum that summed them. Rounded to a millionth, they
+    are the bits of any way of summing them."""
+    pictures = [np.full((64, 64, 3), grey, np.uint8) for grey in (0, 128, 255)]
+    for radius in (8, 16, 24, 30):
+        for shape, fill in (("ellipse", (20, 60, 200)), ("rectangle", (200, 30, 30))):
+            image = Image.new("RGB", (64, 64), (245, 245, 245))
+            getattr(ImageDraw.Draw(image), shape)([32 - radius, 32 - radius, 31 + radius, 31 + radius], fill=fill)
+            pictures.append(np.asarray(image))
+    grey = np.stack([copy_check._grey_square(picture) for picture in pictures]).astype(np.float64)
+    basis = np.cos(np.pi * (2 * np.arange(32)[None] + 1) * np.arange(8)[:, None] / 64)
+    summed = [np.einsum("us,nst,vt->nuv", basis, grey, basis), np.einsum("us,nst,vt->nuv", basis, grey, basis, optimize=True), basis @ (grey @ basis.T)]
+    hashes = copy_check.perceptual_hashes(np.stack(pictures))
+    for low in summed:
+        low = np.round(low, 6).reshape(len(grey), 64)
+        np.testing.assert_array_equal(hashes, np.packbits(low > np.median(low, axis=1, keepdims=True), axis=1))
+    assert len({bytes(row) for row in hashes}) >= 5
+
+
 def test_the_neighbourhood_blur_and_spread_are_those_of_a_padded_picture_pixel_by_pixel() -> None:
     """_blur and _spread work on flat views of a padded buffer (one contiguous loop per operation): their values,
     edges and corners included, must be those of the 3 x 3 neighbourhood of the edge-padded planes, in the same
