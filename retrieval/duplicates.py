@@ -184,14 +184,6 @@ def _resampling(side: int, size: int, boxes: tuple[Box, ...]) -> _Resampling:
     return _Resampling(np.stack([_weights(side, size, *spans) for spans in tops]), columns[:, None].swapaxes(2, 3), top)
 
 
-def _views(stack: np.ndarray, side: int, boxes: Sequence[Box]) -> np.ndarray:
-    """[..., V, C, side * side] float: the crops (boxes) of pictures' planes ([..., C, S, S], _planes) resampled to
-    side."""
-    resampling = _resampling(side, stack.shape[-1], tuple(boxes))
-    views = (resampling.rows[:, None] @ stack[..., None, :, :, :])[..., resampling.top, :, :, :] @ resampling.columns
-    return views.reshape(*stack.shape[:-3], len(boxes), stack.shape[-3], side * side)
-
-
 def _neighbourhood(planes: np.ndarray) -> list[np.ndarray]:
     """9 flat views over the planes ([N, S, S]) with their edges repeated: each pixel's neighbour one pixel away in
     every direction (and itself), in rows of S + 2; _inside takes each plane's S x S pixels back out. Flat, so that
@@ -286,10 +278,19 @@ def difference(first: np.ndarray, second: np.ndarray) -> float:
 def _rough_views(pictures: np.ndarray) -> np.ndarray:
     """[N, V, 1, D] bytes: the grey plane of each picture's views over the rough grid (one per row, not per pair)."""
     side, boxes = ROUGH[0], _boxes(ROUGH[1])
+    resampling = _resampling(side, pictures.shape[-2], tuple(boxes))
+    order = np.argsort(resampling.top, kind="stable")  # the crops grouped by their rows' resampling, each group's
+    ends = np.searchsorted(resampling.top[order], np.arange(len(resampling.rows) + 1))  # columns products written
+    columns = resampling.columns[order]  # in place: no copy of the row products per crop
     views = np.zeros((len(pictures), len(boxes), 1, side * side), np.uint8)
-    for start in range(0, len(pictures), VIEW_BLOCK):  # a block of pictures at a time: [B, V, 24, 64] floats between
-        grey = (pictures[start : start + VIEW_BLOCK].astype(np.float32) / 255 @ LUMA)[:, None]
-        views[start : start + VIEW_BLOCK] = np.round(_views(grey, side, boxes) * 255)
+    crops = np.empty((VIEW_BLOCK, len(boxes), 1, side, side), np.float32)
+    for start in range(0, len(pictures), VIEW_BLOCK):  # a block of pictures at a time: their products stay in the cache
+        grey = (pictures[start : start + VIEW_BLOCK].astype(np.float32) / 255 @ LUMA)[:, None, None]
+        tall, done = resampling.rows[:, None] @ grey, crops[: len(grey)]  # [B, T, 1, side, S]
+        for top, (first, last) in enumerate(zip(ends[:-1], ends[1:])):
+            np.matmul(tall[:, top, None], columns[first:last], out=done[:, first:last])
+        np.rint(np.multiply(done, 255, out=done), out=done)
+        views[start : start + len(grey), order] = done.reshape(len(grey), len(boxes), 1, side * side)
     return views
 
 

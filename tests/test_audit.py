@@ -248,6 +248,21 @@ def test_the_rough_check_on_bytes_decides_every_pixel_as_the_float_check_does_ti
     assert 0 < (floats <= copy_check.ROUGH_BOUND).sum() < floats.size and (floats > 0.5).any()
 
 
+def test_the_rough_views_are_each_crop_resampled_on_its_own() -> None:
+    """_rough_views draws the rough grid's crops of a block of pictures at once, grouped by their rows' resampling (and
+    in blocks, the last one short): each must be the crop's own two products, rounded to a byte, to the bit."""
+    count = copy_check.VIEW_BLOCK + 3
+    pictures = np.stack(shapes(count))
+    views = copy_check._rough_views(pictures)
+    side, size = copy_check.ROUGH[0], pictures.shape[1]
+    grey = pictures.astype(np.float32) / 255 @ copy_check.LUMA
+    for number, (left, top, width) in enumerate(copy_check._boxes(copy_check.ROUGH[1])):
+        rows = copy_check._weights(side, size, round(top * size, 3), round(width * size, 3))
+        columns = np.ascontiguousarray(copy_check._weights(side, size, round(left * size, 3), round(width * size, 3)).T)
+        expected = np.round(np.stack([rows @ plane @ columns for plane in grey]) * 255).reshape(count, -1)
+        np.testing.assert_array_equal(views[:, number, 0], expected.astype(np.uint8), err_msg=f"crop {number}")
+
+
 def test_a_symmetric_pictures_hash_does_not_depend_on_how_its_frequencies_are_summed() -> None:
     """A blank or symmetric picture has DCT frequencies that are exactly equal (zeros); their hash bits (above the
     median or not) were decided by the rounding errors of the einsum that summed them. Rounded to a millionth, they
