@@ -62,6 +62,10 @@ BLUR_PLANES = 128  # chroma planes blurred at once (about 0.6 MB)
 FINE_BLOCK = 8  # pairs given the fine search at once (larger blocks fall out of the cache: slower, measured)
 LUMA = np.array([0.299, 0.587, 0.114], np.float32)  # Pillow's grey
 BYTES = np.divide(np.arange(256, dtype=np.uint8), 255, dtype=np.float32)  # each byte's value as the checks read it
+BELOW = np.searchsorted(BYTES, BYTES - PIXEL_CUT).astype(np.uint8)  # per byte: those under this are under it by more
+ABOVE = (np.searchsorted(BYTES, BYTES + PIXEL_CUT, side="right") - 1).astype(
+    np.uint8
+)  # than PIXEL_CUT; over this, over
 SHARED_PAIRS = 2000  # candidate pairs from which the checks are shared out over the cores (a process's start: ~1 s)
 
 
@@ -314,34 +318,50 @@ class _Wholes:
 
 
 @dataclass(frozen=True)
-class _ByteBounds:
-    """_Wholes' tests of a grey pixel as bounds on its byte: the rough check compares its uint8 crops with them (a
-    quarter of the memory of floats, and no conversion) and decides every pixel as _drawn_shares does on the floats
-    the bytes stand for, to the bit (each test is monotonic in the byte, so the bytes that pass lie between two)."""
+class _ByteWholes:
+    """What the rough check compares a crop (bytes) with: the whole picture's view and its tests of a pixel, as bounds
+    on the pixel's byte. Each pixel is decided as _drawn_shares decides it on the floats the bytes stand for (the
+    whole views in _Wholes, forgiving a pixel's shift), to the bit: each test is the float test itself, run once on
+    the 256 bytes (a background halfway between two bytes puts pixels exactly PIXEL_CUT from it, which the floats'
+    rounding decides either way), and a neighbourhood's range is that of its bytes."""
 
-    below: np.ndarray  # [N, 1, D] uint8: a byte under it is below the pixel's spread range by more than PIXEL_CUT
-    above: np.ndarray  # [N, 1, D]: a byte over it is above the range by more than PIXEL_CUT
+    views: np.ndarray  # [N, 1, D] float: the whole views, for the tie-break
+    below: np.ndarray  # [N, 1, D] uint8: a byte under it is below the pixel's neighbourhood range by more than the cut
+    above: np.ndarray  # [N, 1, D]: a byte over it is above the range by more than the cut
     plain_low: np.ndarray  # [N, 1, 1]: a byte under it is drawn (apart from the background by more than PIXEL_CUT)
     plain_high: np.ndarray  # [N, 1, 1]: a byte over it is drawn
+    drawn: np.ndarray  # [N, D]: the whole view's drawn pixels
 
     @classmethod
-    def of(cls, wholes: _Wholes) -> _ByteBounds:
-        below = np.searchsorted(BYTES, wholes.low - PIXEL_CUT, side="left")  # how many bytes read under it
-        above = np.searchsorted(BYTES, wholes.high + PIXEL_CUT, side="right") - 1
-        plain = ~np.greater(np.abs(BYTES - wholes.background[:, 0]), PIXEL_CUT)  # [N, 256], as _drawn_shares tests
+    def of(cls, views: np.ndarray, side: int) -> _ByteWholes:
+        """Of whole views as bytes ([N, 1, side * side])."""
+        shifted = _neighbourhood(views[:, 0].reshape(len(views), side, side))
+        low, high = shifted[0].copy(), shifted[0].copy()
+        for plane in shifted[1:]:  # the neighbourhood's range, as _spread's at a reach of one pixel
+            np.minimum(low, plane, out=low)
+            np.maximum(high, plane, out=high)
+        low, high = (_inside(bound, len(views), side).reshape(views.shape) for bound in (low, high))
+        floats = views.astype(np.float32) / 255
+        background = np.median(floats, axis=2, keepdims=True)
+        plain = ~np.greater(np.abs(BYTES - background[:, 0]), PIXEL_CUT)  # [N, 256], as _drawn_shares tests a pixel
         first, last = plain.argmax(axis=1), 255 - plain[:, ::-1].argmax(axis=1)  # a byte near the background is plain
         return cls(
-            *(np.asarray(bound, np.uint8) for bound in (below, above, first[:, None, None], last[:, None, None]))
+            floats,
+            BELOW[low],
+            ABOVE[high],
+            first.astype(np.uint8)[:, None, None],
+            last.astype(np.uint8)[:, None, None],
+            (np.abs(floats - background) > PIXEL_CUT).any(axis=1),
         )
 
 
-def _byte_shares(crops: np.ndarray, wholes: _Wholes, bounds: _ByteBounds, rows: np.ndarray) -> np.ndarray:
-    """[P, V]: _drawn_shares of grey crops given as bytes ([P, V, 1, D] uint8), the same to the bit."""
-    outside = np.less(crops, bounds.below[rows][:, None])
-    outside |= np.greater(crops, bounds.above[rows][:, None])
+def _byte_shares(crops: np.ndarray, wholes: _ByteWholes, rows: np.ndarray) -> np.ndarray:
+    """[P, V]: _drawn_shares of grey crops given as bytes ([P, V, 1, D] uint8) on the wholes at rows, to the bit."""
+    outside = np.less(crops, wholes.below[rows][:, None])
+    outside |= np.greater(crops, wholes.above[rows][:, None])
     differing = _counts(outside[:, :, 0])
-    drawn = np.greater(crops, bounds.plain_high[rows][:, None], out=outside)
-    drawn |= np.less(crops, bounds.plain_low[rows][:, None])
+    drawn = np.greater(crops, wholes.plain_high[rows][:, None], out=outside)
+    drawn |= np.less(crops, wholes.plain_low[rows][:, None])
     return differing / np.maximum(_counts(drawn[:, :, 0] | wholes.drawn[rows][:, None]), 1)
 
 
@@ -349,7 +369,7 @@ def _shares(crops: np.ndarray, wholes: _Wholes, rows: np.ndarray, cut: float = P
     """[P, V]: per pair, the share of each crop's drawn pixels ([P, V, C, D]) that differ by more than cut from
     the whole picture of its row of wholes (outside its spread range), ties broken by the mean difference so that
     the crop that fits best wins; one array operation over a block of pairs."""
-    return _drawn_shares(crops, wholes, rows, cut) + _closeness(crops, wholes, rows)
+    return _drawn_shares(crops, wholes, rows, cut) + _closeness(crops, wholes.views, rows)
 
 
 def _drawn_shares(crops: np.ndarray, wholes: _Wholes, rows: np.ndarray, cut: float = PIXEL_CUT) -> np.ndarray:
@@ -364,9 +384,10 @@ def _drawn_shares(crops: np.ndarray, wholes: _Wholes, rows: np.ndarray, cut: flo
     return differing / np.maximum(_counts(drawn), 1)
 
 
-def _closeness(crops: np.ndarray, wholes: _Wholes, rows: np.ndarray) -> np.ndarray:
-    """[P, V]: _shares' tie-break, the mean difference of each crop from its whole picture, scaled under 0.001."""
-    apart = np.subtract(crops, wholes.views[rows][:, None])
+def _closeness(crops: np.ndarray, wholes: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """[P, V]: _shares' tie-break, the mean difference of each crop from its whole picture (wholes: their views, [N, C,
+    D]), scaled under 0.001."""
+    apart = np.subtract(crops, wholes[rows][:, None])
     np.abs(apart, out=apart)
     return apart.mean(axis=(2, 3)) * 1e-3
 
@@ -503,8 +524,8 @@ def _rough(
     else:
         rows_a, rows_b = np.unique(a), np.unique(b)
         rough_a, rough_b = _rough_views(mine[rows_a]), _rough_views(theirs[rows_b])
-    against_a = _against(rough_a)  # what the other side's crops are compared with
-    against_b = against_a if rough_b is rough_a else _against(rough_b)
+    against_a = _ByteWholes.of(rough_a[:, 0], ROUGH[0])  # what the other side's crops are compared with
+    against_b = against_a if rough_b is rough_a else _ByteWholes.of(rough_b[:, 0], ROUGH[0])
     at_a, at_b = np.searchsorted(rows_a, a), np.searchsorted(rows_b, b)
     best, crop = np.ones((2, len(a))), np.zeros((2, len(a)), np.int64)
     for start in range(0, len(a), ROUGH_BLOCK):
@@ -512,29 +533,21 @@ def _rough(
         for side, (views, at, against, other) in enumerate(
             ((rough_a, at_a, against_b, at_b), (rough_b, at_b, against_a, at_a))
         ):
-            best[side, block], crop[side, block] = _best_crops(views[at[block]], *against, other[block])
+            best[side, block], crop[side, block] = _best_crops(views[at[block]], against, other[block])
         if done is not None:
             done(len(a[block]))
     return best, crop
 
 
-def _against(views: np.ndarray) -> tuple[_Wholes, _ByteBounds]:
-    """The whole pictures of rough views ([N, V, 1, D] bytes) that crops are compared with, and their byte bounds."""
-    wholes = _Wholes.of(views[:, 0].astype(np.float32) / 255, ROUGH[0], 1.0)
-    return wholes, _ByteBounds.of(wholes)
-
-
-def _best_crops(
-    crops: np.ndarray, wholes: _Wholes, bounds: _ByteBounds, rows: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
+def _best_crops(crops: np.ndarray, wholes: _ByteWholes, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[P] each: the smallest of _shares over each pair's crops (bytes, [P, V, 1, D]) and its crop's number, where it
     can be within ROUGH_BOUND; elsewhere a share above ROUGH_BOUND. The tie-break is added only to the pairs whose
     best share without it is within the bound: it only adds, so no other pair comes within it (most pairs of a
     collection without copies are such, and the tie-break is about a fifth of their check)."""
-    shares = _byte_shares(crops, wholes, bounds, rows)
+    shares = _byte_shares(crops, wholes, rows)
     near = shares.min(1) <= ROUGH_BOUND
     if near.any():
-        shares[near] += _closeness(np.divide(crops[near], 255, dtype=np.float32), wholes, rows[near])
+        shares[near] += _closeness(np.divide(crops[near], 255, dtype=np.float32), wholes.views, rows[near])
     return shares.min(1), shares.argmin(1)
 
 

@@ -227,9 +227,10 @@ def test_the_rough_check_breaks_ties_only_where_a_pair_can_be_near_and_decides_a
 
 
 def test_the_rough_check_on_bytes_decides_every_pixel_as_the_float_check_does_ties_included() -> None:
-    """The rough check compares its crops as bytes with bounds drawn from the whole pictures (_ByteBounds): each pair's
-    share for every crop must be the float check's (_drawn_shares on the bytes / 255) to the bit, also where a pixel
-    lies exactly 0.1 from a background halfway between two bytes, which float rounding decides either way."""
+    """The rough check compares its crops as bytes with bounds drawn from the whole pictures' bytes (_ByteWholes): each
+    pair's share for every crop must be the float check's (_drawn_shares of the bytes / 255 on _Wholes of the whole
+    views / 255) to the bit, also where a pixel lies exactly 0.1 from a background halfway between two bytes, which
+    float rounding decides either way."""
     rng = np.random.default_rng(3)
     pictures = shapes(6) + [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(2)]
     for grey in (60, 130, 200):  # halves a byte apart (the median halfway), squares 25.5 bytes from it in each half
@@ -238,13 +239,14 @@ def test_the_rough_check_on_bytes_decides_every_pixel_as_the_float_check_does_ti
         halves[8:16, 8:16], halves[48:56, 8:16] = grey + 26, grey - 25
         pictures.append(halves)
     views = copy_check._rough_views(np.stack(pictures))
-    wholes, bounds = copy_check._against(views)
+    wholes = copy_check._Wholes.of(views[:, 0].astype(np.float32) / 255, copy_check.ROUGH[0], 1.0)
     a, b = (pair.ravel() for pair in np.meshgrid(np.arange(len(views)), np.arange(len(views))))
     twice = np.sort(views[:, 0, 0].astype(np.int16), axis=1)[:, 287:289].sum(axis=1)  # twice each whole's median
     ties = np.abs(2 * views[a, :, 0].astype(np.int16) - twice[b, None, None]) == 51
     assert ties.sum() >= 100  # pixels exactly 0.1 from the background they are compared with
     floats = copy_check._drawn_shares(views[a].astype(np.float32) / 255, wholes, b)
-    np.testing.assert_array_equal(copy_check._byte_shares(views[a], wholes, bounds, b), floats)
+    on_bytes = copy_check._ByteWholes.of(views[:, 0], copy_check.ROUGH[0])
+    np.testing.assert_array_equal(copy_check._byte_shares(views[a], on_bytes, b), floats)
     assert 0 < (floats <= copy_check.ROUGH_BOUND).sum() < floats.size and (floats > 0.5).any()
 
 
