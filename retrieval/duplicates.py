@@ -62,10 +62,10 @@ BLUR_PLANES = 128  # chroma planes blurred at once (about 0.6 MB)
 FINE_BLOCK = 8  # pairs given the fine search at once (larger blocks fall out of the cache: slower, measured)
 LUMA = np.array([0.299, 0.587, 0.114], np.float32)  # Pillow's grey
 BYTES = np.divide(np.arange(256, dtype=np.uint8), 255, dtype=np.float32)  # each byte's value as the checks read it
-BELOW = np.searchsorted(BYTES, BYTES - PIXEL_CUT).astype(np.uint8)  # per byte: those under this are under it by more
-ABOVE = (np.searchsorted(BYTES, BYTES + PIXEL_CUT, side="right") - 1).astype(
-    np.uint8
-)  # than PIXEL_CUT; over this, over
+# per byte, as the float checks read it: the bytes under BELOW[byte] are under it by more than PIXEL_CUT, and the
+# bytes over ABOVE[byte] over it
+BELOW = np.searchsorted(BYTES, BYTES - PIXEL_CUT).astype(np.uint8)
+ABOVE = (np.searchsorted(BYTES, BYTES + PIXEL_CUT, side="right") - 1).astype(np.uint8)
 SHARED_PAIRS = 2000  # candidate pairs from which the checks are shared out over the cores (a process's start: ~1 s)
 
 
@@ -283,9 +283,11 @@ def _rough_views(pictures: np.ndarray) -> np.ndarray:
     """[N, V, 1, D] bytes: the grey plane of each picture's views over the rough grid (one per row, not per pair)."""
     side, boxes = ROUGH[0], _boxes(ROUGH[1])
     resampling = _resampling(side, pictures.shape[-2], tuple(boxes))
-    order = np.argsort(resampling.top, kind="stable")  # the crops grouped by their rows' resampling, each group's
-    ends = np.searchsorted(resampling.top[order], np.arange(len(resampling.rows) + 1))  # columns products written
-    columns = resampling.columns[order]  # in place: no copy of the row products per crop
+    # the crops grouped by their rows' resampling, so that each group's column products are written in place from
+    # its row product (not from a copy of it per crop)
+    order = np.argsort(resampling.top, kind="stable")
+    ends = np.searchsorted(resampling.top[order], np.arange(len(resampling.rows) + 1))
+    columns = resampling.columns[order]
     views = np.zeros((len(pictures), len(boxes), 1, side * side), np.uint8)
     crops = np.empty((VIEW_BLOCK, len(boxes), 1, side, side), np.float32)
     for start in range(0, len(pictures), VIEW_BLOCK):  # a block of pictures at a time: their products stay in the cache
