@@ -212,12 +212,12 @@ def _inside(values: np.ndarray, count: int, side: int) -> np.ndarray:
 
 def _spread(view: np.ndarray, side: int, reach: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """Each pixel's lowest and highest value once moved by up to reach of a pixel towards its 3 x 3 neighbours (a
-    shift by that much stays inside)."""
+    shift by that much stays inside); at a reach of one pixel, the neighbourhood's own range (of bytes too)."""
     shifted = _neighbourhood(view.reshape(len(view), side, side))
     planes = shifted[4]
     low, high = planes.copy(), planes.copy()
     for plane in shifted:
-        moved = planes + reach * (plane - planes)
+        moved = plane if reach == 1 else planes + reach * (plane - planes)
         np.minimum(low, moved, out=low)
         np.maximum(high, moved, out=high)
     return _inside(low, len(view), side).reshape(view.shape), _inside(high, len(view), side).reshape(view.shape)
@@ -337,12 +337,7 @@ class _ByteWholes:
     @classmethod
     def of(cls, views: np.ndarray, side: int) -> _ByteWholes:
         """Of whole views as bytes ([N, 1, side * side])."""
-        shifted = _neighbourhood(views[:, 0].reshape(len(views), side, side))
-        low, high = shifted[0].copy(), shifted[0].copy()
-        for plane in shifted[1:]:  # the neighbourhood's range, as _spread's at a reach of one pixel
-            np.minimum(low, plane, out=low)
-            np.maximum(high, plane, out=high)
-        low, high = (_inside(bound, len(views), side).reshape(views.shape) for bound in (low, high))
+        low, high = (bound.reshape(views.shape) for bound in _spread(views[:, 0], side))
         floats = views.astype(np.float32) / 255
         background = np.median(floats, axis=2, keepdims=True)
         plain = ~np.greater(np.abs(BYTES - background[:, 0]), PIXEL_CUT)  # [N, 256], as _drawn_shares tests a pixel

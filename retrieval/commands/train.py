@@ -233,7 +233,7 @@ def _interrupted(run: RunDir) -> NoReturn:
     if record is None:
         line = "interrupted before the first epoch ended, nothing saved; start again with --overwrite"
     else:
-        done = f"{counted(record.epoch, 'finished epoch')}"  # it said "epoch 1, batch 0"
+        done = counted(record.epoch, "finished epoch")  # it said "epoch 1, batch 0"
         done += f" and {counted(record.batch, 'batch', 'batches')} of the next" if record.batch else ""
         line = (
             f"interrupted: the trainer state after {done} is kept in {run.trainer_state}; "
