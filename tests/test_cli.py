@@ -47,6 +47,37 @@ def test_counts_are_worded_in_the_singular_for_one_and_never_as_s_in_brackets() 
     assert bracketed == []
 
 
+@pytest.mark.parametrize("flushed", ["at exit", "by the command"])
+def test_output_whose_reader_stopped_ends_quietly_not_with_pythons_broken_pipe_message(flushed: str) -> None:
+    """`retrieval audit ... --json | head` printed "Exception ignored in: <_io.TextIOWrapper name='<stdout>'> ...
+    BrokenPipeError" (status 120) when head had gone before the last of the output was flushed at exit, and a write
+    that met the closed pipe outside click said "error: Broken pipe; check the path and its permissions" (status 2).
+    Both now end with status 1 and nothing on stderr, as click ends the writes it meets the closed pipe in."""
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    driver = (
+        "import os, sys\n"
+        "import retrieval.commands as commands\n"
+        "def command(**_):\n"
+        "    sys.stdout.write('{\"hits\": []}' * 10)  # buffered: not written yet\n"
+        "    sys.stderr.write('written\\n'); sys.stderr.flush()\n"
+        "    os.read(0, 3)  # until the reader has stopped\n"
+        f"    {'sys.stdout.flush()' if flushed == 'by the command' else 'pass'}\n"
+        "    return 0\n"
+        "commands.app = command\n"
+        "sys.exit(commands.main([]))\n"
+    )
+    buffered = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
+    process = subprocess.Popen([sys.executable, "-c", driver], stdin=subprocess.PIPE, stdout=write, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1], env=buffered)
+    os.close(write)
+    assert process.stderr.readline() == "written\n"
+    os.close(read)  # the reader stops
+    err = process.communicate("go\n", timeout=120)[1]
+    assert (process.returncode, err) == (1, "")
+
+
 def test_stages_on_a_users_folder_with_bad_files(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = write_bad_files(small_folder / sorted(p.name for p in small_folder.iterdir())[0])
     run = RunDir(tmp_path / "run")

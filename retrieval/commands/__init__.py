@@ -151,7 +151,22 @@ def _refused(error: OSError | sqlite3.Error) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the command line and returns its exit status; our own errors become one line on stderr and status 2."""
+    """Runs the command line and returns its exit status; our own errors become one line on stderr and status 2. Where
+    the reader of stdout has stopped (`retrieval search ... --json | head`), the command ends quietly with status 1,
+    as click ends one whose writes meet the closed pipe: not with "error: Broken pipe; check the path and its
+    permissions", nor Python's "Exception ignored ... BrokenPipeError" when what stdout still holds is flushed at
+    exit (it is flushed here)."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit then writes nowhere
+        return 1
+    return code
+
+
+def _run(argv: list[str] | None) -> int:
+    """main's command and its errors."""
     _small_pages()
     for stream in (sys.stdout, sys.stderr):  # file names that are not valid UTF-8 are printed escaped, not a crash
         if hasattr(stream, "reconfigure"):
@@ -169,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(getattr(error, "exit_code", 2))
     except typer.Abort:  # end of input at a prompt
         return 130
+    except BrokenPipeError:  # the reader of stdout stopped: main ends quietly
+        raise
     except (OSError, sqlite3.Error) as error:  # what the system refused where no command words it: still one line
         errors.print(f"error: {_refused(error)}", highlight=False, soft_wrap=True, markup=False)
         return 2
