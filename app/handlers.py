@@ -309,8 +309,31 @@ class Handlers:
         metrics = self.service.metric_sets.get(name) or {}
         label = str(event.row_value[0]) if event.row_value else ""
         found = [hit for hit in metrics.get("first_hits", []) if hit["label"] == label]
+        right = sum(hit["hit_label"] == label for hit in found)
+        return (
+            self._first_hit_tiles(found[:CLASS_VIEW], label),
+            f"**{as_text(label)}**: {counted(len(found), 'query', 'queries')}, {right} with a first hit of their class "
+            "(query, then its first hit)",
+        )
+
+    def confusion_view(self, name: str, event: gr.SelectData) -> tuple[Tiles, str]:
+        """The queries of the class pair whose row was clicked: those of its label whose first hit has the other
+        label, each beside that hit."""
+        metrics = self.service.metric_sets.get(name) or {}
+        label, other = (str(value) for value in event.row_value[:2]) if event.row_value else ("", "")
+        labelled = [hit for hit in metrics.get("first_hits", []) if hit["label"] == label]
+        found = [hit for hit in labelled if hit["hit"] is not None and hit["hit_label"] == other]
+        return (
+            self._first_hit_tiles(found[:CLASS_VIEW], label),
+            f"**{as_text(label)}** taken for **{as_text(other)}**: {len(found)} of "
+            f"{counted(len(labelled), 'query', 'queries')} have a first hit of {as_text(other)} (query, then its "
+            "first hit)",
+        )
+
+    def _first_hit_tiles(self, found: list[dict], label: str) -> Tiles:
+        """Each query of found (a metric set's first_hits) beside its first hit, marked HIT or miss against label."""
         tiles: Tiles = []
-        for hit in found[:CLASS_VIEW]:
+        for hit in found:
             tiles.append(
                 (str(self.service.thumbnail(hit["query"], _key(hit["query"]))), f"query · {Path(hit['query']).name}")
             )
@@ -318,12 +341,7 @@ class Handlers:
                 mark = "HIT" if hit["hit_label"] == label else "miss"
                 caption = f"{mark} · {hit['score']:.3f} · {hit['hit_label']}"
                 tiles.append((str(self.service.thumbnail(hit["hit"], _key(hit["hit"]))), caption))
-        right = sum(hit["hit_label"] == label for hit in found)
-        return (
-            tiles,
-            f"**{as_text(label)}**: {len(found)} queries, {right} with a first hit of their class (query, then its "
-            "first hit)",
-        )
+        return tiles
 
     def metric_source(self, name: str) -> str:
         """A line saying what a set of metrics was measured on: protocol, images, query count."""

@@ -227,8 +227,9 @@ def metrics_tab(on: Handlers) -> None:
 
 
 def mistakes_view(on: Handlers, chosen: gr.Dropdown, first: str) -> None:
-    """What the chosen set's model gets wrong: the class pairs most often confused, and a table of every class (sort it
-    by a column's header; click a row to see that class's queries beside their first hits)."""
+    """What the chosen set's model gets wrong: the class pairs most often confused (click a pair to see its queries
+    beside the hits they were taken for), and a table of every class (sort it by a column's header; click a row to
+    see that class's queries beside their first hits)."""
     pairs, classes = on.mistakes(first)
     with gr.Row():
         confused = gr.Dataframe(
@@ -237,7 +238,7 @@ def mistakes_view(on: Handlers, chosen: gr.Dropdown, first: str) -> None:
             column_widths=["35%", "35%", "18%", "12%"],  # "confused" whole on one line
             interactive=False,
             wrap=True,
-            label="Class pairs most often confused (a query's top-1 hit has the other label)",
+            label="Class pairs most often confused (a query's top-1 hit has the other label; click a pair to see them)",
             elem_id="confusions",
         )
         table = gr.Dataframe(
@@ -254,6 +255,7 @@ def mistakes_view(on: Handlers, chosen: gr.Dropdown, first: str) -> None:
     view = tile_gallery("class-view", "The class's queries, each followed by its first hit", 8)
     chosen.change(on.mistakes, chosen, [confused, table], api_name=False)
     table.select(on.class_view, chosen, [view, opened], api_name=False)
+    confused.select(on.confusion_view, chosen, [view, opened], api_name=False)
 
 
 def map_tab(on: Handlers, labels: list[str]) -> tuple[gr.Image, list]:

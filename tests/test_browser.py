@@ -282,7 +282,7 @@ HEADER_LINES = """headers => headers.map(header => {
 })"""  # the lines each table header's text takes
 
 
-def test_the_metrics_tab_opens_a_class_with_its_queries_and_first_hits(page_url: tuple[str, SearchService]) -> None:
+def test_the_metrics_tab_opens_a_class_and_a_confused_pair_with_their_queries_and_first_hits(page_url: tuple[str, SearchService]) -> None:
     from playwright.sync_api import expect
 
     url, service = page_url
@@ -303,6 +303,14 @@ def test_the_metrics_tab_opens_a_class_with_its_queries_and_first_hits(page_url:
         expect(tiles).to_have_count(len(hits) + sum(hit["hit"] is not None for hit in hits), timeout=60_000)
         expect(tiles.first).to_contain_text("query")
         page.screenshot(path=str(ARTIFACTS / "app-metrics-class.png"), full_page=True)
+        assert pair is not None, "a 2-epoch model confuses some of its 8 test classes"
+        page.locator("#confusions [data-testid=cell-0-0]").click()
+        expect(page.get_by_text(f"{pair['count']} of {pair['queries']} quer")).to_be_visible(timeout=60_000)
+        expect(tiles).to_have_count(2 * pair["count"], timeout=60_000)
+        expect(tiles.nth(1)).to_contain_text("miss · ")
+        columns = page.locator("#class-view .grid-container").evaluate("grid => getComputedStyle(grid).gridTemplateColumns.split(' ').length")
+        assert columns % 2 == 0, f"{columns} columns split a query from its hit at the end of a row"
+        page.screenshot(path=str(ARTIFACTS / "app-metrics-confused.png"), full_page=True)
 
 
 def test_the_audit_tab_shows_a_suspect_beside_its_suggested_label_and_accepts_it(

@@ -100,3 +100,25 @@ def test_a_grid_of_few_thumbnails_keeps_its_title_inside_and_its_captions_off_th
             if axis.get_title():
                 caption = axis.title.get_window_extent(renderer)
                 assert not any(caption.overlaps(picture) for picture in pictures), axis.get_title()
+
+
+def test_a_confused_pair_clicked_in_the_metrics_tab_shows_its_queries_beside_the_hits_they_were_taken_for(demo_run: RunDir) -> None:
+    import gradio as gr
+
+    from app.handlers import Handlers
+    from app.service import SearchService
+
+    service = SearchService(demo_run)
+    try:
+        name, metrics = next(iter(service.metric_sets.items()))  # the set the tab opens on
+        assert metrics["confusions"], "a 2-epoch model confuses some of its 8 test classes"
+        pair = metrics["confusions"][-1]
+        row = [pair["label"], pair["confused_with"], pair["count"], pair["queries"]]
+        tiles, said = Handlers(service).confusion_view(name, gr.SelectData(None, {"index": [len(metrics["confusions"]) - 1, 0], "value": row[0], "row_value": row}))
+    finally:
+        service.close()
+    taken = [hit for hit in metrics["first_hits"] if hit["label"] == pair["label"] and hit["hit_label"] == pair["confused_with"]]
+    assert len(tiles) == 2 * len(taken) == 2 * pair["count"]
+    assert [Path(caption.split(" · ")[1]).name for _, caption in tiles[0::2]] == [Path(hit["query"]).name for hit in taken]
+    assert all(caption.startswith("miss · ") and caption.endswith(f" · {pair['confused_with']}") for _, caption in tiles[1::2])
+    assert f"{pair['count']} of {pair['queries']} quer" in said and pair["confused_with"] in said
