@@ -481,7 +481,10 @@ def test_audit_against_another_split_lists_its_copies(
         (leaked.name, "same.png", "identical bytes")
     ]
     assert main(["audit", str(demo_run.root), str(audited_folder), "--against", str(tmp_path / "train")]) == 0
-    assert "leaks (copies in --against): 1\n" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "leaks (copies in --against): 1\n" in printed
+    # the copy's path is written relative to the folder the copies share, as the audited paths are to theirs
+    assert "│ same.png " in printed and f"copiesunder{other}" in "".join(printed.split())  # the caption may wrap
     (other / "same.png").unlink()
     assert main(["audit", str(demo_run.root), str(audited_folder), "--against", str(tmp_path / "train")]) == 0
     assert "leaks (copies in --against): none\n" in capsys.readouterr().out  # one line, not an empty table

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -202,37 +203,44 @@ def _fold_spaces(
     return spaces
 
 
+def _shared_folder(paths: list[Path]) -> tuple[Path, Callable[[Path], str]]:
+    """The folder that paths share, and a path written relative to it (as given where there are no paths)."""
+    if not paths:
+        return Path(), str
+    root = Path(os.path.commonpath([str(path.parent) for path in paths]))
+    return root, lambda path: os.path.relpath(path, root)
+
+
 def _print(found: Audit, shown: int, leaks: bool) -> None:
     """The tables (the first `shown` rows of each; leaks only when there was --against), paths relative to the folder
-    they share; a table with no row is one line saying none."""
+    they share (the leaks' copies to the one those share); a table with no row is one line saying none."""
     from retrieval.audit import LABELED_HINT, OutlierKind, describe_agreement
 
     every = [s.path for s in found.labels] + [p for d in found.duplicates for p in d.paths]
     every += [leak.path for leak in found.leaks] + [o.path for o in found.outliers]
-    root = Path(os.path.commonpath([str(path.parent) for path in every])) if every else Path()
-
-    def short(path: Path) -> str:
-        return os.path.relpath(path, root) if every else str(path)
-
+    root, short = _shared_folder(every)
+    other_root, other = _shared_folder([leak.other for leak in found.leaks])
+    caption = f"paths under {root}" if every else None
     tables = [
         (f"suspected wrong labels (of {found.labeled} labeled images, most suspect first)",
          ["path", "label", "suggested", "score"], found.labels,
-         lambda s: [short(s.path), s.label, s.suggested, f"{s.score:.3f}"]),
+         lambda s: [short(s.path), s.label, s.suggested, f"{s.score:.3f}"], caption),
         ("copies", ["images", "kind", "score"], found.duplicates,
-         lambda d: ["\n".join(short(p) for p in d.paths), d.kind.value, f"{d.score:.3f}"]),
+         lambda d: ["\n".join(short(p) for p in d.paths), d.kind.value, f"{d.score:.3f}"], caption),
         *([("leaks (copies in --against)", ["path", "copy of", "kind", "score"], found.leaks,
-            lambda leak: [short(leak.path), str(leak.other), leak.kind.value, f"{leak.score:.3f}"])] if leaks else []),
+            lambda leak: [short(leak.path), other(leak.other), leak.kind.value, f"{leak.score:.3f}"],
+            f"{caption}; copies under {other_root}")] if leaks else []),
         ("outliers", ["path", "why", "closeness"], found.outliers,
-         lambda o: [short(o.path), o.reason or o.kind.value, "" if o.score is None else f"{o.score:.3f}"]),
+         lambda o: [short(o.path), o.reason or o.kind.value, "" if o.score is None else f"{o.score:.3f}"], caption),
     ]  # fmt: skip
     if not found.labeled:
         console.print(f"suspected wrong labels: not judged, no image has a label ({LABELED_HINT})", highlight=False)
         tables = tables[1:]
-    for title, columns, rows, cells in tables:
+    for title, columns, rows, cells, under in tables:
         if not rows:
             console.print(f"{title}: none")
             continue
-        table = Table(title=f"{title}: {len(rows)}", caption=f"paths under {root}" if every else None)
+        table = Table(title=f"{title}: {len(rows)}", caption=under)
         for column in columns:
             table.add_column(column, overflow="fold")
         for row in rows[:shown]:
