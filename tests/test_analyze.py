@@ -46,7 +46,7 @@ def test_bad_sweeps_are_refused_before_training(small_folder: Path, tmp_path: Pa
     assert not (tmp_path / "sweep").exists()
 
 
-@pytest.mark.parametrize(("classes", "found"), [(0, "no labeled image"), (2, "2 labeled class(es)")])
+@pytest.mark.parametrize(("classes", "found"), [(0, "no labeled image"), (2, "2 labeled classes")])
 def test_a_sweep_without_enough_labeled_classes_is_one_line(icons_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], classes: int, found: str) -> None:
     """An unlabeled folder said "--loss supcon needs labels" (no --loss was given); two classes said to raise
     --val-classes, which cannot help."""

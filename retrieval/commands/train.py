@@ -324,7 +324,7 @@ def _require_sweep_classes(data: Path) -> None:
     require_source(data)
     classes = len(load_collection(data).class_counts())
     if classes < SWEEP_CLASSES:
-        found = f"{classes} labeled class(es)" if classes else "no labeled image"
+        found = counted(classes, "labeled class", "labeled classes") if classes else "no labeled image"
         raise RetrievalError(
             f"{data}: {found}; the sweep trains on some classes and measures uniformity and tolerance on two or more "
             f"others (with --self-supervised too), so it needs {SWEEP_CLASSES} or more: give {DATA_LABELED}"
