@@ -325,9 +325,8 @@ class Handlers:
         found = [hit for hit in labelled if hit["hit"] is not None and hit["hit_label"] == other]
         return (
             self._first_hit_tiles(found[:CLASS_VIEW], label),
-            f"**{as_text(label)}** taken for **{as_text(other)}**: {len(found)} of "
-            f"{counted(len(labelled), 'query', 'queries')} have a first hit of {as_text(other)} (query, then its "
-            "first hit)",
+            f"**{as_text(label)}** taken for **{as_text(other)}**: {len(found)} of its "
+            f"{counted(len(labelled), 'query', 'queries')} (query, then the hit it was taken for)",
         )
 
     def _first_hit_tiles(self, found: list[dict], label: str) -> Tiles:

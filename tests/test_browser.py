@@ -305,7 +305,7 @@ def test_the_metrics_tab_opens_a_class_and_a_confused_pair_with_their_queries_an
         page.screenshot(path=str(ARTIFACTS / "app-metrics-class.png"), full_page=True)
         assert pair is not None, "a 2-epoch model confuses some of its 8 test classes"
         page.locator("#confusions [data-testid=cell-0-0]").click()
-        expect(page.get_by_text(f"{pair['count']} of {pair['queries']} quer")).to_be_visible(timeout=60_000)
+        expect(page.get_by_text(f"{pair['count']} of its {pair['queries']} quer")).to_be_visible(timeout=60_000)
         expect(tiles).to_have_count(2 * pair["count"], timeout=60_000)
         expect(tiles.nth(1)).to_contain_text("miss · ")
         columns = page.locator("#class-view .grid-container").evaluate("grid => getComputedStyle(grid).gridTemplateColumns.split(' ').length")

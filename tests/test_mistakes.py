@@ -121,4 +121,4 @@ def test_a_confused_pair_clicked_in_the_metrics_tab_shows_its_queries_beside_the
     assert len(tiles) == 2 * len(taken) == 2 * pair["count"]
     assert [Path(caption.split(" · ")[1]).name for _, caption in tiles[0::2]] == [Path(hit["query"]).name for hit in taken]
     assert all(caption.startswith("miss · ") and caption.endswith(f" · {pair['confused_with']}") for _, caption in tiles[1::2])
-    assert f"{pair['count']} of {pair['queries']} quer" in said and pair["confused_with"] in said
+    assert f"{pair['count']} of its {pair['queries']} quer" in said and pair["confused_with"] in said
