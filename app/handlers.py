@@ -321,12 +321,12 @@ class Handlers:
         label, each beside that hit."""
         metrics = self.service.metric_sets.get(name) or {}
         label, other = (str(value) for value in event.row_value[:2]) if event.row_value else ("", "")
-        labelled = [hit for hit in metrics.get("first_hits", []) if hit["label"] == label]
-        found = [hit for hit in labelled if hit["hit"] is not None and hit["hit_label"] == other]
+        queries = [hit for hit in metrics.get("first_hits", []) if hit["label"] == label]
+        found = [hit for hit in queries if hit["hit_label"] == other]
         return (
             self._first_hit_tiles(found[:CLASS_VIEW], label),
             f"**{as_text(label)}** taken for **{as_text(other)}**: {len(found)} of its "
-            f"{counted(len(labelled), 'query', 'queries')} (query, then the hit it was taken for)",
+            f"{counted(len(queries), 'query', 'queries')} (query, then the hit it was taken for)",
         )
 
     def _first_hit_tiles(self, found: list[dict], label: str) -> Tiles:

@@ -314,9 +314,14 @@ class _Wholes:
     @classmethod
     def of(cls, views: np.ndarray, side: int, reach: float) -> _Wholes:
         low, high = _spread(views.reshape(-1, views.shape[-1]), side, reach)
-        background = np.median(views, axis=2, keepdims=True)
-        drawn = (np.abs(views - background) > PIXEL_CUT).any(axis=1)
-        return cls(views, low.reshape(views.shape), high.reshape(views.shape), background, drawn)
+        return cls(views, low.reshape(views.shape), high.reshape(views.shape), *_background(views))
+
+
+def _background(views: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Of whole views ([N, C, D] floats): each one's background (median, [N, C, 1]) and which of its pixels are drawn
+    (apart from it by more than PIXEL_CUT in some plane, [N, D])."""
+    background = np.median(views, axis=2, keepdims=True)
+    return background, (np.abs(views - background) > PIXEL_CUT).any(axis=1)
 
 
 @dataclass(frozen=True)
@@ -339,7 +344,7 @@ class _ByteWholes:
         """Of whole views as bytes ([N, 1, side * side])."""
         low, high = (bound.reshape(views.shape) for bound in _spread(views[:, 0], side))
         floats = views.astype(np.float32) / 255
-        background = np.median(floats, axis=2, keepdims=True)
+        background, drawn = _background(floats)
         plain = ~np.greater(np.abs(BYTES - background[:, 0]), PIXEL_CUT)  # [N, 256], as _drawn_shares tests a pixel
         first, last = plain.argmax(axis=1), 255 - plain[:, ::-1].argmax(axis=1)  # a byte near the background is plain
         return cls(
@@ -348,7 +353,7 @@ class _ByteWholes:
             ABOVE[high],
             first.astype(np.uint8)[:, None, None],
             last.astype(np.uint8)[:, None, None],
-            (np.abs(floats - background) > PIXEL_CUT).any(axis=1),
+            drawn,
         )
 
 
