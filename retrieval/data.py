@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from retrieval.errors import ImageError, RetrievalError
-from retrieval.runs import IMAGE_SUFFIXES, RunDir, holds_index, write_json
+from retrieval.runs import IMAGE_SUFFIXES, RunDir, holds_index, shell_path, write_json
 from retrieval.wording import counted
 
 HEIF_BRANDS = frozenset({b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx"})  # ISO-BMFF brands of HEIC photos
@@ -298,6 +298,21 @@ def _csv_columns(csv_path: Path, header: str) -> tuple[str, list[str]]:
     return separator, columns
 
 
+_NOT_A_COLLECTION = "expected an image folder, a .csv file with columns path,label or a .txt list of paths"
+_UNPACK = {".zip": "unzip", ".tar": "tar xf", ".tgz": "tar xzf", ".tar.gz": "tar xzf", ".tar.bz2": "tar xjf"}
+_ARCHIVES = (*_UNPACK, ".tar.xz", ".tar.zst", ".7z", ".rar")
+
+
+def _archive_advice(path: Path) -> str | None:
+    """What to do with an archive given as a collection (a downloaded dataset, not unpacked yet); None otherwise."""
+    name = path.name.lower()
+    suffix = next((suffix for suffix in _ARCHIVES if name.endswith(suffix)), None)
+    if suffix is None:
+        return None
+    how = f" (`{_UNPACK[suffix]} {shell_path(path)}`)" if suffix in _UNPACK else ""
+    return f"an archive ({suffix}), not a collection; unpack it{how} and give the folder it holds"
+
+
 def _load_csv(csv_path: Path) -> Collection:
     if csv_path.suffix.lower() in IMAGE_SUFFIXES:
         raise RetrievalError(
@@ -305,9 +320,7 @@ def _load_csv(csv_path: Path) -> Collection:
             ".txt list of images"
         )
     if csv_path.suffix.lower() not in TABLE_SUFFIXES:
-        raise RetrievalError(
-            f"{csv_path}: expected an image folder, a .csv file with columns path,label or a .txt list of paths"
-        )
+        raise RetrievalError(f"{csv_path}: {_archive_advice(csv_path) or _NOT_A_COLLECTION}")
     base = csv_path.resolve().parent
     items: list[Item] = []
     skipped: list[Skipped] = []

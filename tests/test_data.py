@@ -359,6 +359,22 @@ def test_one_image_given_as_a_collection_names_its_folder(tmp_path: Path) -> Non
     assert str(refused.value) == f"{tmp_path / 'cats' / 'a.JPG'}: one image, not a collection; give the folder it is in ({tmp_path / 'cats'}), or a CSV or .txt list of images"
 
 
+def test_an_archive_given_as_a_collection_is_refused_with_how_to_unpack_it(tmp_path: Path) -> None:
+    """A downloaded dataset given before it was unpacked read 'expected an image folder, a .csv file ...'."""
+    for name, advice in [
+        ("photos.zip", f"unpack it (`unzip {tmp_path / 'photos.zip'}`)"),
+        ("Photos.TAR.GZ", f"unpack it (`tar xzf {tmp_path / 'Photos.TAR.GZ'}`)"),
+        ("my photos.7z", "unpack it and give"),
+    ]:
+        (tmp_path / name).write_bytes(b"PK")
+        with pytest.raises(RetrievalError) as refused:
+            load_collection(tmp_path / name)
+        assert str(refused.value).startswith(f"{tmp_path / name}: an archive (.") and advice in str(refused.value)
+    (tmp_path / "notes.pdf").write_bytes(b"%PDF")
+    with pytest.raises(RetrievalError, match="notes.pdf: expected an image folder"):
+        load_collection(tmp_path / "notes.pdf")
+
+
 def test_a_quote_left_open_in_a_csv_is_refused_naming_its_line(tmp_path: Path) -> None:
     """A label written "cat took every row after it into one label: 30 of 34 images were lost without a word."""
     for name in ("a", "b", "c", "d"):
