@@ -229,8 +229,8 @@ class Handlers:
 
     def _submit(self, path: str, query: Query) -> Future:
         try:
-            data, digest = read_image_bytes(Path(path))
-            image: ImageQuery | Failure = ImageQuery(Path(path).name, data, digest)
+            read = read_image_bytes(Path(path))
+            image: ImageQuery | Failure = ImageQuery(Path(path).name, read.data, read.sha256)
         except ImageError as error:
             image = Failure.of(error)
         return self.service.batcher.submit(image, query)
@@ -381,12 +381,13 @@ class Handlers:
         if not files:
             raise refused("choose one or more image files to add")
         try:
-            ids, skipped = self.service.add_images(files, label or "")
+            added = self.service.add_images(files, label or "")
         except RetrievalError as error:
             raise refused(str(error)) from None
+        ids = added.ids
         message = f"added {counted(len(ids), 'image')}" + (f" (ids {ids[0]}–{ids[-1]})" if ids else "")
-        if skipped:
-            message += "; left out: " + "; ".join(f"{s.path.name}: {s.reason}" for s in skipped)
+        if added.skipped:
+            message += "; left out: " + "; ".join(f"{s.path.name}: {s.reason}" for s in added.skipped)
         return message, self.label_table()
 
     def remove(self, ids: str) -> tuple[str, list[list]]:

@@ -27,7 +27,7 @@ from PIL import Image
 
 from app.batching import Batcher
 from index.backends import built_with, open_index
-from index.edit import add_images, remove_items
+from index.edit import Added, add_images, remove_items
 from index.search import (
     ImageQuery,
     Query,
@@ -42,7 +42,7 @@ from index.stats import exact_and_deployed
 from index.types import MANIFEST, GalleryBackend, Hit, item_ids
 from retrieval.calibration import match_similarity
 from retrieval.copies import CopyEvaluation, copy_figures
-from retrieval.data import Collection, Item, Skipped, decode_image, read_image_bytes
+from retrieval.data import Collection, Item, decode_image, read_image_bytes
 from retrieval.embedders import AUTO, OnnxEmbedder
 from retrieval.errors import Failure, ImageError, RetrievalError
 from retrieval.evaluation import Evaluation, trained_share, write_plots
@@ -270,8 +270,9 @@ class SearchService:
         if target.is_file():
             return target
         try:
-            data = read_image_bytes(Path(path))[0]
-            image = decode_image(data, path, THUMBNAIL)  # a large JPEG at the reduced scale a thumbnail needs
+            image = decode_image(
+                read_image_bytes(Path(path)).data, path, THUMBNAIL
+            )  # a large JPEG at the reduced scale a thumbnail needs
         except ImageError:
             target, image = self.cache / "thumbnails" / LOST_TILE, Image.new("RGB", (THUMBNAIL, THUMBNAIL), GREY)
             if target.is_file():
@@ -284,7 +285,7 @@ class SearchService:
 
     # writing (only when started with allow_write)
 
-    def add_images(self, paths: Sequence[str | Path], label: str = "") -> tuple[list[int], list[Skipped]]:
+    def add_images(self, paths: Sequence[str | Path], label: str = "") -> Added:
         """Adds readable images with a label, copies kept in uploads/ (index.edit.add_images)."""
         self._require_write()
         return add_images(self.index_dir, self.embedder, paths, label, self.uploads)

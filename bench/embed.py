@@ -148,7 +148,7 @@ def decoding_table(galleries: dict[str, Path], embedder: OnnxEmbedder, args: arg
         table.add_column(column, justify="right")
 
     def prepared(chunk: list) -> np.ndarray:
-        return embedder.prepare([decode_image(read_image_bytes(item.path)[0], item.path, embedder.input_size) for item in chunk])
+        return embedder.prepare([decode_image(read_image_bytes(item.path).data, item.path, embedder.input_size) for item in chunk])
 
     for label, folder in galleries.items():
         items = load_collection(folder).items

@@ -5,12 +5,13 @@ from index import build_index, open_index, search_images, Query
 
 from index.backends import create_index, open_index
 from index.build import IndexReport, build_index
-from index.edit import add_images, remove_items
+from index.edit import Added, add_images, remove_items
 from index.search import Query, QueryResult, search_images, search_item, search_items, search_vectors
 from index.store import GalleryIndex
 from index.types import GalleryBackend, Hit, HitArrays
 
 __all__ = [
+    "Added",
     "GalleryBackend",
     "GalleryIndex",
     "Hit",

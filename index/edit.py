@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image
@@ -23,6 +24,14 @@ from retrieval.errors import ImageError, RetrievalError
 from retrieval.runs import RunDir, write_atomic
 
 WRITE_WAIT = 30.0  # seconds an add or remove waits for another writer
+
+
+@dataclass(frozen=True)
+class Added:
+    """What add_images did: the new items' ids, in the order given, and the files left out with the reason."""
+
+    ids: list[int]
+    skipped: list[Skipped]
 
 
 def commit_changes(base: GalleryBackend, additions: Iterable[Additions], removals: Sequence[int]) -> GalleryBackend:
@@ -41,11 +50,10 @@ def add_images(
     label: str,
     uploads: str | Path,
     wait: float = WRITE_WAIT,
-) -> tuple[list[int], list[Skipped]]:
+) -> Added:
     """Copies readable images into uploads/<label>/ and adds them to the index (its folder, its run, or the opened
-    index) with label ("": none), in one atomic update.
-
-    Returns the new ids and the files left out (unreadable, or already indexed) with the reason.
+    index) with label ("": none), in one atomic update: the new ids, and the files left out (unreadable, or already
+    indexed) with the reason.
     """
     if isinstance(paths, (str, Path)):
         raise RetrievalError(f"paths: a list of image files, not one file; write [{str(paths)!r}]")
@@ -60,25 +68,26 @@ def add_images(
         known = {row.sha256: item_id for item_id, row in base.rows().items()}
         for path in map(Path, paths):
             try:
-                data, digest = read_image_bytes(path)
-                image = decode_image(data, path.name, embedder.input_size)
+                read = read_image_bytes(path)
+                image = decode_image(read.data, path.name, embedder.input_size)
             except ImageError as error:
                 skipped.append(Skipped(Path(path.name), error.reason))
                 continue
+            digest = read.sha256
             if digest in known or digest in hashes:
                 where = f"item {known[digest]}" if digest in known else "another file of this upload"
                 skipped.append(Skipped(Path(path.name), f"already indexed ({where} has the same content)"))
                 continue
-            target = uploads / folder_name(label) / f"{digest[:16]}{_suffix(data, path)}"
-            write_atomic(target, data)
+            target = uploads / folder_name(label) / f"{digest[:16]}{_suffix(read.data, path)}"
+            write_atomic(target, read.data)
             added.append(Item(target, label))
             images.append(image)
             hashes.append(digest)
         if not added:
-            return [], skipped
+            return Added([], skipped)
         updated = commit_changes(base, [Additions(embedder.embed(images), added, hashes)], [])
     first = updated.manifest.next_id - len(added)
-    return list(range(first, first + len(added))), skipped
+    return Added(list(range(first, first + len(added))), skipped)
 
 
 def remove_items(

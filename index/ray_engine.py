@@ -48,11 +48,12 @@ def _decode(batch: dict[str, np.ndarray], preprocessing: dict, known: dict[str, 
     for path in batch["path"]:
         digest, reason = "", ""
         try:
-            data, digest = read_image_bytes(Path(path))
+            read = read_image_bytes(Path(path))
+            digest = read.sha256
             if known.get(str(path)) == digest:
                 reason = UNCHANGED
             else:
-                images.append(decode_image(data, path, prepare.image_size))
+                images.append(decode_image(read.data, path, prepare.image_size))
         except ImageError as error:
             reason = error.reason
         digests.append(digest)

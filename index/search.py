@@ -294,8 +294,8 @@ def search_images(
     read: list[ImageQuery | Failure] = []
     for path in images:
         try:
-            data, digest = read_image_bytes(Path(path))
-            read.append(ImageQuery(str(path), data, digest))
+            file = read_image_bytes(Path(path))
+            read.append(ImageQuery(str(path), file.data, file.sha256))
         except ImageError as error:
             read.append(Failure.of(error))
     return search_image_bytes(index, embedder, read, queries)

@@ -452,7 +452,15 @@ def _load_list(list_path: Path) -> Collection:
     return Collection(list_path.resolve(), items, skipped)
 
 
-def read_image_bytes(path: Path) -> tuple[bytes, str]:
+@dataclass(frozen=True)
+class FileBytes:
+    """A file's bytes and their sha256 (hex): the hash is what indexes and caches know a picture by."""
+
+    data: bytes
+    sha256: str
+
+
+def read_image_bytes(path: Path) -> FileBytes:
     """Returns a file's bytes and their sha256, raising ImageError when it cannot be read.
 
     One open, non-blocking, then fstat: a pipe or device is refused instead of waited on, with no
@@ -470,7 +478,7 @@ def read_image_bytes(path: Path) -> tuple[bytes, str]:
         raise ImageError(path, "a folder, not an image file; give an image file") from None
     except OSError as error:
         raise ImageError(path, f"cannot be read ({error.strerror or error})") from None
-    return data, hashlib.sha256(data).hexdigest()
+    return FileBytes(data, hashlib.sha256(data).hexdigest())
 
 
 @dataclass(frozen=True)
@@ -540,8 +548,7 @@ def decode_image(data: bytes, name: str | Path = "image", min_size: int = 0) -> 
 
 def load_image(path: str | Path, min_size: int = 0) -> Image.Image:
     """Reads and decodes one image file into RGB (see decode_image; min_size: a JPEG's reduced-scale decoding)."""
-    data, _ = read_image_bytes(Path(path))
-    return decode_image(data, path, min_size)
+    return decode_image(read_image_bytes(Path(path)).data, path, min_size)
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

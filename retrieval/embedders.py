@@ -317,16 +317,16 @@ def _decoded(
     batch = EmbeddedBatch(np.zeros((0, 0), np.float32), [], [], [], thumbnails=[] if thumbnail else None)
     for item in chunk:
         try:
-            data, digest = read_image_bytes(item.path)
-            if unchanged is not None and unchanged(item, digest):
+            read = read_image_bytes(item.path)
+            if unchanged is not None and unchanged(item, read.sha256):
                 batch.unchanged += 1
                 continue
-            images.append(decode_image(data, item.path, min_size))
+            images.append(decode_image(read.data, item.path, min_size))
         except ImageError as error:
             batch.skipped.append(Skipped(item.path, error.reason))
             continue
         batch.items.append(item)
-        batch.hashes.append(digest)
+        batch.hashes.append(read.sha256)
         if batch.thumbnails is not None:
             batch.thumbnails.append(np.asarray(images[-1].resize((thumbnail, thumbnail), Image.BILINEAR)))
     return images, batch

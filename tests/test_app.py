@@ -202,7 +202,8 @@ def test_add_and_remove_are_persisted_and_seen_by_the_next_search(app_run: RunDi
     Image.new("RGB", (64, 64), (10, 200, 30)).save(new)
     existing = next(iter(service.items.values())).path
     bad = write_bad_files(tmp_path / "bad")
-    ids, skipped = service.add_images([new, existing, bad["truncated"], new], "../../escape")
+    result = service.add_images([new, existing, bad["truncated"], new], "../../escape")
+    ids, skipped = result.ids, result.skipped
     assert len(ids) == 1 and [s.path.name for s in skipped] == [existing.name, "truncated.png", "new.png"]
     added = service.items[ids[0]]
     assert added.label == "../../escape" and added.path.parent.parent == app_run.root / "uploads"  # a label cannot lead out of uploads/
@@ -228,21 +229,21 @@ def test_add_and_remove_from_python_take_the_opened_index_its_run_and_text_paths
     """add_images(open_index(run), ...) failed in "expected str, bytes or os.PathLike object, not GalleryIndex", uploads
     given as text in "unsupported operand type(s) for /", and a label None in "'NoneType' object has no attribute
     'strip'"."""
-    from index import add_images, open_index, remove_items
+    from index import Added, add_images, open_index, remove_items
     from retrieval.embedders import OnnxEmbedder
 
     embedder = OnnxEmbedder.from_run(app_run)
     new = tmp_path / "magenta.png"
     Image.new("RGB", (64, 64), (200, 10, 130)).save(new)
     count = len(open_index(app_run))
-    ids, skipped = add_images(open_index(app_run), embedder, [new], "magenta", str(tmp_path / "uploads"))
-    assert len(ids) == 1 and not skipped and len(list((tmp_path / "uploads" / "magenta").iterdir())) == 1
+    added = add_images(open_index(app_run), embedder, [new], "magenta", str(tmp_path / "uploads"))
+    assert isinstance(added, Added) and len(added.ids) == 1 and not added.skipped and len(list((tmp_path / "uploads" / "magenta").iterdir())) == 1
     with pytest.raises(RetrievalError) as refused:
         add_images(app_run, embedder, [new], None, tmp_path / "uploads")  # type: ignore[arg-type]
     assert str(refused.value) == 'label: None is not text; give the images\' label, or "" for none'
     with pytest.raises(RetrievalError, match="^index: 5 is a int; give the index's folder, its run's RunDir or"):
-        remove_items(5, embedder, ids)  # type: ignore[arg-type]
-    assert remove_items(open_index(app_run), embedder, ids, str(tmp_path / "uploads")) == 1
+        remove_items(5, embedder, added.ids)  # type: ignore[arg-type]
+    assert remove_items(open_index(app_run), embedder, added.ids, str(tmp_path / "uploads")) == 1
     service = SearchService(app_run)
     with pytest.raises(RetrievalError, match=r"^ids: 'abc' is not an item id; give whole numbers"):
         service.search_item("abc")  # type: ignore[arg-type]  # it failed in int()
@@ -473,7 +474,7 @@ def test_hits_whose_files_are_gone_are_said_and_shown_again_once_back(service: S
     paths = [tmp_path / "a.png", tmp_path / "b.png"]
     for path, shade in zip(paths, (10, 14)):
         Image.new("RGB", (64, 64), (shade, 200, shade)).save(path)
-    ids, _ = service.add_images(paths, "moved")
+    ids = service.add_images(paths, "moved").ids
     try:
         copies = {item_id: service.items[item_id].path for item_id in ids}
         away = {item_id: path.rename(tmp_path / f"away-{item_id}.png") for item_id, path in copies.items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -357,6 +358,13 @@ def test_one_image_given_as_a_collection_names_its_folder(tmp_path: Path) -> Non
     with pytest.raises(RetrievalError) as refused:
         load_collection(tmp_path / "cats" / "a.JPG")
     assert str(refused.value) == f"{tmp_path / 'cats' / 'a.JPG'}: one image, not a collection; give the folder it is in ({tmp_path / 'cats'}), or a CSV or .txt list of images"
+
+
+def test_a_files_bytes_are_read_with_their_sha256(tmp_path: Path) -> None:
+    path = tmp_path / "a.png"
+    Image.new("RGB", (8, 8)).save(path)
+    read = data.read_image_bytes(path)
+    assert read == data.FileBytes(path.read_bytes(), hashlib.sha256(path.read_bytes()).hexdigest())
 
 
 def test_an_archive_given_as_a_collection_is_refused_with_how_to_unpack_it(tmp_path: Path) -> None:

@@ -73,7 +73,7 @@ def test_the_app_and_search_work_on_milvus(demo_run: RunDir, icons_root: Path, t
     query = next(iter(service.items.values())).path
     result = service.search(query, k=3)
     assert len(result.hits) == 3 and all(hit.path != str(query) for hit in result.hits)
-    ids, _ = service.add_images([write_bad_files(tmp_path / "new")["empty"].with_name("good.png")], "red")
+    ids = service.add_images([write_bad_files(tmp_path / "new")["empty"].with_name("good.png")], "red").ids
     assert ids and ids[0] in service.items and service.remove_items(ids) == 1 and ids[0] not in service.items
     evaluation, _ = service.evaluate_now()
     assert evaluation.metrics["num_queries"] == len(service.items)

@@ -71,13 +71,13 @@ def readable_items(
     digests: set[str] = set()
     for item in progress_bar(items, desc="checking images", unit="img", enabled=progress):
         try:
-            data, digest = read_image_bytes(item.path)
-            decode_image(data, item.path, min_size)
+            read = read_image_bytes(item.path)
+            decode_image(read.data, item.path, min_size)
         except ImageError as error:
             skipped.append(Skipped(item.path, error.reason))
             continue
         good.append(item)
-        digests.add(digest)
+        digests.add(read.sha256)
     return good, skipped, digests
 
 

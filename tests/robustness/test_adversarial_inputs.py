@@ -108,7 +108,8 @@ def test_the_app_answers_good_uploads_refuses_bad_ones_and_adds_only_good_files(
         assert result.error == (kind in corpus.bad), kind
         assert result.hits if kind in corpus.good else "⚠️" in result.summary, kind
     before = open_index(index_dir).rows()
-    ids, skipped = service.add_images(paths, label='odd, "quoted" label')
+    added = service.add_images(paths, label='odd, "quoted" label')
+    ids, skipped = added.ids, added.skipped
     assert len(ids) == len(corpus.good) and len(skipped) == len(corpus.bad)
     assert all(reason for _, reason in ((s.path, s.reason) for s in skipped))
     after = open_index(index_dir).rows()

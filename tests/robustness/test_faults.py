@@ -85,7 +85,7 @@ from retrieval.runs import RunDir
 service = SearchService(RunDir(Path(sys.argv[1])), Path(sys.argv[2]), allow_write=True, cache=Path(sys.argv[3]))
 images = sorted(Path(sys.argv[4]).rglob("*.png"))
 for round in range(1000):
-    ids, _ = service.add_images(images[round % 20 :: 20], label=f"round {round}")
+    ids = service.add_images(images[round % 20 :: 20], label=f"round {round}").ids
     service.remove_items(ids[: len(ids) // 2])
     print(round, flush=True)
 """
