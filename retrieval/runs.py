@@ -250,6 +250,9 @@ def metric_set_name(text: str) -> str:
     return re.sub(r"[^\w.-]+", "-", text).strip(".-") or "set"
 
 
+FILE_SUFFIXES = frozenset({".csv", ".tsv", ".json", ".jsonl", ".txt", ".png", ".html"})  # a folder is not named so
+
+
 def writable_folder(path: Path, what: str, make: bool = True) -> Path:
     """path as a folder to write in, or one line naming it and why it cannot be one (a file is there; no folder
     can be made there). make: made now, with its parents; else only checked (its nearest existing parent is a
@@ -257,6 +260,11 @@ def writable_folder(path: Path, what: str, make: bool = True) -> Path:
     path = Path(path).expanduser()
     if path.exists() and not path.is_dir():
         raise RetrievalError(f"{what} {path}: a file is there, not a folder; give a folder (a new one is made)")
+    if not path.exists() and path.suffix.lower() in FILE_SUFFIXES:  # `--csv audit.csv`: a folder of that name
+        raise RetrievalError(
+            f"{what} {path}: a file's name ({path.suffix}), but {what} is the folder the files are written into; "
+            f"give a folder, e.g. {path.with_suffix('')}"
+        )
 
     def refused(reason: object) -> RetrievalError:
         return RetrievalError(f"{what} {path}: cannot be made ({reason}); give a folder where you can write")

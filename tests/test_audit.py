@@ -523,6 +523,10 @@ def test_careless_audits_are_one_line_each(
         "wrong path": ([str(demo_run.root), str(tmp_path / "nowhere")], "no such file or folder"),
         "--csv on a file": ([str(demo_run.root), str(audited_folder), "--csv", str(listed)], "a file is there"),
         "--csv nowhere": ([str(demo_run.root), str(audited_folder), "--csv", f"{listed}/found"], "cannot be made"),
+        "--csv named as a file": (  # it made a folder audit.csv holding the four CSVs
+            [str(demo_run.root), str(audited_folder), "--csv", str(tmp_path / "audit.csv")],
+            f"--csv {tmp_path / 'audit.csv'}: a file's name (.csv), but --csv is the folder the files are written into; give a folder, e.g. {tmp_path / 'audit'}",
+        ),
         "--csv inside DATA": (  # the next audit of DATA read the CSVs as files that are not images
             [str(demo_run.root), str(audited_folder), "--csv", str(audited_folder / "audit")],
             f"--csv {audited_folder / 'audit'}: inside the images audited (DATA {audited_folder}), where its CSVs would be read",
@@ -541,7 +545,7 @@ def test_careless_audits_are_one_line_each(
         captured = capsys.readouterr()
         assert said in captured.err and len(captured.err.strip().splitlines()) == 1, (name, captured.err)
         assert "Traceback" not in captured.err
-    assert labels.read_bytes() == written
+    assert labels.read_bytes() == written and not (tmp_path / "audit.csv").exists()
     (tmp_path / "broken" / "a").mkdir(parents=True)
     (tmp_path / "broken" / "a" / "1.png").write_text("not a picture")
     assert main(["audit", str(demo_run.root), str(audited_folder), "--against", str(tmp_path / "broken")]) == 2
