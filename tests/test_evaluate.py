@@ -140,7 +140,7 @@ def test_evaluating_the_images_a_run_trained_on_says_the_figures_flatter_it(demo
     """recall@1 1.000 on a run's own training images was printed like any other figure; held-out images say
     nothing more, and an evaluation with nothing to confuse says so in one line (it was an empty table)."""
     from retrieval.commands.output import confusion_table
-    from retrieval.data import load_collection
+    from retrieval.data import load_collection, write_collection_csv
     from retrieval.runs import read_json
 
     run = tmp_path / "run"
@@ -149,9 +149,13 @@ def test_evaluating_the_images_a_run_trained_on_says_the_figures_flatter_it(demo
     assert main(["evaluate", str(run), trained_on]) == 0
     out = " ".join(capsys.readouterr().out.split())
     total = len(load_collection(trained_on).items)
-    assert f"note: {total} of the {total} images evaluated are images {run} trained on ({trained_on})" in out
+    assert f"note: all {total:,} images evaluated are images {run} trained on ({trained_on})" in out
     assert main(["evaluate", str(run), str(run / "demo-test.csv")]) == 0
     assert "note:" not in capsys.readouterr().out
+    held_out = load_collection(run / "demo-test.csv").items[:5]
+    mixed = write_collection_csv(tmp_path / "mixed.csv", load_collection(trained_on).items[:3] + held_out)
+    assert main(["evaluate", str(run), str(mixed)]) == 0
+    assert f"note: 3 of the 8 images evaluated are images {run} trained on" in " ".join(capsys.readouterr().out.split())
     assert confusion_table([]) == "most confused classes: none (every query's top-1 hit has its own label)"
 
 

@@ -223,7 +223,7 @@ def _say_unscored(evaluation: Evaluation) -> None:
     loo = evaluation.scores.leave_one_out
     why = "no other image has their label" if loo else "the gallery has no image of their label"
     labels = ", ".join(f"{label!r}" for label, _ in unscored.most_common(3)) + (", ..." if len(unscored) > 3 else "")
-    line = f"note: {unscored.total()} of the {len(evaluation.queries)} queries are not scored, {why} ({labels})"
+    line = f"note: {unscored.total():,} of the {len(evaluation.queries):,} queries are not scored, {why} ({labels})"
     images = evaluation.queries + ([] if loo else evaluation.gallery)
     groups = [group for group in label_variants(images) if set(unscored) & set(group)]
     if groups:
@@ -238,9 +238,10 @@ def _say_if_trained_on(run: RunDir, collections: list[Collection]) -> None:
     trained = trained_share(run, collections)
     if trained is None or not sum(trained.counts):
         return
-    total = sum(len(collection.items) for collection in collections)
+    total, count = sum(len(collection.items) for collection in collections), sum(trained.counts)
+    share = f"all {total:,}" if count == total else f"{count:,} of the {total:,}"
     console.print(
-        f"note: {sum(trained.counts)} of the {total} images evaluated are images {run.root} trained on "
+        f"note: {share} images evaluated are images {run.root} trained on "
         f"({trained.data}): "
         "its figures there flatter it; evaluate images it did not train on (e.g. held-out classes) for what it "
         "does on new ones",
