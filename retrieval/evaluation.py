@@ -77,7 +77,9 @@ def require_held_out(run: RunDir, collections: list[Collection], asked: str = "-
     for collection, shared in zip(collections, trained.counts, strict=True):
         if not shared:
             continue
-        which = f"{shared} of the {len(collection.items)} images of {collection.source} are in {trained.data}, which"
+        which = (
+            f"{shared:,} of the {len(collection.items):,} images of {collection.source} are in {trained.data}, which"
+        )
         if Path(trained.data).resolve() == collection.source:
             which = f"{collection.source} is what"
         raise RetrievalError(

@@ -122,7 +122,7 @@ def _print(answered: list[tuple[str | int | None, QueryResult]], threshold: floa
     if failed and len(failed) == len(answered):
         raise RetrievalError(f"none of the {len(answered)} query images could be read (above); give image files")
     if failed:
-        errors.print(f"{len(failed)} of {len(answered)} query images skipped (above)", highlight=False)
+        errors.print(f"{len(failed):,} of {len(answered):,} query images skipped (above)", highlight=False)
 
 
 def _rows(result: QueryResult) -> list[dict]:
