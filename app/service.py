@@ -315,13 +315,14 @@ class SearchService:
             progress(0.1, "no labels: searching with augmented copies of the images")
             return copy_figures(self.embedder, list(snapshot.items.values()), progress=False), []
         progress(0.1, f"scoring {len(index):,} stored vectors with the index's search and exactly")
-        exact, deployed = exact_and_deployed(index, self.rerank)
+        evaluated = exact_and_deployed(index, self.rerank)
+        exact, deployed = evaluated.exact, evaluated.deployed
         for key in EXACT_SHOWN:
             deployed.metrics[f"{key} (exact search)"] = exact.metrics[key]
         gallery = Collection(self.index_dir, list(snapshot.items.values()))
         trained = trained_share(self.run, [gallery])
         if trained is not None and trained.counts[0]:  # the figures of a gallery of training images flatter the model
-            deployed.metrics[TRAINED_ON] = f"{trained.counts[0]} of {len(gallery.items)}: these figures flatter it"
+            deployed.metrics[TRAINED_ON] = f"{trained.counts[0]:,} of {len(gallery.items):,}: these figures flatter it"
         progress(0.8, "drawing the plots")
         folder = self.cache / "evaluations" / str(time.time_ns())
         return deployed, write_plots(exact, folder)

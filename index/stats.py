@@ -82,9 +82,17 @@ def _measured_recall(index: GalleryBackend, ids: np.ndarray, vectors: np.ndarray
     return {"recall_now": recall_at_10(found, exact), "recall_queries": len(chosen)}
 
 
+@dataclass(frozen=True)
+class IndexEvaluation:
+    """Leave-one-out metrics of an index's labeled items, ranked exactly and as the deployed index searches."""
+
+    exact: Evaluation
+    deployed: Evaluation
+
+
 def exact_and_deployed(
     index: GalleryBackend, rerank: Rerank = NO_RERANK, ks: Sequence[int] = (1, 5, 10)
-) -> tuple[Evaluation, Evaluation]:
+) -> IndexEvaluation:
     """Leave-one-out metrics over the index's labeled items, with exact search and with the index's own search.
 
     Both rank the same stored vectors (for compressed types, the exact ones kept for re-ranking): the
@@ -108,4 +116,4 @@ def exact_and_deployed(
     deployed = evaluate_embedded(
         vectors, items, [], {**described, "search": searched}, ks, rerank, search=deployed_ranking(index, ids, rerank)
     )
-    return exact, deployed
+    return IndexEvaluation(exact, deployed)

@@ -34,7 +34,8 @@ def approximate_index(tmp_path: Path) -> GalleryIndex:
 
 def test_the_deployed_lists_are_the_index_searches_and_cost_something(tmp_path: Path) -> None:
     index = approximate_index(tmp_path)
-    exact, deployed = exact_and_deployed(index, ks=(1, 5))
+    evaluated = exact_and_deployed(index, ks=(1, 5))
+    exact, deployed = evaluated.exact, evaluated.deployed
     assert deployed.metrics["search"] == "IVF32,Flat, nprobe 1" and exact.metrics["search"] == "exact"
     assert deployed.metrics["recall@5"] < exact.metrics["recall@5"]
     ids = sorted(index.items())

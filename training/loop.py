@@ -41,7 +41,7 @@ from training.losses import make_loss
 from training.memory import MemoryQueue
 from training.model import Encoder
 from training.samplers import ClassBalancedBatchSampler, InstanceBatchSampler, MixedBatchSampler
-from training.selfsup import JOINT, JointObjective, MemoryBank, Objective, make_objective
+from training.selfsup import JOINT, JointObjective, Objectives, make_objective
 from training.validation import VALIDATION_KEYS, Validator
 
 Batches = ClassBalancedBatchSampler | InstanceBatchSampler | MixedBatchSampler
@@ -263,7 +263,8 @@ class Trainer:
         self.model.to(device, memory_format=self.memory_format)
         supervised = config.mode != SELF_SUPERVISED
         self.loss_fn = make_loss(str(config.loss), float(config.temperature)) if supervised else None
-        self.objective, self.queue, self.bank = self._self_supervised()
+        made = self._self_supervised()
+        self.objective, self.queue, self.bank = made.objective, made.queue, made.bank
         self.sampler, self.loader = make_batches(config, data, ranks, cuda)
         self.optimizer = make_optimizer(config, self.model)
         self.average = make_average(self.model, config.ema)
@@ -279,16 +280,16 @@ class Trainer:
         self.record = Progress()
         self.epoch_seconds: list[float] = []  # of this process's epochs: the estimate of the time left
 
-    def _self_supervised(self) -> tuple[Objective | None, MemoryQueue | None, MemoryBank | None]:
+    def _self_supervised(self) -> Objectives:
         """The self-supervised objective and the queue (MoCo's, or the supervised loss's) or bank it keeps."""
         config, model = self.config, self.model
         method = config.ssl_method
         if method is None:
             queue = MemoryQueue(model, config.queue_size, config.momentum) if config.queue_size else None
-            return None, queue, None
+            return Objectives(None, queue=queue)
         if method == JOINT:  # the supervised loss itself, over both kinds of image
             assert self.loss_fn is not None
-            return JointObjective(self.loss_fn, len(self.data.classes)), None, None
+            return Objectives(JointObjective(self.loss_fn, len(self.data.classes)))
         temperature = config.temperature if config.mode == SELF_SUPERVISED else config.ssl_temperature
         return make_objective(
             method,

@@ -28,6 +28,7 @@ views, and `follow(model)` after the step (the key encoder, the memory bank).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -229,6 +230,16 @@ class JointObjective:
 Objective = PairObjective | MoCoObjective | BankObjective | JointObjective
 
 
+@dataclass(frozen=True)
+class Objectives:
+    """A run's self-supervised objective (None: labels alone) and the MoCo queue or memory bank it keeps, which the
+    trainer state saves and restores."""
+
+    objective: Objective | None
+    queue: MemoryQueue | None = None
+    bank: MemoryBank | None = None
+
+
 def make_objective(
     method: str,
     temperature: float,
@@ -239,21 +250,21 @@ def make_objective(
     bank_momentum: float,
     negatives: int,
     proximal: float,
-) -> tuple[Objective, MemoryQueue | None, MemoryBank | None]:
+) -> Objectives:
     """The method's objective over a pool of `pool` images, with the queue or bank it keeps (for the trainer state)."""
     device = next(model.parameters()).device
     if method == "moco":
         queue = MemoryQueue(model, queue_size or default_queue(pool), momentum)  # type: ignore[arg-type]
-        return MoCoObjective(queue, temperature), queue, None
+        return Objectives(MoCoObjective(queue, temperature), queue=queue)
     if method == "instdisc":
         if negatives >= pool:
             raise RetrievalError(f"--nce-negatives {negatives}: the collection has {pool} images; give fewer, or 0")
         bank = MemoryBank(pool, MEMORY_DIM, bank_momentum, device)
-        return BankObjective(bank, InstanceDiscrimination(temperature, negatives, proximal)), None, bank
+        return Objectives(BankObjective(bank, InstanceDiscrimination(temperature, negatives, proximal)), bank=bank)
     losses = {"simclr": SupConLoss, "hcl": HCLLoss, "hard": HardContrastiveLoss}
     if method not in losses:
         raise RetrievalError(f"unknown self-supervised method {method!r}; choose one of {', '.join(SSL_LOSSES)}")
-    return PairObjective(losses[method](temperature=temperature)), None, None
+    return Objectives(PairObjective(losses[method](temperature=temperature)))
 
 
 def default_queue(pool: int) -> int:

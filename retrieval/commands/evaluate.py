@@ -295,7 +295,8 @@ def _deployed(run: RunDir, index_dir: Path | None, ks: list[int], rerank: Rerank
 
     embedder = OnnxEmbedder.from_run(run, model=model)
     index = open_index(index_dir or run.index, embedder.fingerprint, embedder.dim)
-    exact, deployed = exact_and_deployed(index, rerank, ks)
+    evaluated = exact_and_deployed(index, rerank, ks)
+    exact, deployed = evaluated.exact, evaluated.deployed
     name = f"{Path(index.directory).name}-{'-'.join(filter(None, [rerank.method if rerank.active else '', model]))}"
     run.save_metrics(f"{name}-exact", exact.metrics)
     saved = run.save_metrics(f"{name}-deployed", deployed.metrics)
