@@ -270,9 +270,8 @@ class SearchService:
         if target.is_file():
             return target
         try:
-            image = decode_image(
-                read_image_bytes(Path(path)).data, path, THUMBNAIL
-            )  # a large JPEG at the reduced scale a thumbnail needs
+            # a large JPEG decoded at the reduced scale a thumbnail needs
+            image = decode_image(read_image_bytes(Path(path)).data, path, THUMBNAIL)
         except ImageError:
             target, image = self.cache / "thumbnails" / LOST_TILE, Image.new("RGB", (THUMBNAIL, THUMBNAIL), GREY)
             if target.is_file():
