@@ -31,6 +31,17 @@ def test_top_level_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -
     assert all(command in out for command in COMMANDS)
 
 
+def test_help_as_a_word_shows_the_help_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
+    """`retrieval help` and `retrieval help search` said "No such command 'help'"."""
+    assert main(["help"]) == 0
+    out = capsys.readouterr().out
+    assert "Usage: retrieval [OPTIONS] COMMAND" in out and all(command in out for command in COMMANDS)
+    assert main(["help", "search"]) == 0
+    assert "Usage: retrieval search [OPTIONS]" in capsys.readouterr().out
+    assert main(["help", "serach"]) == 2
+    assert "No such command 'serach'. Did you mean 'search'?" in capsys.readouterr().err
+
+
 def test_counts_are_worded_in_the_singular_for_one_and_never_as_s_in_brackets() -> None:
     """Messages said "1 epoch(s) trained", "311 suspected wrong label(s)", "3 labeled class(es)": counted words them as a
     reader would."""

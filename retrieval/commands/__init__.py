@@ -171,6 +171,9 @@ def _run(argv: list[str] | None) -> int:
     for stream in (sys.stdout, sys.stderr):  # file names that are not valid UTF-8 are printed escaped, not a crash
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["help"]:  # `retrieval help search`: that command's help, as git and pip answer it
+        argv = [*argv[1:2], "--help"]
     try:
         code = app(args=argv, prog_name="retrieval", standalone_mode=False)
     except RetrievalError as error:
