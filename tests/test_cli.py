@@ -341,6 +341,15 @@ def test_option_values_out_of_range_are_one_line(tmp_path: Path, capsys: pytest.
     assert message in err and err.count("\n") == 1
 
 
+def test_lr_is_the_learning_rate(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--lr, as in most training scripts, said "No such option: --lr (Possible options: --layers, --loss, --run)"."""
+    from retrieval.commands import main
+
+    assert main(["train", str(small_folder), "--run", str(tmp_path / "run"), "--lr", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --learning-rate must be positive, got -1.0"
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_run_in_the_image_folder_itself_is_refused(small_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`train photos --run photos` wrote checkpoints and plots among the images, and the folder was then read as a run,
     not a collection ("a run directory, not a collection of images")."""

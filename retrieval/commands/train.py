@@ -92,7 +92,12 @@ OPTIONS = (
     Option("pooling", str, "Pooling of the resnet features: avg, or gem (generalised mean, exponent learned)."),
     Option("layers", str, LAYERS_HELP),
     Option("ema", float, "Export a moving average of the weights with this decay per step (e.g. 0.99; 0: none)."),
-    Option("learning_rate", float, "Peak learning rate, reached after the warm-up, then decayed to 0 along a cosine."),
+    Option(
+        "learning_rate",
+        float,
+        "Peak learning rate, reached after the warm-up, then decayed to 0 along a cosine.",
+        ("--learning-rate", "--lr"),
+    ),
     Option("weight_decay", float, "Weight decay of the optimizer."),
     Option("optimizer", str, "adamw, or sgd (Nesterov momentum 0.9; give it a larger --learning-rate)."),
     Option("warmup", float, "Fraction of the steps spent warming the learning rate up linearly."),
