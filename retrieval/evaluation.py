@@ -297,6 +297,7 @@ def _refuse_shared(queries: Collection, gallery: Collection) -> None:
 
 
 SEEN = "seen without labels"  # the metrics' key naming the gallery an adapted model trained on
+TRAINED = "images trained on"  # the metrics' key counting the images evaluated that the run trained on, where any
 
 
 def seen_without_labels(embedder: Embedder) -> dict:

@@ -150,12 +150,25 @@ def test_evaluating_the_images_a_run_trained_on_says_the_figures_flatter_it(demo
     out = " ".join(capsys.readouterr().out.split())
     total = len(load_collection(trained_on).items)
     assert f"note: all {total:,} images evaluated are images {run} trained on ({trained_on})" in out
+    trained_set = next(iter(RunDir(run).saved_metrics()))  # the latest
+    assert read_json(RunDir(run).metrics)["images trained on"] == total
     assert main(["evaluate", str(run), str(run / "demo-test.csv")]) == 0
     assert "note:" not in capsys.readouterr().out
+    assert "images trained on" not in read_json(RunDir(run).metrics)
     held_out = load_collection(run / "demo-test.csv").items[:5]
     mixed = write_collection_csv(tmp_path / "mixed.csv", load_collection(trained_on).items[:3] + held_out)
     assert main(["evaluate", str(run), str(mixed)]) == 0
     assert f"note: 3 of the 8 images evaluated are images {run} trained on" in " ".join(capsys.readouterr().out.split())
+    from app.handlers import Handlers
+    from app.service import SearchService
+
+    service = SearchService(RunDir(run))  # the app's Metrics tab says it above the set's figures too
+    try:
+        said = Handlers(service).metric_source(trained_set)
+        assert f"**{total:,} of these images are images the run trained on**: its figures there flatter it" in said
+        assert "trained on" not in Handlers(service).metric_source("demo-test") and trained_set != "demo-test"
+    finally:
+        service.close()
     assert confusion_table([]) == "most confused classes: none (every query's top-1 hit has its own label)"
 
 

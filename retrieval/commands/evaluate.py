@@ -31,7 +31,7 @@ from retrieval.rerank import Rerank, parse_rerank
 from retrieval.runs import RunDir, read_json, write_json
 
 if TYPE_CHECKING:
-    from retrieval.evaluation import Evaluation
+    from retrieval.evaluation import Evaluation, TrainedOn
 
 IMAGES_HELP = (
     "A labeled collection to score leave-one-out, or with --benchmark "
@@ -169,8 +169,11 @@ def _evaluate(
     _match(RunDir(run), evaluation, name, reranker, target_precision if calibrate else None)
     name += (f"-{reranker.method}" if reranker.active else "") + ("-int8" if model == "int8" else "")
     compared = (lambda: _score(compare, sources, ks, split_classes, seed, reranker, model).metrics) if compare else None
+    collections = [source for source in sources if source is not None]
+    trained = _trained_on(RunDir(run), collections, evaluation)
     _report(RunDir(run), name, evaluation, compare, compared)
-    _say_if_trained_on(RunDir(run), [source for source in sources if source is not None])
+    if trained is not None:
+        _say_trained_on(RunDir(run), trained, sum(len(collection.items) for collection in collections))
 
 
 def _refuse_early(run: Path, compare: Path | None, target_precision: float, calibrate: bool) -> None:
@@ -231,14 +234,21 @@ def _say_unscored(evaluation: Evaluation) -> None:
     console.print(line, highlight=False, soft_wrap=True)
 
 
-def _say_if_trained_on(run: RunDir, collections: list[Collection]) -> None:
-    """One line where the images evaluated include the run's training images: figures there flatter the model."""
-    from retrieval.evaluation import trained_share
+def _trained_on(run: RunDir, collections: list[Collection], evaluation: Evaluation) -> TrainedOn | None:
+    """What of the images evaluated the run trained on, counted in the metrics (the app says so beside them); None
+    where it trained on none of them."""
+    from retrieval.evaluation import TRAINED, trained_share
 
     trained = trained_share(run, collections)
     if trained is None or not sum(trained.counts):
-        return
-    total, count = sum(len(collection.items) for collection in collections), sum(trained.counts)
+        return None
+    evaluation.metrics[TRAINED] = sum(trained.counts)
+    return trained
+
+
+def _say_trained_on(run: RunDir, trained: TrainedOn, total: int) -> None:
+    """One line where the images evaluated include the run's training images: figures there flatter the model."""
+    count = sum(trained.counts)
     share = f"all {total:,}" if count == total else f"{count:,} of the {total:,}"
     console.print(
         f"note: {share} images evaluated are images {run.root} trained on "
