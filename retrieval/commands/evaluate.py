@@ -132,11 +132,7 @@ def _evaluate(
     """What `retrieval evaluate` does with its parsed options."""
     ks = parse_ks(k)
     reranker = parse_rerank(rerank)
-    if not 0.0 <= split_classes < 1.0:
-        raise RetrievalError(
-            f"--split-classes {split_classes:g}: give a fraction of the classes from 0 (all) to below 1, e.g. 0.5"
-        )
-    _refuse_early(run, compare, target_precision, calibrate)
+    _refuse_early(run, compare, target_precision, calibrate, split_classes)
     if index_dir is not None and not deployed:  # it was ignored: the images were scored against each other
         raise RetrievalError(f"--index {index_dir} names the index --deployed scores: add --deployed")
     if seed and not (split_classes or linear):
@@ -149,10 +145,11 @@ def _evaluate(
         _deployed(RunDir(run), index_dir, ks, reranker, model)
         return
     sources = _sources(images, query, gallery, split_classes, benchmark)
+    collections = [source for source in sources if source is not None]
     if calibrate:
         from retrieval.evaluation import require_held_out
 
-        require_held_out(RunDir(run), [source for source in sources if source is not None])
+        require_held_out(RunDir(run), collections)
     if sources[0] is not None and not any(item.label for item in sources[0].items):
         if linear or compare is not None or calibrate:
             raise RetrievalError(f"{images}: has no labels; --linear, --compare and --calibrate need labeled images")
@@ -169,16 +166,19 @@ def _evaluate(
     _match(RunDir(run), evaluation, name, reranker, target_precision if calibrate else None)
     name += (f"-{reranker.method}" if reranker.active else "") + ("-int8" if model == "int8" else "")
     compared = (lambda: _score(compare, sources, ks, split_classes, seed, reranker, model).metrics) if compare else None
-    collections = [source for source in sources if source is not None]
     trained = _trained_on(RunDir(run), collections, evaluation)
     _report(RunDir(run), name, evaluation, compare, compared)
-    if trained is not None:
-        _say_trained_on(RunDir(run), trained, sum(len(collection.items) for collection in collections))
+    _say_trained_on(RunDir(run), trained, collections)
 
 
-def _refuse_early(run: Path, compare: Path | None, target_precision: float, calibrate: bool) -> None:
-    """A --compare run that is this one or has no model, --calibrate's target out of range or without a model, and a
-    target given without --calibrate (it was ignored): said before this run's images are embedded."""
+def _refuse_early(run: Path, compare: Path | None, target_precision: float, calibrate: bool, split: float) -> None:
+    """A --compare run that is this one or has no model, --calibrate's target out of range or without a model, a
+    target given without --calibrate (it was ignored), and a --split-classes fraction out of range: said before this
+    run's images are embedded."""
+    if not 0.0 <= split < 1.0:
+        raise RetrievalError(
+            f"--split-classes {split:g}: give a fraction of the classes from 0 (all) to below 1, e.g. 0.5"
+        )
     if compare is not None:
         if compare.resolve() == run.resolve():
             raise RetrievalError(f"--compare {compare}: the run being evaluated; give another run to compare it with")
@@ -246,9 +246,11 @@ def _trained_on(run: RunDir, collections: list[Collection], evaluation: Evaluati
     return trained
 
 
-def _say_trained_on(run: RunDir, trained: TrainedOn, total: int) -> None:
+def _say_trained_on(run: RunDir, trained: TrainedOn | None, collections: list[Collection]) -> None:
     """One line where the images evaluated include the run's training images: figures there flatter the model."""
-    count = sum(trained.counts)
+    if trained is None:
+        return
+    count, total = sum(trained.counts), sum(len(collection.items) for collection in collections)
     share = f"all {total:,}" if count == total else f"{count:,} of the {total:,}"
     console.print(
         f"note: {share} images evaluated are images {run.root} trained on "
