@@ -119,11 +119,17 @@ def metrics_rows(metrics: dict | None) -> list[list[str]]:
     """Returns a metrics dict (metrics.json) as rows of (metric, value) for a table."""
     if not metrics:
         return [["(no metrics yet)", "run `retrieval evaluate RUN IMAGES`, or press Evaluate"]]
-    return [
-        [key, f"{value:.4f}" if isinstance(value, float) else str(value)]
-        for key, value in metrics.items()
-        if not isinstance(value, (dict, list))
-    ]
+    return [[key, metric_text(key, value)] for key, value in metrics.items() if not isinstance(value, (dict, list))]
+
+
+def metric_text(key: str, value: object) -> str:
+    """One metric's value as the table shows it: floats to four places, and the count of images the run trained on
+    with what it means."""
+    if key == TRAINED:
+        return f"{value:,}: these figures flatter the model"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)
 
 
 def run_plots(service: SearchService) -> list[tuple[str, str]]:

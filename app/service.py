@@ -45,11 +45,10 @@ from retrieval.copies import CopyEvaluation, copy_figures
 from retrieval.data import Collection, Item, decode_image, read_image_bytes
 from retrieval.embedders import AUTO, OnnxEmbedder
 from retrieval.errors import Failure, ImageError, RetrievalError
-from retrieval.evaluation import Evaluation, trained_share, write_plots
+from retrieval.evaluation import TRAINED, Evaluation, trained_share, write_plots
 from retrieval.rerank import NO_RERANK, Rerank
 from retrieval.runs import RunDir, read_json, write_atomic
 
-TRAINED_ON = "gallery images the run trained on"  # the Evaluate button's row where there are any
 THUMBNAIL = 256  # longest side of the thumbnails the app serves, in pixels
 LOST_TILE, GREY = "lost.jpg", (200, 200, 200)  # the tile of an indexed file that can no longer be read
 BROWSE_LIMIT = 200  # thumbnails shown for one label
@@ -321,7 +320,7 @@ class SearchService:
         gallery = Collection(self.index_dir, list(snapshot.items.values()))
         trained = trained_share(self.run, [gallery])
         if trained is not None and trained.counts[0]:  # the figures of a gallery of training images flatter the model
-            deployed.metrics[TRAINED_ON] = f"{trained.counts[0]:,} of {len(gallery.items):,}: these figures flatter it"
+            deployed.metrics[TRAINED] = trained.counts[0]
         progress(0.8, "drawing the plots")
         folder = self.cache / "evaluations" / str(time.time_ns())
         return deployed, write_plots(exact, folder)
