@@ -71,7 +71,12 @@ def trained_share(run: RunDir, collections: list[Collection]) -> TrainedOn | Non
 def require_held_out(run: RunDir, collections: list[Collection], asked: str = "--calibrate") -> None:
     """Refuses to calibrate on images the run trained on (its hits there are over-confident), when its training data
     is still where it was (asked: what the line names, the option or the Python function)."""
-    trained = trained_share(run, collections)
+    refuse_trained(run, collections, trained_share(run, collections), asked)
+
+
+def refuse_trained(run: RunDir, collections: list[Collection], trained: TrainedOn | None, asked: str) -> None:
+    """require_held_out with the run's share of collections already counted (trained_share), for a caller that
+    reports it as well."""
     if trained is None:
         return
     for collection, shared in zip(collections, trained.counts, strict=True):

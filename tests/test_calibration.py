@@ -153,6 +153,22 @@ def calibrated(demo_run: RunDir, icons_root: Path, tmp_path_factory: pytest.Temp
     return RunDir(root)
 
 
+def test_calibrating_lists_the_training_images_once(demo_run: RunDir, icons_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--calibrate's check that the images are held out and the note on images trained on each listed the training
+    folder: one count serves both."""
+    import retrieval.evaluation
+
+    root = tmp_path / "run"
+    shutil.copytree(demo_run.root, root)
+    trained_on = Path(read_json(RunDir(root).model_card)["trained_on"])
+    listed: list[Path] = []
+    load = retrieval.evaluation.load_collection
+    monkeypatch.setattr(retrieval.evaluation, "load_collection", lambda source, *args, **kwargs: listed.append(Path(source)) or load(source, *args, **kwargs))
+    held_out = copy_classes(icons_root, tmp_path / "held-out", 12, split="test")
+    assert main(["evaluate", str(root), str(held_out), "--calibrate", "--target-precision", "0.3"]) == 0
+    assert listed.count(trained_on) == 1
+
+
 def test_evaluate_calibrate_stores_the_threshold_in_the_model_card(calibrated: RunDir, icons_root: Path) -> None:
     fitted = card_threshold(read_json(calibrated.model_card))  # the card's checksum still holds
     assert fitted is not None and fitted.target == 0.3 and fitted.images == "held-out" and fitted.rerank == "none"

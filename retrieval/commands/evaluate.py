@@ -144,12 +144,13 @@ def _evaluate(
             )
         _deployed(RunDir(run), index_dir, ks, reranker, model)
         return
+    from retrieval.evaluation import TRAINED, refuse_trained, trained_share
+
     sources = _sources(images, query, gallery, split_classes, benchmark)
     collections = [source for source in sources if source is not None]
+    trained = trained_share(RunDir(run), collections)
     if calibrate:
-        from retrieval.evaluation import require_held_out
-
-        require_held_out(RunDir(run), collections)
+        refuse_trained(RunDir(run), collections, trained, "--calibrate")
     if sources[0] is not None and not any(item.label for item in sources[0].items):
         if linear or compare is not None or calibrate:
             raise RetrievalError(f"{images}: has no labels; --linear, --compare and --calibrate need labeled images")
@@ -166,7 +167,8 @@ def _evaluate(
     _match(RunDir(run), evaluation, name, reranker, target_precision if calibrate else None)
     name += (f"-{reranker.method}" if reranker.active else "") + ("-int8" if model == "int8" else "")
     compared = (lambda: _score(compare, sources, ks, split_classes, seed, reranker, model).metrics) if compare else None
-    trained = _trained_on(RunDir(run), collections, evaluation)
+    if trained is not None and sum(trained.counts):  # the app says so beside the figures, as the line below does
+        evaluation.metrics[TRAINED] = sum(trained.counts)
     _report(RunDir(run), name, evaluation, compare, compared)
     _say_trained_on(RunDir(run), trained, collections)
 
@@ -234,21 +236,9 @@ def _say_unscored(evaluation: Evaluation) -> None:
     console.print(line, highlight=False, soft_wrap=True)
 
 
-def _trained_on(run: RunDir, collections: list[Collection], evaluation: Evaluation) -> TrainedOn | None:
-    """What of the images evaluated the run trained on, counted in the metrics (the app says so beside them); None
-    where it trained on none of them."""
-    from retrieval.evaluation import TRAINED, trained_share
-
-    trained = trained_share(run, collections)
-    if trained is None or not sum(trained.counts):
-        return None
-    evaluation.metrics[TRAINED] = sum(trained.counts)
-    return trained
-
-
 def _say_trained_on(run: RunDir, trained: TrainedOn | None, collections: list[Collection]) -> None:
     """One line where the images evaluated include the run's training images: figures there flatter the model."""
-    if trained is None:
+    if trained is None or not sum(trained.counts):
         return
     count, total = sum(trained.counts), sum(len(collection.items) for collection in collections)
     share = f"all {total:,}" if count == total else f"{count:,} of the {total:,}"
