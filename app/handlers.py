@@ -297,10 +297,11 @@ class Handlers:
 
     def evaluate(self, progress: gr.Progress = gr.Progress()) -> tuple[list[list[str]], list[tuple[str, str]]]:
         try:
-            evaluation, plots = self.service.evaluate_now(lambda fraction, text: progress(fraction, desc=text))
+            evaluated = self.service.evaluate_now(lambda fraction, text: progress(fraction, desc=text))
         except RetrievalError as error:
             raise refused(str(error)) from None
-        return metrics_rows(evaluation.metrics), [(str(path), path.stem.replace("_", " ")) for path in plots]
+        plots = [(str(path), path.stem.replace("_", " ")) for path in evaluated.plots]
+        return metrics_rows(evaluated.evaluation.metrics), plots
 
     def metric_set(self, name: str) -> tuple[list[list[str]], str]:
         """One evaluated set's metrics as table rows, and where they come from."""

@@ -76,6 +76,15 @@ class SearchResult:
         return self.failure is not None
 
 
+@dataclass(frozen=True)
+class EvaluatedNow:
+    """What the Evaluate button shows: the deployed index's metrics (or, without labels, the augmented copies'
+    figures) and the plots drawn of them."""
+
+    evaluation: Evaluation | CopyEvaluation
+    plots: list[Path]
+
+
 @dataclass
 class Snapshot:
     """One version of the index and its items, read together so that they always agree."""
@@ -301,9 +310,7 @@ class SearchService:
 
     # evaluation and the embedding map
 
-    def evaluate_now(
-        self, progress: Callable[[float, str], None] = lambda fraction, text: None
-    ) -> tuple[Evaluation | CopyEvaluation, list[Path]]:
+    def evaluate_now(self, progress: Callable[[float, str], None] = lambda fraction, text: None) -> EvaluatedNow:
         """Leave-one-out retrieval over the index's labeled items, as the index searches them and exactly, and the
         plots of the exact one; the metrics are the deployed index's, with each headline's exact value beside it.
         An index without two labels gets the figures of augmented copies of its images instead (no plots)."""
@@ -311,7 +318,7 @@ class SearchService:
         index = snapshot.index
         if len({item.label for item in snapshot.items.values() if item.label}) < 2:
             progress(0.1, "no labels: searching with augmented copies of the images")
-            return copy_figures(self.embedder, list(snapshot.items.values()), progress=False), []
+            return EvaluatedNow(copy_figures(self.embedder, list(snapshot.items.values()), progress=False), [])
         progress(0.1, f"scoring {len(index):,} stored vectors with the index's search and exactly")
         evaluated = exact_and_deployed(index, self.rerank)
         exact, deployed = evaluated.exact, evaluated.deployed
@@ -323,7 +330,7 @@ class SearchService:
             deployed.metrics[TRAINED] = trained.counts[0]
         progress(0.8, "drawing the plots")
         folder = self.cache / "evaluations" / str(time.time_ns())
-        return deployed, write_plots(exact, folder)
+        return EvaluatedNow(deployed, write_plots(exact, folder))
 
     def embedding_map(self, method: str = "pca", highlight: str | None = None) -> EmbeddingMap:
         """The gallery (a seeded sample above MAP_POINTS) in 2-D by PCA or t-SNE, coloured by label.

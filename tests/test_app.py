@@ -148,7 +148,8 @@ def test_browse_counts_and_thumbnails(service: SearchService) -> None:
 
 def test_evaluate_now_scores_the_index_items(service: SearchService, demo_run: RunDir) -> None:
     steps: list[str] = []
-    evaluation, plots = service.evaluate_now(lambda fraction, text: steps.append(text))
+    evaluated = service.evaluate_now(lambda fraction, text: steps.append(text))
+    evaluation, plots = evaluated.evaluation, evaluated.plots
     assert evaluation.metrics["num_queries"] + evaluation.metrics["num_skipped_queries"] == len(service.items)
     assert 0.0 <= evaluation.metrics["recall@1"] <= evaluation.metrics["recall@10"] <= 1.0
     assert [path.name for path in plots] == ["recall_at_k.png", "similarities.png", "class_recall.png", "worst_queries.png", "confusions.png", "diagnostics.png"]
@@ -170,7 +171,7 @@ def test_evaluate_now_on_a_gallery_of_the_training_images_says_they_flatter_it(d
     build_index(OnnxEmbedder.from_run(run), trained_on, run.index, progress=False)
     service = SearchService(run)
     try:
-        evaluation, _ = service.evaluate_now()
+        evaluation = service.evaluate_now().evaluation
     finally:
         service.close()
     count = len(trained_on.items)

@@ -75,7 +75,7 @@ def test_the_app_and_search_work_on_milvus(demo_run: RunDir, icons_root: Path, t
     assert len(result.hits) == 3 and all(hit.path != str(query) for hit in result.hits)
     ids = service.add_images([write_bad_files(tmp_path / "new")["empty"].with_name("good.png")], "red").ids
     assert ids and ids[0] in service.items and service.remove_items(ids) == 1 and ids[0] not in service.items
-    evaluation, _ = service.evaluate_now()
+    evaluation = service.evaluate_now().evaluation
     assert evaluation.metrics["num_queries"] == len(service.items)
     assert main(["search", str(demo_run.root), str(query), "--index", str(directory), "-k", "2"]) == 0
     assert main(["index-stats", str(directory), "--sample", "20"]) == 0

@@ -317,8 +317,8 @@ def test_images_without_labels_get_quality_figures_everywhere(demo_run: RunDir, 
     assert "copy recall@1 (augmented copies)" in out and "uniformity (stored vectors)" in out
     service = SearchService(run)
     try:
-        evaluation, plots = service.evaluate_now()
-        assert evaluation.metrics["copy recall@1"] >= 0.3 and plots == []
+        evaluated = service.evaluate_now()
+        assert evaluated.evaluation.metrics["copy recall@1"] >= 0.3 and evaluated.plots == []
     finally:
         service.close()
 
