@@ -48,7 +48,7 @@ def test_onnx_matches_pytorch(trained: RunDir, batch_size: int) -> None:
     export(trained)  # whitened, as by default: the whitening fitted on the run's images is part of both sides
     config = TrainConfig.from_dict(read_json(trained.config))
     model, _ = load_encoder(trained)
-    model, _ = whiten_encoder(model, [item.path for item in load_collection(Path(config.data)).items], config.preprocessing, DEFAULT_WHITENING)
+    model = whiten_encoder(model, [item.path for item in load_collection(Path(config.data)).items], config.preprocessing, DEFAULT_WHITENING)
     embedder = OnnxEmbedder.from_run(trained)
     images = np.random.default_rng(batch_size).standard_normal((batch_size, 3, 40, 40)).astype(np.float32)
     with torch.no_grad():

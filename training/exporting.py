@@ -98,8 +98,8 @@ def export(
     size = preprocessing.image_size
     whitening = None
     if whiten is not None:
-        model, fitted_on = whiten_encoder(model, _fit_images(config), preprocessing, whiten, whiten_dim)
-        whitening = {"shrinkage": whiten, "dim": model.embedding_dim, "fitted_on_images": fitted_on}
+        model = whiten_encoder(model, _fit_images(config), preprocessing, whiten, whiten_dim)
+        whitening = {"shrinkage": whiten, "dim": model.embedding_dim, "fitted_on_images": model.fitted_on}
     example = torch.randn(2, 3, size, size)
     with tempfile.TemporaryDirectory(dir=run.root, prefix=".export-") as scratch:
         candidate = Path(scratch) / "model.onnx"

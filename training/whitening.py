@@ -24,11 +24,13 @@ BATCH = 256
 
 
 class Whitened(nn.Module):
-    """An encoder followed by whitening: normalise((encoder(x) - mean) @ projection)."""
+    """An encoder followed by whitening: normalise((encoder(x) - mean) @ projection); fitted_on: how many images the
+    whitening was fitted on (the model card says so)."""
 
-    def __init__(self, encoder: nn.Module, mean: np.ndarray, projection: np.ndarray) -> None:
+    def __init__(self, encoder: nn.Module, mean: np.ndarray, projection: np.ndarray, fitted_on: int) -> None:
         super().__init__()
         self.encoder = encoder
+        self.fitted_on = fitted_on
         self.register_buffer("mean", torch.from_numpy(np.asarray(mean, np.float32)))
         self.register_buffer("projection", torch.from_numpy(np.asarray(projection, np.float32)))
         self.embedding_dim = int(self.projection.shape[1])
@@ -69,8 +71,8 @@ def fit_whitening(vectors: np.ndarray, shrinkage: float, dim: int | None = None)
 
 def whiten_encoder(
     model: nn.Module, paths: Sequence[Path], preprocessing: Preprocessing, shrinkage: float, dim: int | None = None
-) -> tuple[Whitened, int]:
-    """The model with whitening fitted on its embeddings of (a seeded sample of) paths; and how many were used."""
+) -> Whitened:
+    """The model with whitening fitted on its embeddings of (a seeded sample of) paths."""
     if len(paths) > MAX_IMAGES:
         chosen = np.random.default_rng(0).choice(len(paths), MAX_IMAGES, replace=False)
         paths = [paths[i] for i in sorted(chosen)]
@@ -92,4 +94,4 @@ def whiten_encoder(
             "put the training data back where config.json says, or export with --whiten none"
         )
     mean, projection = fit_whitening(vectors, shrinkage, dim)
-    return Whitened(model, mean, projection).eval(), len(vectors)
+    return Whitened(model, mean, projection, len(vectors)).eval()
