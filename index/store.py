@@ -451,7 +451,8 @@ class _Draft:
         now: str,
     ) -> _Draft:
         """An empty index of the chosen type, trained on a sample of additions."""
-        count, sample = sample_rows(additions, dim)
+        drawn = sample_rows(additions, dim)
+        count, sample = drawn.count, drawn.rows
         if count == 0:
             raise RetrievalError(f"{directory}: nothing to index (no readable images)")
         intrinsic = intrinsic_dimension(sample) if approximate(count) and not factory else None

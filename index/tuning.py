@@ -170,9 +170,15 @@ def intrinsic_dimension(sample: np.ndarray, points: int = 2000) -> float:
     return float(len(ratio) / max(np.log(ratio).sum(), 1e-12))
 
 
-def sample_rows(
-    additions: Iterable[Additions], dim: int, size: int | None = None, seed: int = 0
-) -> tuple[int, np.ndarray]:
+@dataclass(frozen=True)
+class Sample:
+    """How many rows a stream of additions held, and a seeded uniform sample of them."""
+
+    count: int
+    rows: np.ndarray
+
+
+def sample_rows(additions: Iterable[Additions], dim: int, size: int | None = None, seed: int = 0) -> Sample:
     """Counts the rows of additions and draws a seeded uniform sample of them.
 
     Every row gets a random key and the rows with the smallest keys form the sample; rows are kept
@@ -196,4 +202,4 @@ def sample_rows(
         if held > 2 * limit:
             rows, keys = cut()
             held = limit
-    return count, cut()[0][0]
+    return Sample(count, cut()[0][0])
