@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from retrieval.data import Collection, Item, Skipped, load_collection
-from retrieval.errors import RetrievalError
+from retrieval.errors import RetrievalError, one_of
 
 
 @dataclass
@@ -182,7 +182,7 @@ BENCHMARKS: dict[str, Callable[[Path], Benchmark]] = {
 def load_benchmark(name: str, root: str | Path) -> Benchmark:
     """Reads the named benchmark (cub, cars196, sop, inshop) from the folder its archive was extracted to."""
     if name not in BENCHMARKS:
-        raise RetrievalError(f"--benchmark {name!r}: choose one of {', '.join(BENCHMARKS)}")
+        raise RetrievalError(f"--benchmark {name!r}: {one_of(name, BENCHMARKS)}")
     root = Path(root).expanduser()
     if not root.is_dir():
         raise RetrievalError(f"{root}: no such folder; give the folder the {name} archive was extracted to")

@@ -8,6 +8,8 @@ same kind and message, so that one bad query of a batch fails alone.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 from numbers import Integral
@@ -68,3 +70,11 @@ class Failure:
     def error(self) -> RetrievalError:
         """The error to raise for it, where a caller stops at the first failure (the command line)."""
         return RetrievalError(self.message, self.kind)
+
+
+def one_of(given: str, known: Iterable[str]) -> str:
+    """ "choose one of a, b, c" for a name that is none of them, led by "did you mean 'b'?" where it looks like a
+    misspelling (or another case) of one."""
+    names = list(known)
+    close = difflib.get_close_matches(given.lower(), names, n=1, cutoff=0.75)
+    return ("" if not close else f"did you mean {close[0]!r}? ") + f"choose one of {', '.join(names)}"

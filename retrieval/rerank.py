@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from retrieval.errors import RetrievalError
+from retrieval.errors import RetrievalError, one_of
 
 # vectors(ids [M]) -> the gallery rows [M, D]; neighbours(ids [M], n) -> (ids [M, n], scores [M, n]) of each
 # gallery item's n nearest other gallery items, best first (-1 where there are fewer)
@@ -47,7 +47,7 @@ class Rerank:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise RetrievalError(f"unknown re-ranker {self.method!r}; choose one of {', '.join(METHODS)}")
+            raise RetrievalError(f"unknown re-ranker {self.method!r}; {one_of(self.method, METHODS)}")
         unknown = set(self.parameters) - set(METHODS[self.method])
         if unknown:
             allowed = ", ".join(METHODS[self.method]) or "none"

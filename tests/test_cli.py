@@ -373,3 +373,24 @@ def test_a_config_json_that_is_not_a_runs_is_never_replaced(small_folder: Path, 
     with pytest.raises(RetrievalError, match="its config.json is not a run's"):  # and from Python
         train(TrainConfig(data=str(small_folder), epochs=1), project)
     assert (project / "config.json").read_text() == '{"mine": 1}' and sorted(path.name for path in project.iterdir()) == ["config.json"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "DATA", "--run", "RUN", "--loss", "supcom"], "--loss: unknown loss 'supcom'; did you mean 'supcon'? choose one of hard,"),
+        (["train", "DATA", "--run", "RUN", "--backbone", "resnet-18"], "unknown backbone 'resnet-18'; did you mean 'resnet18'? choose one of"),
+        (["search", "RUN", "IMAGE", "--rerank", "k-reciprocal"], "unknown re-ranker 'k-reciprocal'; did you mean 'kreciprocal'? choose one of none,"),
+        (["train", "DATA", "--run", "RUN", "--loss", "arcface"], "--loss: unknown loss 'arcface'; choose one of hard,"),  # nothing like it: no guess
+    ],
+)
+def test_a_misspelt_name_gets_the_one_it_looks_like(small_folder: Path, tmp_path: Path, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    """--loss supcom listed the eight losses and left the user to spot the one meant."""
+    from retrieval.commands import main
+
+    run = request.getfixturevalue("demo_run").root if argv[0] == "search" else tmp_path / "run"  # search reads it first
+    capsys.readouterr()  # what making the demo run printed
+    given = {"RUN": str(run), "DATA": str(small_folder), "IMAGE": str(next(small_folder.rglob("*.png")))}
+    assert main([given.get(word, word) for word in argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

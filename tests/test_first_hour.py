@@ -562,7 +562,7 @@ def test_skipped_files_are_listed_with_absolute_paths(small_folder: Path, tmp_pa
 @pytest.mark.parametrize(
     "options,message",
     [
-        (["--int8", "--calibration", "minmx"], "--calibration 'minmx': choose one of minmax, entropy, percentile"),
+        (["--int8", "--calibration", "minmx"], "--calibration 'minmx': did you mean 'minmax'? choose one of minmax, entropy, percentile"),
         (["--calibration", "entropy"], "--calibration entropy sets how --int8 quantises: add --int8"),
     ],
 )

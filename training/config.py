@@ -10,7 +10,7 @@ from typing import get_args, get_type_hints
 
 import torch
 
-from retrieval.errors import RetrievalError
+from retrieval.errors import RetrievalError, one_of
 from retrieval.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 from training.augment import DEFAULT_AUGMENT, SSL_AUGMENT, parse_augment
 from training.losses import DEFAULT_TEMPERATURES, LOSSES
@@ -180,7 +180,7 @@ def _resolve_losses(config: TrainConfig, mode: str) -> None:
         ("--ssl-loss", config.ssl_loss, BESIDE_LABELS),
     ):
         if name is not None and name not in LOSSES and name not in BESIDE_LABELS:
-            raise RetrievalError(f"{option}: unknown loss {name!r}; choose one of {', '.join(sorted(known))}")
+            raise RetrievalError(f"{option}: unknown loss {name!r}; {one_of(name, sorted(known))}")
     if mode == SELF_SUPERVISED:
         if config.loss is not None and config.ssl_loss is not None and config.loss != config.ssl_loss:
             given = f"--loss {config.loss} and --ssl-loss {config.ssl_loss}"

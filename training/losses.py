@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from retrieval.errors import RetrievalError
+from retrieval.errors import RetrievalError, one_of
 
 
 class SupConLoss(nn.Module):
@@ -285,5 +285,5 @@ DEFAULT_TEMPERATURES = {"supcon": 0.05, "infonce": 0.07, "npair": 1.0, "hcl": 0.
 def make_loss(name: str, temperature: float) -> nn.Module:
     """Returns the loss called name, with its temperature."""
     if name not in LOSSES:
-        raise RetrievalError(f"unknown loss {name!r}; choose one of {', '.join(sorted(LOSSES))}")
+        raise RetrievalError(f"unknown loss {name!r}; {one_of(name, sorted(LOSSES))}")
     return LOSSES[name](temperature=temperature)

@@ -10,7 +10,7 @@ import torchvision
 from torch import nn
 from torch.nn import functional as F
 
-from retrieval.errors import RetrievalError
+from retrieval.errors import RetrievalError, one_of
 from retrieval.extras import require
 
 BACKBONES = (
@@ -49,7 +49,7 @@ class GeM(nn.Module):
 def make_pool(pooling: str) -> nn.Module:
     """The spatial pooling of a feature map [N, C, H, W] -> [N, C]: average (torchvision's default) or GeM."""
     if pooling not in POOLINGS:
-        raise RetrievalError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
+        raise RetrievalError(f"unknown pooling {pooling!r}; {one_of(pooling, POOLINGS)}")
     return GeM() if pooling == "gem" else nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(1))
 
 
@@ -175,7 +175,7 @@ def require_backbone(name: str) -> None:
     a timm:<model> is looked up when it is built."""
     if not name.startswith(TIMM_PREFIX) and name not in BACKBONES:
         raise RetrievalError(
-            f"unknown backbone {name!r}; choose one of {', '.join(BACKBONES)}, or timm:<model> with timm installed"
+            f"unknown backbone {name!r}; {one_of(name, BACKBONES)}, or timm:<model> with timm installed"
         )
 
 
@@ -189,7 +189,7 @@ def make_backbone(name: str, pretrained: bool, image_size: int = 224, stem: str 
     that a small input keeps 4x the feature-map area (a 64-pixel image ends as 4x4, not 2x2).
     """
     if stem not in STEMS:
-        raise RetrievalError(f"unknown stem {stem!r}; choose one of {', '.join(STEMS)}")
+        raise RetrievalError(f"unknown stem {stem!r}; {one_of(stem, STEMS)}")
     if stem == "small" and not name.startswith("resnet"):
         raise RetrievalError(f"--stem small is for the resnet backbones, not {name!r}")
     if stem == "small" and pretrained:

@@ -25,7 +25,7 @@ import numpy as np
 from retrieval.benchmarks import load_training_data
 from retrieval.data import Item, load_image
 from retrieval.embedders import OnnxEmbedder
-from retrieval.errors import ImageError, RetrievalError
+from retrieval.errors import ImageError, RetrievalError, one_of
 from retrieval.knn import nearest_neighbours
 from retrieval.metrics import score_queries
 from retrieval.runs import RunDir, read_json, write_atomic, write_json
@@ -73,7 +73,7 @@ def export_int8(run: RunDir | str | Path, method: str = DEFAULT_METHOD) -> Int8R
     """Quantises RUN/model.onnx to RUN/model.int8.onnx after the quality gate; raises RetrievalError if it fails."""
     run = RunDir.of(run)
     if method not in METHODS:
-        raise RetrievalError(f"unknown calibration method {method!r}; choose one of {', '.join(METHODS)}")
+        raise RetrievalError(f"unknown calibration method {method!r}; {one_of(method, METHODS)}")
     float32 = OnnxEmbedder.from_run(run)
     if float32.card.get("precision") == "float16":
         raise RetrievalError(

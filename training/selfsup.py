@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from retrieval.errors import RetrievalError
+from retrieval.errors import RetrievalError, one_of
 from training.distributed import gather_rows
 from training.losses import HardContrastiveLoss, HCLLoss, SupConLoss
 from training.memory import MemoryQueue
@@ -263,7 +263,7 @@ def make_objective(
         return Objectives(BankObjective(bank, InstanceDiscrimination(temperature, negatives, proximal)), bank=bank)
     losses = {"simclr": SupConLoss, "hcl": HCLLoss, "hard": HardContrastiveLoss}
     if method not in losses:
-        raise RetrievalError(f"unknown self-supervised method {method!r}; choose one of {', '.join(SSL_LOSSES)}")
+        raise RetrievalError(f"unknown self-supervised method {method!r}; {one_of(method, SSL_LOSSES)}")
     return Objectives(PairObjective(losses[method](temperature=temperature)))
 
 

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from retrieval.commands.output import RunArg, console
-from retrieval.errors import RetrievalError
+from retrieval.errors import RetrievalError, one_of
 from retrieval.extras import require
 from retrieval.runs import RunDir, shell_path
 
@@ -40,7 +40,7 @@ def export(
     from training.quantise import DEFAULT_METHOD, METHODS
 
     if calibration not in METHODS:  # said before the float export (seconds), not after it
-        raise RetrievalError(f"--calibration {calibration!r}: choose one of {', '.join(METHODS)}")
+        raise RetrievalError(f"--calibration {calibration!r}: {one_of(calibration, METHODS)}")
     if fp16 and int8:  # said before the float export replaces model.onnx, not after it
         raise RetrievalError(
             "--fp16 and --int8: give one; RUN/model.onnx is float16 for GPUs, or float32 with an int8 copy for CPUs"
