@@ -33,6 +33,7 @@ def test_temperature_sweep_writes_json_and_plot(icons_root: Path, tmp_path: Path
         (["--temperatures", "0.1,-1"], "--temperatures '0.1,-1': give positive numbers"),  # it said --temperature
         (["--temperatures", "inf,0.1"], "--temperatures 'inf,0.1': give positive numbers"),  # it trained at a constant loss
         (["--losses", "supcon,triplet"], "--losses 'supcon,triplet': unknown loss 'triplet'"),
+        (["--losses", "supcon,infonse"], "--losses 'supcon,infonse': unknown loss 'infonse'; did you mean 'infonce'? choose one of hard,"),
         (["--losses", ","], "--losses ',': give losses separated by commas"),
         (["--losses", "simclr"], "--losses 'simclr': simclr learns without labels: add --self-supervised"),  # it said --loss, --ssl-loss, --adapt
         (["--losses", "supcon", "--self-supervised"], "--losses 'supcon': supcon needs labels; with --self-supervised give simclr"),

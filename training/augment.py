@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
-from retrieval.errors import RetrievalError
+from retrieval.errors import RetrievalError, one_of
 from retrieval.preprocess import Preprocessing, resize_and_crop
 
 WHITE = (255, 255, 255)  # the background transparent images are composed on (retrieval.data.load_image)
@@ -56,7 +56,7 @@ def parse_augment(text: str) -> tuple[str, ...]:
     names = tuple(part.strip() for part in text.split(",") if part.strip() and part.strip() != "none")
     unknown = [name for name in names if name not in AUGMENTATIONS]
     if unknown:
-        raise RetrievalError(f"--augment: unknown step {unknown[0]!r}; choose from {', '.join(AUGMENTATIONS)}, or none")
+        raise RetrievalError(f"--augment: unknown step {unknown[0]!r}; {one_of(unknown[0], AUGMENTATIONS)}, or none")
     if len(set(names)) != len(names):
         raise RetrievalError(f"--augment {text!r} names a step twice")
     if all(crop in names for crop in CROPS):

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from retrieval.commands.output import BENCHMARK_HELP, DATA_HELP, console, report_skipped, stopped_by_ctrl_c
 from retrieval.data import load_collection, require_source
-from retrieval.errors import RetrievalError
+from retrieval.errors import RetrievalError, one_of
 from retrieval.extras import require
 from retrieval.runs import RunDir, read_json, shell_path, writable_folder
 from retrieval.wording import counted
@@ -264,9 +264,10 @@ def _sweep_losses(losses: str | None, self_supervised: bool) -> list[str]:
     given = ("simclr,hard" if self_supervised else "supcon,hard") if losses is None else losses  # "" is given: empty
     names = list(dict.fromkeys(part.strip().lower() for part in given.split(",")))  # SupCon; a name given twice: once
     unknown = [name for name in names if name and name not in LOSSES and name not in SSL_LOSSES]
-    choices = ", ".join(sorted({*LOSSES, *SSL_LOSSES}))
+    known = {*LOSSES, *SSL_LOSSES}
+    choices = ", ".join(sorted(known))
     if unknown:
-        raise RetrievalError(f"--losses {losses!r}: unknown loss {unknown[0]!r}; choose from {choices}")
+        raise RetrievalError(f"--losses {losses!r}: unknown loss {unknown[0]!r}; {one_of(unknown[0], sorted(known))}")
     if not any(names):
         raise RetrievalError(f"--losses {losses!r}: give losses separated by commas, from {choices}")
     usable = SSL_LOSSES if self_supervised else LOSSES  # every run of a sweep trains in its one mode (train's own
