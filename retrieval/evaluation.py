@@ -68,6 +68,11 @@ def trained_share(run: RunDir, collections: list[Collection]) -> TrainedOn | Non
     return TrainedOn(trained_on, [sum(item.path in seen for item in c.items) for c in collections])
 
 
+def share_text(count: int, total: int) -> str:
+    """ "all 1,004" or "3 of the 8": how many of the images a note speaks of."""
+    return f"all {total:,}" if count == total else f"{count:,} of the {total:,}"
+
+
 def require_held_out(run: RunDir, collections: list[Collection], asked: str = "--calibrate") -> None:
     """Refuses to calibrate on images the run trained on (its hits there are over-confident), when its training data
     is still where it was (asked: what the line names, the option or the Python function)."""

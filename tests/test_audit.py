@@ -19,7 +19,7 @@ import retrieval.duplicates as copy_check
 from app.service import SearchService
 from retrieval.audit import AuditedCollection, agreement, audit, check_folds, describe_agreement, duplicates, label_scores, leaks, outliers, suspects
 from retrieval.commands import main
-from retrieval.data import Item, Skipped, write_collection_csv
+from retrieval.data import Item, Skipped, load_collection, write_collection_csv
 from retrieval.decisions import Decision, LabelDecision, decide, decided_labels, read_decisions
 from retrieval.duplicates import THUMBNAIL, CopyKind, difference, find_copies
 from retrieval.embedders import l2_normalise
@@ -461,7 +461,8 @@ def test_an_audit_of_the_images_the_run_trained_on_points_to_folds(demo_run: Run
     trained_on = json.loads(demo_run.model_card.read_text())["trained_on"]
     assert main(["audit", str(demo_run.root), trained_on]) == 0
     err = " ".join(capsys.readouterr().err.split())
-    assert f"images {demo_run.root} trained on ({trained_on}): its model has learnt their labels" in err
+    total = len(load_collection(trained_on).items)
+    assert f"note: all {total:,} images are images {demo_run.root} trained on ({trained_on}): its model has learnt their labels" in err
     assert "give --folds K" in err
     assert main(["audit", str(demo_run.root), trained_on, "--json"]) == 0
     assert "note:" not in capsys.readouterr().err  # a script's --json is left quiet

@@ -155,12 +155,13 @@ def _collection(source: Path, option: str = "") -> Collection:
 def _say_if_trained_on(run: RunDir, collection: Collection) -> None:
     """One line (on stderr, beside the progress) where DATA holds the run's training images: there its model has learnt
     their labels, wrong ones too, which --folds is for."""
-    from retrieval.evaluation import trained_share
+    from retrieval.evaluation import share_text, trained_share
 
     trained = trained_share(run, [collection])
     if trained is not None and trained.counts[0]:
+        share = share_text(trained.counts[0], len(collection.items))
         errors.print(
-            f"note: {trained.counts[0]} of the {len(collection.items)} images are images {run.root} trained on "
+            f"note: {share} images are images {run.root} trained on "
             f"({trained.data}): its model has learnt their labels, wrong ones too, so wrong ones hide among them; "
             "give --folds K to judge each image by a model that did not train on it (docs/trust.md)",
             highlight=False,

@@ -238,10 +238,11 @@ def _say_unscored(evaluation: Evaluation) -> None:
 
 def _say_trained_on(run: RunDir, trained: TrainedOn | None, collections: list[Collection]) -> None:
     """One line where the images evaluated include the run's training images: figures there flatter the model."""
+    from retrieval.evaluation import share_text
+
     if trained is None or not sum(trained.counts):
         return
-    count, total = sum(trained.counts), sum(len(collection.items) for collection in collections)
-    share = f"all {total:,}" if count == total else f"{count:,} of the {total:,}"
+    share = share_text(sum(trained.counts), sum(len(collection.items) for collection in collections))
     console.print(
         f"note: {share} images evaluated are images {run.root} trained on "
         f"({trained.data}): "
