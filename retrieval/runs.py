@@ -250,7 +250,7 @@ def metric_set_name(text: str) -> str:
     return re.sub(r"[^\w.-]+", "-", text).strip(".-") or "set"
 
 
-FILE_SUFFIXES = frozenset({".csv", ".tsv", ".json", ".jsonl", ".txt", ".png", ".html"})  # a folder is not named so
+_FILE_SUFFIXES = frozenset({".csv", ".tsv", ".json", ".jsonl", ".txt", ".png", ".html"})  # a folder is not named so
 
 
 def writable_folder(path: Path, what: str, make: bool = True) -> Path:
@@ -260,7 +260,7 @@ def writable_folder(path: Path, what: str, make: bool = True) -> Path:
     path = Path(path).expanduser()
     if path.exists() and not path.is_dir():
         raise RetrievalError(f"{what} {path}: a file is there, not a folder; give a folder (a new one is made)")
-    if not path.exists() and path.suffix.lower() in FILE_SUFFIXES:  # `--csv audit.csv`: a folder of that name
+    if not path.exists() and path.suffix.lower() in _FILE_SUFFIXES:  # `--csv audit.csv`: a folder of that name
         raise RetrievalError(
             f"{what} {path}: a file's name ({path.suffix}), but {what} is the folder the files are written into; "
             f"give a folder, e.g. {path.with_suffix('')}"
