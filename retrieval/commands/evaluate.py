@@ -148,14 +148,14 @@ def _evaluate(
 
     sources = _sources(images, query, gallery, split_classes, benchmark)
     collections = [source for source in sources if source is not None]
-    trained = trained_share(RunDir(run), collections)
-    if calibrate:
-        refuse_trained(RunDir(run), collections, trained, "--calibrate")
     if sources[0] is not None and not any(item.label for item in sources[0].items):
         if linear or compare is not None or calibrate:
             raise RetrievalError(f"{images}: has no labels; --linear, --compare and --calibrate need labeled images")
         _label_free(RunDir(run), sources[0], Path(str(images)), model)
         return
+    trained = trained_share(RunDir(run), collections)  # listed once: for --calibrate's refusal and the note below
+    if calibrate:
+        refuse_trained(RunDir(run), collections, trained, "--calibrate")
     evaluation = _score(run, sources, ks, split_classes, seed, reranker, model)
     if benchmark:
         evaluation.metrics["benchmark"] = benchmark
