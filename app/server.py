@@ -7,6 +7,7 @@ FastAPI application, and serves it in a thread; `serve` blocks until Ctrl+C or S
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import ipaddress
 import os
@@ -39,6 +40,9 @@ KERNEL_SHARE = 0.5  # of the cores, for the encoder and FAISS in a server (the r
 HEAD = f'<link rel="stylesheet" href="{STATIC_ROUTE}/app.css"><script src="{STATIC_ROUTE}/app.js"></script>'
 STYLE_AT_LAUNCH = "head" in inspect.signature(gr.Blocks.launch).parameters  # Gradio 6 takes it there, 5 in Blocks()
 IDLE_POLL_SECONDS = 0.01  # how often the app's event queue looks for new events while it has none
+# seconds a stopping server waits for the requests in flight before it drops the connections still open: a browser
+# tab's or a gradio_client's event stream never ends by itself, and held Ctrl+C for the whole 10 s of the join
+CLOSE_GRACE_SECONDS = 1.0
 
 
 def loopback(host: str) -> bool:
@@ -86,9 +90,21 @@ class Server:
             time.sleep(0.02)
 
     def close(self) -> None:
-        """Stops the server and waits for it (at most a few seconds)."""
+        """Stops the server: requests in flight get CLOSE_GRACE_SECONDS to finish, then open connections are dropped."""
         self.server.should_exit = True
+        self.thread.join(timeout=CLOSE_GRACE_SECONDS)
+        if self.thread.is_alive():
+            self._drop_connections()
         self.thread.join(timeout=10)
+
+    def _drop_connections(self) -> None:
+        """Closes the open connections from the server's own thread, as if their clients had gone: a stream ends the way
+        a closed tab ends it (no task is cancelled, so nothing prints a traceback)."""
+        for connection in list(self.server.server_state.connections):
+            loop, transport = getattr(connection, "loop", None), getattr(connection, "transport", None)
+            if loop is not None and transport is not None:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the server has stopped
+                    loop.call_soon_threadsafe(transport.close)
 
 
 def launch(

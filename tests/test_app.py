@@ -562,6 +562,21 @@ def test_the_memory_release_setting(monkeypatch: pytest.MonkeyPatch) -> None:
         memory.release_memory_periodically()
 
 
+def test_a_client_that_stays_connected_does_not_hold_the_server_open(service: SearchService) -> None:
+    """A browser tab or a gradio_client keeps an event stream open that never ends by itself: Ctrl+C waited the whole
+    10 s of the server thread's join for it, and then left the thread serving."""
+    from gradio_client import Client
+
+    port = free_port()
+    server = launch(service, port=port, block=False)
+    client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+    try:
+        server.close()
+        assert not server.thread.is_alive()
+    finally:
+        client.close()
+
+
 def test_a_stopped_server_leaves_no_cache_folder(app_run: RunDir, icons_root: Path, tmp_path: Path) -> None:
     """SIGTERM (systemd, docker stop) ends `retrieval serve` like Ctrl+C: its thumbnails folder is removed, and so is
     Gradio's folder with the uploaded query images and its copies of the results (kept in /tmp/gradio for good)."""
@@ -581,6 +596,8 @@ def test_a_stopped_server_leaves_no_cache_folder(app_run: RunDir, icons_root: Pa
         assert len(results) == 3 and [folder.name[:17] for folder in tmp_path.glob("retrieval-gradio-*")] == ["retrieval-gradio-"]
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0
+        stderr = server.stderr.read() if server.stderr else ""
+        assert "Traceback" not in stderr and "ERROR" not in stderr, stderr  # the client's open stream dropped quietly
     finally:
         server.kill()
     assert not list(tmp_path.glob("retrieval-app-*")) and not list(tmp_path.glob("retrieval-gradio-*"))
