@@ -156,13 +156,15 @@ def queued(demo: gr.Blocks) -> gr.Blocks:
 
 
 def wait_until_stopped(server: Server) -> None:
-    """Says where the app is and serves until Ctrl+C (or SIGTERM, turned into it), then closes the server."""
+    """Says where the app is and serves until Ctrl+C (or SIGTERM, turned into it), then closes the server and says so:
+    the stop takes a second or two (requests in flight finish), in which a terminal showed nothing but ^C."""
     print(f"serving the search app at {server.url}, its JSON API at {server.url}/docs  (Ctrl+C to stop)", flush=True)
     try:
         while True:
             time.sleep(0.5)
     finally:
         server.close()
+        print(f"stopped the search app at {server.url}", flush=True)
 
 
 def stop_like_ctrl_c(signum: int, frame: object) -> None:

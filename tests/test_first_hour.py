@@ -451,6 +451,7 @@ def test_serve_says_where_the_app_is_without_gradios_launch_advice(demo_run: Run
     url = f"http://127.0.0.1:{port}"
     assert first.strip() == f"serving the search app at {url}, its JSON API at {url}/docs  (Ctrl+C to stop)"
     assert "share=True" not in first + rest and "Traceback" not in rest and server.returncode == 0
+    assert rest.strip().splitlines()[-1] == f"stopped the search app at {url}"  # a stop of a second or two, said
 
 
 def test_each_evaluated_set_keeps_its_metrics_and_the_app_shows_them_all(demo_run: RunDir, small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
