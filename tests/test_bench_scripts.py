@@ -1,4 +1,4 @@
-"""The benchmark scripts that have no other test: the GPU check's refusal without a GPU, the re-ranking and label-search benches, and the index bench's data sets."""
+"""The benchmark scripts that have no other test: the GPU check's refusal without a GPU, the re-ranking, label-search and exit benches, and the index bench's data sets."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from retrieval.runs import RunDir
 
 ROOT = Path(__file__).parents[1]
 
@@ -82,3 +84,11 @@ def test_the_glyph_collection_is_seeded_and_keeps_cases_apart(tmp_path: Path) ->
     assert first.shape == (64, 64, 3) and first.min() < 100 and first.max() == 255  # dark ink on white
     np.testing.assert_array_equal(first, np.asarray(glyphs.render("a", fonts[0])))  # type: ignore[attr-defined]
     assert not np.array_equal(first, np.asarray(glyphs.render("a", fonts[-1])))  # type: ignore[attr-defined]
+
+
+def test_the_exit_bench_times_each_command_both_ways(demo_run: RunDir, tmp_path: Path) -> None:
+    command = [sys.executable, str(ROOT / "bench" / "exit.py"), "--run", str(demo_run.root), "--rounds", "1", "--work", str(tmp_path), "--commands", "index-stats,search"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300, check=True)
+    rows = [[cell.strip() for cell in line.strip("│").split("│")] for line in done.stdout.splitlines() if line.startswith("│ ")]
+    assert [row[:2] for row in rows] == [["index-stats", "skipped (shipped)"], ["index-stats", "done"], ["search", "skipped (shipped)"], ["search", "done"]]
+    assert all(0 < float(row[3]) < float(row[2]) for row in rows)  # the end is part of the whole

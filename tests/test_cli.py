@@ -90,6 +90,29 @@ def test_output_whose_reader_stopped_ends_quietly_not_with_pythons_broken_pipe_m
     assert (process.returncode, err) == (1, "")
 
 
+def test_a_command_ends_without_the_interpreters_last_collection() -> None:
+    """The objects still alive at exit are frozen, so that the last collection does not walk them (0.1-2 s of a
+    command's end with PyTorch and Gradio loaded, bench/exit.py): after the exit handlers registered once the command
+    runs (they run first), and registered once however often main runs."""
+    import subprocess
+    import sys
+
+    driver = (
+        "import atexit, gc\n"
+        "freeze = gc.freeze\n"
+        "def counted():\n"
+        "    print('frozen'); freeze()\n"
+        "gc.freeze = counted\n"
+        "atexit.register(lambda: print('at exit:', gc.get_freeze_count() > 0))  # registered first: runs last\n"
+        "from retrieval.commands import main\n"
+        "main(['--version']); main(['--version'])\n"
+        "atexit.register(lambda: print('a handler registered since'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=120, check=True)
+    lines = [line for line in done.stdout.splitlines() if not line.startswith("retrieval ")]
+    assert lines == ["a handler registered since", "frozen", "at exit: True"], done.stdout + done.stderr
+
+
 def test_stages_on_a_users_folder_with_bad_files(small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = write_bad_files(small_folder / sorted(p.name for p in small_folder.iterdir())[0])
     run = RunDir(tmp_path / "run")
