@@ -28,7 +28,10 @@ BENCH = Path(__file__).resolve().parent
 sys.path = [entry for entry in sys.path if Path(entry or ".").resolve() != BENCH]  # bench/index.py is not index/
 from retrieval.datasets import icons  # noqa: E402
 
-RETRIEVAL = str(Path(sys.executable).with_name("retrieval"))
+sys.path.append(str(BENCH))  # after the packages
+from app_load import RETRIEVAL, free_port  # noqa: E402
+
+NAMES = ("index-stats", "search", "evaluate", "train", "serve", "demo")
 # the same command with the freeze taken back: the interpreter's last collection walks every object, as it did
 COLLECTED = (
     "import atexit, gc, sys; from retrieval.commands import main; code = main(sys.argv[1:]); "
@@ -69,9 +72,20 @@ def commands(run: Path, work: Path) -> dict[str, tuple[list[str], str | None]]:
         "search": (["search", str(run), query, "-k", "5"], None),
         "evaluate": (["evaluate", str(run), str(test)], None),
         "train": (["train", str(few), "--run", str(work / "train"), "--overwrite", "--epochs", "1"], None),
-        "serve": (["serve", str(run), "--port", "7931"], "serving the search app"),
+        "serve": (["serve", str(run), "--port", str(free_port())], "serving the search app"),
         "demo": (
-            ["demo", "--run", str(work / "demo"), "--retrain", "--classes", "4", "--epochs", "2", "--port", "7932"],
+            [
+                "demo",
+                "--run",
+                str(work / "demo"),
+                "--retrain",
+                "--classes",
+                "4",
+                "--epochs",
+                "2",
+                "--port",
+                str(free_port()),
+            ],
             "serving the search app",
         ),
     }
@@ -82,15 +96,17 @@ def main() -> None:
     parser.add_argument("--run", type=Path, default=Path("runs/demo"), help="a run with a model and an index")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_exit"))
-    parser.add_argument("--commands", default="index-stats,search,evaluate,train,serve,demo", help="comma-separated")
+    parser.add_argument("--commands", default=",".join(NAMES), help="comma-separated, of " + ", ".join(NAMES))
     args = parser.parse_args()
+    chosen = args.commands.split(",")
+    if unknown := set(chosen) - set(NAMES):
+        parser.error(f"--commands: unknown {', '.join(sorted(unknown))}; choose from {', '.join(NAMES)}")
     run = args.work / "run"
     if not run.exists():
         shutil.copytree(args.run, run)
     table = Table(title=f"seconds, medians of {args.rounds} fresh processes a way, the two ways alternated")
     for column in ("command", "last collection", "start to end", "last line to end"):
         table.add_column(column)
-    chosen = args.commands.split(",")
     for name, (arguments, stop_when) in commands(run, args.work).items():
         if name not in chosen:
             continue
