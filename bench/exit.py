@@ -101,9 +101,11 @@ def main() -> None:
     chosen = args.commands.split(",")
     if unknown := set(chosen) - set(NAMES):
         parser.error(f"--commands: unknown {', '.join(sorted(unknown))}; choose from {', '.join(NAMES)}")
-    run = args.work / "run"
-    if not run.exists():
-        shutil.copytree(args.run, run)
+    if not (args.run / "model.onnx").is_file():
+        parser.error(f"--run {args.run}: no exported run there; make demo makes runs/demo")
+    run = args.work / "run"  # a fresh copy of the run asked for, not one an earlier call left
+    shutil.rmtree(run, ignore_errors=True)
+    shutil.copytree(args.run, run)
     table = Table(title=f"seconds, medians of {args.rounds} fresh processes a way, the two ways alternated")
     for column in ("command", "last collection", "start to end", "last line to end"):
         table.add_column(column)
