@@ -45,6 +45,20 @@ IDLE_POLL_SECONDS = 0.01  # how often the app's event queue looks for new events
 CLOSE_GRACE_SECONDS = 1.0
 
 
+def theme() -> gr.themes.Base | None:
+    """Gradio's default look with its fonts' regular and bold faces only, where Gradio ships them (6.x; 5.x fetched
+    Source Sans Pro from Google Fonts whole: None keeps its default). The semibold faces Gradio 6 ships hold a few
+    letters (Source Sans Pro's: A, B and some Cyrillic), so text at weight 600 (headings, buttons, table headers) mixed
+    those letters with a system font's; without a 600 face the browser draws that text in the bold one."""
+    fonts = Path(gr.__file__).parent / "templates" / "frontend" / "static" / "fonts"
+    if not all((fonts / name / f"{name}-Bold.woff2").is_file() for name in ("SourceSansPro", "IBMPlexMono")):
+        return None
+    return gr.themes.Default(
+        font=[gr.themes.LocalFont("Source Sans Pro", weights=(400, 700)), "ui-sans-serif", "system-ui", "sans-serif"],
+        font_mono=[gr.themes.LocalFont("IBM Plex Mono", weights=(400, 700)), "ui-monospace", "Consolas", "monospace"],
+    )
+
+
 def loopback(host: str) -> bool:
     """Whether host only accepts connections from this machine."""
     if host == "localhost":
@@ -127,12 +141,13 @@ def launch(
     os.environ.setdefault("GRADIO_ANALYTICS_MAX_EVENTS", str(ANALYTICS_EVENTS))  # read when the queue is made
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(ANALYTICS_SUMMARY_EVERY))
     use_own_gradio_folder()  # before the app is built: its components take their folder then
-    demo = build_app(service, None if STYLE_AT_LAUNCH else {"head": HEAD})
+    style = {"head": HEAD, "theme": theme()}
+    demo = build_app(service, None if STYLE_AT_LAUNCH else style)
     release_memory_periodically()
     api = build_api(service, credentials, max_upload)
     api.mount(STATIC_ROUTE, StaticFiles(directory=STATIC), name="app-static")
     settings = {"auth": credentials, "allowed_paths": [str(service.cache)], "max_file_size": max_upload.lower()}
-    settings.update({"head": HEAD} if STYLE_AT_LAUNCH else {})
+    settings.update(style if STYLE_AT_LAUNCH else {})
     queued(demo)
     app = gr.mount_gradio_app(api, demo, path="", show_error=True, **settings)
     server = Server(app, host, port)

@@ -63,7 +63,7 @@ class SearchTab:
 
 
 def build_app(service: SearchService, style: dict | None = None) -> gr.Blocks:
-    """The Gradio interface over a search service (style: css/head for Gradio versions that take them here)."""
+    """The Gradio interface over a search service (style: head and theme for Gradio versions that take them here)."""
     labels = sorted(label for label, _ in service.label_counts() if label)
     on = Handlers(service)
     searching = {  # queued searches answered together (and embedded with the API's queries that arrive meanwhile)

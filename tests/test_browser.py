@@ -98,6 +98,17 @@ def opened(url: str) -> Iterator[object]:
             browser.close()
 
 
+def system_fonts(page: object, selector: str) -> list[str]:
+    """The fonts of the system, not served by the app, that Chromium drew the first selected element's text in."""
+    session = page.context.new_cdp_session(page)  # type: ignore[attr-defined]
+    session.send("DOM.enable")
+    session.send("CSS.enable")
+    root = session.send("DOM.getDocument", {"depth": -1})["root"]["nodeId"]
+    node = session.send("DOM.querySelector", {"nodeId": root, "selector": selector})["nodeId"]
+    fonts = session.send("CSS.getPlatformFontsForNode", {"nodeId": node})["fonts"]
+    return [font["familyName"] for font in fonts if not font["isCustomFont"]]
+
+
 def watch_progress(page: object, box: str) -> None:
     """Records in window.progressShown each time Gradio's progress overlay shows over the box (it dims it)."""
     page.evaluate(  # type: ignore[attr-defined]
@@ -348,6 +359,8 @@ def test_the_audit_tab_shows_a_suspect_beside_its_suggested_label_and_accepts_it
             assert whole_images(page, "#suspect-view")  # not cropped, captions below, the first row below the name
             expect(page.locator("#suspect-line")).to_contain_text("suggest")
             page.screenshot(path=str(ARTIFACTS / "app-audit.png"), full_page=True)
+            for bold in ("h1", "#accept", "#keep"):  # drawn at weight 600
+                assert system_fonts(page, bold) == [], bold  # every letter in the app's font, none in a fallback
             page.locator("#accept").click()
             expect(page.locator("#decision")).to_contain_text("1 decision in", timeout=30_000)
             assert name in labels_csv(service).read_text()
