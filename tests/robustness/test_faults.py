@@ -54,18 +54,16 @@ def test_training_killed_again_and_again_resumes_to_the_uninterrupted_weights(ic
     assert main(["train", str(data), "--run", str(whole.root), *options]) == 0
     broken = RunDir(tmp_path / "broken")
     rng = random.Random(0)
-    kills, finished = 0, False
+    kills = 0
     for _ in range(KILLS):
         resume = ["--resume"] if broken.trainer_state.is_file() else options
-        killed = kill_at_random([sys.executable, "-m", "retrieval", "train", str(data), "--run", str(broken.root), *resume], 2.0, 8.0, rng)
-        kills += killed
-        if not killed:  # a resumed run finished before its kill (a fast machine): there is nothing left to resume
-            finished = True
-            break
-    assert kills, "no run was killed part-way"
-    if not finished:
+        if not kill_at_random([sys.executable, "-m", "retrieval", "train", str(data), "--run", str(broken.root), *resume], 2.0, 8.0, rng):
+            break  # a run finished before its kill (a fast machine): there is nothing left to resume
+        kills += 1
+    else:
         resume = ["--resume"] if broken.trainer_state.is_file() else options
         assert main(["train", str(data), "--run", str(broken.root), *resume]) == 0
+    assert kills, "no run was killed part-way"
     expected, _ = read_sealed(whole.last_checkpoint)
     resumed, _ = read_sealed(broken.last_checkpoint)
     assert expected.keys() == resumed.keys() and all(torch.equal(expected[name], resumed[name]) for name in expected)
