@@ -18,12 +18,23 @@ TEST_EXTRAS := train,test
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# PyTorch's default wheel with its CUDA libraries and Triton: 5.3 GB on disk (measured). With less free than that,
+# less what .venv holds already, the install cannot finish, so it is refused before pip downloads anything.
+TORCH_MB ?= 5300
+
 define install
 	@echo "installing retrieval and its $(1) dependencies into $(VENV): about 7 GB with PyTorch's default wheel, whose"
 	@echo "CUDA libraries (3.2 GB of it) also run on CPUs; 'make $(2) TORCH=cpu' takes PyTorch's CPU-only wheels instead"
-	$(if $(filter cpu,$(TORCH)),$(PIP) $(TORCH_PINS) --index-url $(TORCH_CPU_INDEX))
+	$(if $(filter cpu,$(TORCH)),$(PIP) $(TORCH_PINS) --index-url $(TORCH_CPU_INDEX),$(call check_disk,$(2)))
 	$(PIP) -e ".[$(DEVICE),$(1)]"
 	touch $@
+endef
+
+define check_disk
+	@more=$$(( $(TORCH_MB) - $$(du -sm $(VENV) | cut -f1) )); free=$$(df -Pm $(VENV) | awk 'NR == 2 {print $$4}'); \
+	if [ $$free -lt $$more ]; then \
+	echo "error: PyTorch's default wheel needs $$more MB more on the disk of $(VENV), which has $$free MB free: free some space, or run 'make $(1) TORCH=cpu' (its CPU-only wheels, without 4 GB of CUDA libraries and Triton)" >&2; \
+	exit 2; fi
 endef
 
 $(VENV)/.installed-run-$(DEVICE): pyproject.toml | $(BIN)/python

@@ -519,6 +519,22 @@ def test_make_says_what_the_install_takes_and_takes_a_cpu_torch_and_a_port() -> 
     assert "--index-url" not in default and "--port 7860" in default
 
 
+def test_make_refuses_an_install_the_disk_cannot_hold_before_pip_runs(tmp_path: Path) -> None:
+    """A disk too small for PyTorch's default wheel: one line naming what it needs, what is free and TORCH=cpu, and pip
+    never runs (PIP=false would fail the install otherwise); with room (TORCH_MB=1) the install goes on to pip."""
+    import subprocess
+
+    root = Path(__file__).parents[1]
+    venv = tmp_path / ".venv"
+    make = ["make", "--no-print-directory", "-C", str(root), f"VENV={venv}", f"{venv}/.installed-run-cpu"]
+    refused = subprocess.run([*make, "TORCH_MB=1000000000", "PIP=false"], capture_output=True, text=True)
+    assert refused.returncode != 0 and not (venv / ".installed-run-cpu").exists()
+    line = refused.stderr.splitlines()[0]
+    assert re.fullmatch(rf"error: PyTorch's default wheel needs \d+ MB more on the disk of {re.escape(str(venv))}, which has \d+ MB free: free some space, or run 'make demo TORCH=cpu' .*", line)
+    room = subprocess.run([*make, "TORCH_MB=1", "PIP=true"], capture_output=True, text=True)
+    assert room.returncode == 0 and "error" not in room.stderr and (venv / ".installed-run-cpu").exists()
+
+
 def test_the_parsers_own_mistakes_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     from retrieval.commands import main
 
