@@ -15,7 +15,9 @@ TEST_EXTRAS := train,test
 
 .PHONY: demo test
 
-$(BIN)/python:
+# The venv is made when its pip is missing, not its python: Debian's python3 without the python3-venv package leaves
+# .venv/bin/python behind when it stops, and the venv is made again once the package is installed.
+$(BIN)/pip:
 	$(PYTHON) -m venv $(VENV)
 
 # PyTorch's default wheel with its CUDA libraries and Triton: 5.3 GB on disk (measured). With less free than that,
@@ -37,10 +39,10 @@ define check_disk
 	exit 2; fi
 endef
 
-$(VENV)/.installed-run-$(DEVICE): pyproject.toml | $(BIN)/python
+$(VENV)/.installed-run-$(DEVICE): pyproject.toml | $(BIN)/pip
 	$(call install,train,demo)
 
-$(VENV)/.installed-test-$(DEVICE): pyproject.toml | $(BIN)/python
+$(VENV)/.installed-test-$(DEVICE): pyproject.toml | $(BIN)/pip
 	$(call install,$(TEST_EXTRAS),test)
 
 demo: $(VENV)/.installed-run-$(DEVICE)

@@ -535,6 +535,27 @@ def test_make_refuses_an_install_the_disk_cannot_hold_before_pip_runs(tmp_path: 
     assert room.returncode == 0 and "error" not in room.stderr and (venv / ".installed-run-cpu").exists()
 
 
+def test_make_makes_the_venv_again_where_debians_python_stopped_without_python3_venv(tmp_path: Path) -> None:
+    """Debian's python3 without python3-venv stops after writing .venv/bin/python; once the package is in, `make demo`
+    again makes the venv (it went on to a pip that was not there)."""
+    import subprocess
+
+    root = Path(__file__).parents[1]
+    venv = tmp_path / ".venv"
+    debian = tmp_path / "python3"
+    debian.write_text(
+        '#!/bin/sh\nmkdir -p "$3/bin" && ln -s "$(command -v python3)" "$3/bin/python"\n'
+        'echo "The virtual environment was not created successfully because ensurepip is not available." >&2\nexit 1\n'
+    )
+    debian.chmod(0o755)
+    make = ["make", "--no-print-directory", "-C", str(root), f"VENV={venv}", f"{venv}/.installed-run-cpu", "PIP=true"]
+    stopped = subprocess.run([*make, f"PYTHON={debian}"], capture_output=True, text=True)
+    assert stopped.returncode != 0 and "ensurepip is not available" in stopped.stderr and (venv / "bin/python").exists()
+    again = subprocess.run([*make, "TORCH_MB=1"], capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert (venv / "bin/pip").exists() and (venv / ".installed-run-cpu").exists()
+
+
 def test_the_parsers_own_mistakes_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     from retrieval.commands import main
 
