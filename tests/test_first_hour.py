@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -317,7 +318,6 @@ def test_ctrl_c_during_training_says_how_to_resume(small_folder: Path, tmp_path:
 def test_ctrl_c_during_the_demo_says_what_is_kept_and_the_same_command_goes_on_from_it(tmp_path: Path) -> None:
     """The first thing a new user may do to a five-minute demo: Ctrl+C in its training. One line, exit 130; the same
     command then resumes the training from its last saved epoch (it started over before) and finishes the demo."""
-    import subprocess
     import sys
 
     run = tmp_path / "demo"
@@ -419,7 +419,6 @@ def test_a_finished_demo_exported_again_with_other_options_is_indexed_with_its_m
 
 
 def test_the_demo_output_has_its_steps_and_the_time_left(tmp_path: Path) -> None:
-    import subprocess
     import sys
 
     command = [sys.executable, "-m", "retrieval", "demo", "--no-serve", "--run", str(tmp_path / "run"), "--classes", "4", "--epochs", "2"]
@@ -434,7 +433,6 @@ def test_the_demo_output_has_its_steps_and_the_time_left(tmp_path: Path) -> None
 
 def test_serve_says_where_the_app_is_without_gradios_launch_advice(demo_run: RunDir) -> None:
     import signal
-    import subprocess
     import sys
 
     from tests.test_app import free_port
@@ -507,8 +505,6 @@ def test_an_unknown_label_fails_only_its_own_query(demo_run: RunDir) -> None:
 def test_make_says_what_the_install_takes_and_takes_a_cpu_torch_and_a_port() -> None:
     """`make demo TORCH=cpu PORT=8080` (dry run): the size note first, PyTorch's CPU wheels from PyTorch's own index,
     pinned as pyproject.toml pins them, then the package, then the demo on that port."""
-    import subprocess
-
     root = Path(__file__).parents[1]
     plan = subprocess.run(["make", "--no-print-directory", "-n", "-W", "pyproject.toml", "demo", "TORCH=cpu", "PORT=8080"], cwd=root, capture_output=True, text=True, check=True).stdout.splitlines()
     assert "about 7 GB" in plan[0] and "TORCH=cpu" in plan[1]
@@ -519,28 +515,28 @@ def test_make_says_what_the_install_takes_and_takes_a_cpu_torch_and_a_port() -> 
     assert "--index-url" not in default and "--port 7860" in default
 
 
+def make_install(venv: Path, *settings: str) -> subprocess.CompletedProcess[str]:
+    """The Makefile's install of the demo's dependencies into venv (settings: make variables such as PIP=true)."""
+    target = f"{venv}/.installed-run-cpu"
+    command = ["make", "--no-print-directory", "-C", str(Path(__file__).parents[1]), f"VENV={venv}", target, *settings]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
 def test_make_refuses_an_install_the_disk_cannot_hold_before_pip_runs(tmp_path: Path) -> None:
     """A disk too small for PyTorch's default wheel: one line naming what it needs, what is free and TORCH=cpu, and pip
     never runs (PIP=false would fail the install otherwise); with room (TORCH_MB=1) the install goes on to pip."""
-    import subprocess
-
-    root = Path(__file__).parents[1]
     venv = tmp_path / ".venv"
-    make = ["make", "--no-print-directory", "-C", str(root), f"VENV={venv}", f"{venv}/.installed-run-cpu"]
-    refused = subprocess.run([*make, "TORCH_MB=1000000000", "PIP=false"], capture_output=True, text=True)
+    refused = make_install(venv, "TORCH_MB=1000000000", "PIP=false")
     assert refused.returncode != 0 and not (venv / ".installed-run-cpu").exists()
     line = refused.stderr.splitlines()[0]
     assert re.fullmatch(rf"error: PyTorch's default wheel needs \d+ MB more on the disk of {re.escape(str(venv))}, which has \d+ MB free: free some space, or run 'make demo TORCH=cpu' .*", line)
-    room = subprocess.run([*make, "TORCH_MB=1", "PIP=true"], capture_output=True, text=True)
+    room = make_install(venv, "TORCH_MB=1", "PIP=true")
     assert room.returncode == 0 and "error" not in room.stderr and (venv / ".installed-run-cpu").exists()
 
 
 def test_make_makes_the_venv_again_where_debians_python_stopped_without_python3_venv(tmp_path: Path) -> None:
     """Debian's python3 without python3-venv stops after writing .venv/bin/python; once the package is in, `make demo`
     again makes the venv (it went on to a pip that was not there)."""
-    import subprocess
-
-    root = Path(__file__).parents[1]
     venv = tmp_path / ".venv"
     debian = tmp_path / "python3"
     debian.write_text(
@@ -548,10 +544,9 @@ def test_make_makes_the_venv_again_where_debians_python_stopped_without_python3_
         'echo "The virtual environment was not created successfully because ensurepip is not available." >&2\nexit 1\n'
     )
     debian.chmod(0o755)
-    make = ["make", "--no-print-directory", "-C", str(root), f"VENV={venv}", f"{venv}/.installed-run-cpu", "PIP=true"]
-    stopped = subprocess.run([*make, f"PYTHON={debian}"], capture_output=True, text=True)
+    stopped = make_install(venv, "PIP=true", f"PYTHON={debian}")
     assert stopped.returncode != 0 and "ensurepip is not available" in stopped.stderr and (venv / "bin/python").exists()
-    again = subprocess.run([*make, "TORCH_MB=1"], capture_output=True, text=True)
+    again = make_install(venv, "PIP=true", "TORCH_MB=1")
     assert again.returncode == 0, again.stderr
     assert (venv / "bin/pip").exists() and (venv / ".installed-run-cpu").exists()
 
