@@ -13,6 +13,14 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/pip install --disable-pip-version-check
 TEST_EXTRAS := train,test
 
+# A value make does not know is refused, not taken for the default (TORCH=CPU installed the 7 GB CUDA wheel).
+ifeq ($(filter $(DEVICE),cpu gpu),)
+$(error DEVICE=$(DEVICE): give DEVICE=cpu (the default) or DEVICE=gpu)
+endif
+ifeq ($(filter $(TORCH),default cpu),)
+$(error TORCH=$(TORCH): give TORCH=cpu for PyTorch's CPU-only wheels, or leave TORCH out for its default wheel)
+endif
+
 .PHONY: demo test
 
 # The venv is made when its pip is missing, not its python: Debian's python3 without the python3-venv package leaves

@@ -515,6 +515,16 @@ def test_make_says_what_the_install_takes_and_takes_a_cpu_torch_and_a_port() -> 
     assert "--index-url" not in default and "--port 7860" in default
 
 
+@pytest.mark.parametrize(("setting", "told"), [("TORCH=CPU", "give TORCH=cpu"), ("DEVICE=cuda", "give DEVICE=cpu (the default) or DEVICE=gpu")])
+def test_make_refuses_a_value_it_does_not_know(setting: str, told: str) -> None:
+    """`make demo TORCH=CPU` installed PyTorch's 7 GB default wheel, `DEVICE=cuda` neither faiss nor onnxruntime: one
+    line naming the value and the ones make knows, before anything is planned."""
+    root = Path(__file__).parents[1]
+    plan = subprocess.run(["make", "--no-print-directory", "-n", "demo", setting], cwd=root, capture_output=True, text=True)
+    assert plan.returncode == 2 and plan.stdout == ""
+    assert re.fullmatch(rf"Makefile:\d+: \*\*\* {setting}: {re.escape(told)}.*Stop\.\n", plan.stderr)
+
+
 def make_install(venv: Path, *settings: str) -> subprocess.CompletedProcess[str]:
     """The Makefile's install of the demo's dependencies into venv (settings: make variables such as PIP=true)."""
     target = f"{venv}/.installed-run-cpu"
