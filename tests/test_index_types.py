@@ -72,6 +72,15 @@ def test_the_choice_follows_size_and_memory() -> None:
             choice.parse_memory(bad)
 
 
+def test_index_help_names_every_type_the_choice_picks(capsys: pytest.CaptureFixture[str]) -> None:
+    """`retrieval index --help` said IVF followed Flat above 100,000 images, where the choice picks a graph first."""
+    picked = [choice.choose_index(1_000_000, 128, memory, intrinsic=30.0).factory for memory in (10**12, 10**9, 8 * 10**8, 4 * 10**8, 10**8)]
+    assert main(["index", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    names = {"HNSW64": "HNSW64", "HNSW32": "HNSW graph", "IVF4096,Flat": "IVF-Flat", "IVF4096,SQ8": "IVF-SQ8", "OPQ64,IVF4096,PQ64": "OPQ+IVF-PQ"}
+    assert [names[factory] in help_text for factory in picked] == [True] * 5, help_text
+
+
 @pytest.mark.parametrize("factory", ["Flat", "IVF32,Flat", "IVF32,SQ8", "HNSW16", "OPQ8,IVF32,PQ8"])
 def test_every_type_builds_searches_removes_and_reopens(tmp_path: Path, factory: str) -> None:
     vectors = clustered()

@@ -82,8 +82,9 @@ def index(
 ) -> None:
     """Embed a gallery with the run's ONNX model and add it to its FAISS index (incremental and resumable).
 
-    A new index is exact (Flat) up to 100,000 images, then IVF-Flat, IVF-SQ8 or OPQ+IVF-PQ as the
-    memory budget allows, with its search depth tuned to recall@10 >= 0.95 (see `retrieval index-stats`).
+    A new index is exact (Flat) up to 100,000 images, then an HNSW graph (HNSW64 for a gallery of high
+    intrinsic dimension) where it fits the memory budget, else IVF-Flat, IVF-SQ8 or OPQ+IVF-PQ, with its
+    search depth tuned to recall@10 >= 0.95 (see `retrieval index-stats`).
     """
     from index.backends import built_with
     from index.build import build_index
