@@ -31,6 +31,13 @@ def test_top_level_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -
     assert all(command in out for command in COMMANDS)
 
 
+def test_train_help_names_every_kind_of_data_it_reads(capsys: pytest.CaptureFixture[str]) -> None:
+    """`retrieval train --help` named a labeled folder and a CSV only, where train reads a .txt list and unlabeled images too."""
+    assert main(["train", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "a .txt list of paths" in help_text and "train without labels" in help_text, help_text
+
+
 def test_help_as_a_word_shows_the_help_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
     """`retrieval help` and `retrieval help search` said "No such command 'help'"."""
     assert main(["help"]) == 0

@@ -40,7 +40,9 @@ def option_named(option: str) -> Iterator[None]:
 
 RUN_HELP = "Run directory (holds config, checkpoints, model.onnx, index/)."
 DATA_HELP = (
-    "An image folder ROOT/<label>/<image>, a CSV with columns path,label, or with --benchmark the extracted archive."
+    "An image folder ROOT/<label>/<image>, a CSV with columns path,label or a .txt list of paths; images without a "
+    "label (a flat folder, files at ROOT, empty CSV labels, a list) train without labels. With --benchmark: the "
+    "extracted archive."
 )
 BENCHMARK_HELP = (
     "Read DATA as a standard benchmark's extracted archive: cub, cars196, sop or inshop "
@@ -49,7 +51,6 @@ BENCHMARK_HELP = (
 INDEX_HELP = "Index directory (default: RUN/index)."
 
 RunArg = Annotated[Path, typer.Argument(help=RUN_HELP, show_default=False)]
-DataArg = Annotated[Path, typer.Argument(help=DATA_HELP, show_default=False)]
 BenchmarkOption = Annotated[str | None, typer.Option(help=BENCHMARK_HELP, show_default=False)]
 IndexOption = Annotated[Path | None, typer.Option("--index", help=INDEX_HELP)]
 MODEL_HELP = "The exported model that embeds: float32 (model.onnx) or int8 (model.int8.onnx, from `export --int8`)."
