@@ -586,7 +586,7 @@ def test_images_without_labels_are_said_not_judged_not_found_right(demo_run: Run
     for image in copy_classes(icons_root, tmp_path / "pics", 2, "test").rglob("*.png"):
         image.rename(flat / f"{image.parent.name}-{image.name}")
     assert main(["audit", str(demo_run.root), str(flat)]) == 0
-    said = "suspected wrong labels: not judged, no image has a label (labels come from an image folder ROOT/<label>/<image>"
+    said = "suspected wrong labels: not judged, no image has a label (labels come from an image folder ROOT/<label>/<image> or a CSV with columns path,label)"
     assert capsys.readouterr().out.startswith(said)
     assert main(["audit", str(demo_run.root), str(flat), "--json"]) == 0
     found = json.loads(capsys.readouterr().out)

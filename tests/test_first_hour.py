@@ -193,11 +193,13 @@ def test_a_quoted_pattern_says_the_shell_expands_it_without_quotes(tmp_path: Pat
     from retrieval.commands import main
 
     (tmp_path / "photos").mkdir()
-    for command, hint in ((["search", str(tmp_path)], "an image file"), (["train", "--run", str(tmp_path / "run")], "an image folder ROOT/<label>/<image>")):
+    collection = "an image folder ROOT/<label>/<image>, a CSV with columns path,label or a .txt list of paths"
+    labeled = "an image folder ROOT/<label>/<image> or a CSV with columns path,label"  # a sweep needs labels
+    for command, hint in ((["search", str(tmp_path)], "an image file"), (["train", "--run", str(tmp_path / "run")], collection), (["analyze"], labeled)):
         assert main([*command, f"{tmp_path}/photos/*.jpg"]) == 2
         assert capsys.readouterr().err == (
             f"error: {tmp_path}/photos/*.jpg: no such file; a pattern is expanded by the shell when it is not in quotes: "
-            f"write it without them, or give {hint}" + ("\n" if hint == "an image file" else " or a CSV with columns path,label\n")
+            f"write it without them, or give {hint}\n"
         )
 
 
