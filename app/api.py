@@ -57,6 +57,12 @@ METHODS = {"GET", "POST", "PUT", "PATCH", "DELETE"}
 RERANK_HELP = "none, qe, dba or kreciprocal, with parameters; default: the server's --rerank."
 OPTIONS = frozenset({"k", "label", "depth", "rerank"})  # the search routes' query options
 FORM_FIELDS = 'the form takes only the image (field "image"); options go in the query string: /api/v1/search?k=5'
+_URLENCODED = "application/x-www-form-urlencoded"  # what curl -d and --data-binary declare
+FORM_BODY = (
+    "a body sent as a form (curl -d @query.jpg) loses the file's line breaks: send it with --data-binary @query.jpg"
+)
+ATTACH = "send the file itself (curl -F image=@query.jpg or --data-binary @query.jpg: the @ reads the file)"
+_FORM_TEXT = re.compile(rb"[\w.\-\[\]]+=[^&\x00-\x1f]*(&[\w.\-\[\]]+=[^&\x00-\x1f]*)*")  # name=value&...: no image
 
 
 class HitOut(BaseModel):
@@ -142,7 +148,7 @@ def _search_routes(api: FastAPI, service: SearchService, limit: int, allowed: li
         image = await _upload(request, limit)
         query = service.query(k, depth, label, reranked(rerank))
         result: QueryResult = await asyncio.wrap_future(service.batcher.submit(image, query))
-        return _answer(result)
+        return _answer(result, FORM_BODY if _kind(request) == _URLENCODED else "")
 
     @api.get("/api/v1/items/{item_id}/neighbours", response_model=SearchOut, dependencies=allowed)
     def neighbours(
@@ -229,11 +235,13 @@ async def _no_route(request: Request) -> JSONResponse:
     return JSONResponse({"detail": f"no route {request.url.path}; {hint}the API's routes: {routes} (and /docs)"}, 404)
 
 
-def _answer(result: QueryResult) -> JSONResponse:
+def _answer(result: QueryResult, unreadable: str = "") -> JSONResponse:
     """The result as SearchOut's JSON, written straight from the hits: a returned response is not validated
-    against the model again (SearchOut stays the documented schema, and a test holds the two together)."""
+    against the model again (SearchOut stays the documented schema, and a test holds the two together).
+    unreadable: what to add to the message of an image that could not be read."""
     if result.error is not None:
-        raise HTTPException(STATUS[result.error.kind], result.error.message)
+        added = f"; {unreadable}" if unreadable and result.error.kind is ErrorKind.UNREADABLE_IMAGE else ""
+        raise HTTPException(STATUS[result.error.kind], result.error.message + added)
     hits = [
         {"id": int(hit.id), "score": float(hit.score), "path": hit.path, "label": hit.label, "match": hit.match}
         for hit in result.hits
@@ -257,6 +265,8 @@ async def _upload(request: Request, limit: int) -> ImageQuery:
         files = sorted({name for name, value in form.multi_items() if not isinstance(value, str)} - {"image"})
         options = sorted({name for name, value in form.multi_items() if isinstance(value, str)})
         uploads = form.getlist("image")
+        if len(uploads) == 1 and isinstance(uploads[0], str) and not files:  # curl -F image=query.jpg, without the @
+            raise HTTPException(422, f'the field "image" holds text ({_shown(uploads[0])}), not a file: {ATTACH}')
         if files or len(uploads) != 1 or isinstance(uploads[0], str):
             named = f" (not {', '.join(files)})" if files else ""
             raise HTTPException(
@@ -267,8 +277,8 @@ async def _upload(request: Request, limit: int) -> ImageQuery:
         upload = uploads[0]
         name, data = upload.filename or "image", await upload.read()
     else:
-        _refuse_text_body(request.headers.get("content-type", ""))
         name, data = "image", await request.body()
+        _refuse_text_body(_kind(request), data)
     if len(data) > limit:
         raise _too_large(limit)
     if not data:
@@ -288,17 +298,29 @@ async def _form(request: Request) -> FormData:
         ) from None
 
 
-def _refuse_text_body(content_type: str) -> None:
-    """A JSON body (`requests.post(json={"image": ...})`, `-d '{"image": ...}'`) is no image: it read "image: not a
-    readable image", which did not say what to send instead. (`curl --data-binary @query.jpg` declares a form body
-    but sends the image's bytes: still taken.)"""
-    kind = content_type.split(";")[0].strip().lower()
+def _shown(text: str) -> str:
+    """A text value quoted for an error line: its first 60 characters."""
+    return repr(text if len(text) <= 60 else text[:57] + "...")
+
+
+def _kind(request: Request) -> str:
+    """The request's content type, without its parameters."""
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def _refuse_text_body(kind: str, body: bytes) -> None:
+    """A JSON body (`requests.post(json={"image": ...})`, `-d '{"image": ...}'`) or a form's text fields (`curl -d
+    image=query.jpg`) is no image: both read "image: not a readable image", which did not say what to send instead.
+    (`curl --data-binary @query.jpg` declares a form body but sends the image's bytes: still taken.)"""
     if kind == "application/json":
         raise HTTPException(
             415,
             f'the body is {kind}, not an image: send the image\'s bytes as the body, or as the multipart field "image" '
             "(curl -F image=@query.jpg)",
         )
+    if kind == _URLENCODED and _FORM_TEXT.fullmatch(body[:4096]):
+        fields = body.decode("ascii", "replace")
+        raise HTTPException(422, f"the body is a form's text ({_shown(fields)}), not an image: {ATTACH}")
 
 
 def _basic_auth(credentials: tuple[str, str] | None):  # noqa: ANN202  (a FastAPI dependency)

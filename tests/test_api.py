@@ -84,6 +84,13 @@ def test_mistakes_get_one_line_and_the_right_status(served: tuple[SearchService,
         (httpx.post(f"{url}/api/v1/search", content=b""), 422, "empty file"),
         (httpx.post(f"{url}/api/v1/search", json={"image": "query.jpg"}), 415, "the body is application/json, not an image: send the image's bytes"),
         (httpx.post(f"{url}/api/v1/search", files={"file": ("a.png", image)}), 422, 'multipart field "image" (not file)'),
+        # the file's name sent instead of the file (curl -F image=q.jpg, -d image=q.jpg: no @) read "send one image as
+        # the multipart field image" (it was that field) and "image: not a readable image"
+        (httpx.post(f"{url}/api/v1/search", files={"image": (None, b"photos/q.jpg")}), 422, "the field \"image\" holds text ('photos/q.jpg'), not a file: send the file itself (curl -F image=@query.jpg"),
+        (httpx.post(f"{url}/api/v1/search", data={"image": "my photos/q.jpg"}), 422, "the body is a form's text ('image=my+photos%2Fq.jpg'), not an image: send the file itself"),
+        (httpx.post(f"{url}/api/v1/search", content=b"image=my photos/q.jpg", headers={"content-type": "application/x-www-form-urlencoded"}), 422, "form's text ('image=my photos/q.jpg')"),
+        # curl -d @query.png drops the file's line breaks: the image that is left says how to send it whole
+        (httpx.post(f"{url}/api/v1/search", content=image.replace(b"\r", b"").replace(b"\n", b""), headers={"content-type": "application/x-www-form-urlencoded"}), 422, "image: not a readable image (not a format Pillow recognises); a body sent as a form (curl -d @query.jpg) loses the file's line breaks: send it with --data-binary @query.jpg"),
         # options sent as form fields or misspelt in the query were ignored, the defaults answered as if heard
         (httpx.post(f"{url}/api/v1/search", files={"image": ("a.png", image)}, data={"k": "3"}), 422, "k: the form takes only the image"),
         (httpx.post(f"{url}/api/v1/search", files=[("image", ("a.png", image)), ("image", ("b.png", image))]), 422, "send one image"),
@@ -105,6 +112,7 @@ def test_mistakes_get_one_line_and_the_right_status(served: tuple[SearchService,
         assert response.status_code == status, response.text
         detail = response.json()["detail"]
         assert isinstance(detail, str) and "\n" not in detail and words in detail, detail
+    assert "--data-binary" not in cases[0][0].json()["detail"]  # a raw body not declared a form: its own reason only
     declared = {"content-type": "application/x-www-form-urlencoded"}  # as curl --data-binary @query.jpg sends it
     assert httpx.post(f"{url}/api/v1/search", content=image, headers=declared).json()["hits"]
 
