@@ -319,7 +319,7 @@ def _refuse_text_body(kind: str, body: bytes) -> None:
             "(curl -F image=@query.jpg)",
         )
     if kind == _URLENCODED and _FORM_TEXT.fullmatch(body[:4096]):
-        fields = body.decode("ascii", "replace")
+        fields = body[:4096].decode("ascii", "replace")
         raise HTTPException(422, f"the body is a form's text ({_shown(fields)}), not an image: {ATTACH}")
 
 

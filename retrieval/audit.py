@@ -25,8 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.data import LABELED_HINT as LABELED_SOURCES
-from retrieval.data import Collection, Item, Skipped, as_collection, none_readable, same_images
+from retrieval.data import LABELED_COLLECTION_HINT, Collection, Item, Skipped, as_collection, none_readable, same_images
 from retrieval.duplicates import CANDIDATES, THUMBNAIL, CopyKind, CopyPair, copy_groups, find_copies
 from retrieval.embedders import Embedder, embed_items
 from retrieval.errors import RetrievalError
@@ -36,7 +35,7 @@ from retrieval.runs import write_atomic
 CLOSEST = 3  # the closest images of a label whose mean similarity is compared (chosen on held-out classes)
 DEPTH = 50  # neighbours searched per image for the other labels' closest
 OUTLIER_SPREAD = 4.0  # robust deviations (1.4826 x MAD) below the median closeness that make an outlier
-LABELED_HINT = f"labels come from {LABELED_SOURCES}"  # said where no image has a label to judge
+LABELED_HINT = f"labels come from {LABELED_COLLECTION_HINT}"  # said where no image has a label to judge
 WEAK_AGREEMENT = 0.7  # below this leave-one-out recall@1, many suspects are the model's mistakes (docs/trust.md)
 
 

@@ -130,7 +130,9 @@ def load_collection(source: str | Path) -> Collection:
 
 
 COLLECTION_HINT = "an image folder ROOT/<label>/<image>, a CSV with columns path,label or a .txt list of paths"
-LABELED_HINT = "an image folder ROOT/<label>/<image> or a CSV with columns path,label"  # a .txt list has no labels
+LABELED_COLLECTION_HINT = (
+    "an image folder ROOT/<label>/<image> or a CSV with columns path,label"  # a .txt list has no labels
+)
 
 
 def first_skipped(skipped: Sequence[Skipped]) -> str:

@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from retrieval.commands.output import BENCHMARK_HELP, DATA_HELP, console, report_skipped, stopped_by_ctrl_c
-from retrieval.data import LABELED_HINT, load_collection, require_source
+from retrieval.data import LABELED_COLLECTION_HINT, load_collection, require_source
 from retrieval.errors import RetrievalError, one_of
 from retrieval.extras import require
 from retrieval.runs import RunDir, read_json, shell_path, writable_folder
@@ -43,7 +43,7 @@ class Option:
 
 
 RESUME_MAY_CHANGE = ("device", "workers", "tensorboard")  # how a run is run, not what it learns: --resume takes them
-ANALYZE_DATA_HELP = f"Labeled images: {LABELED_HINT}."
+ANALYZE_DATA_HELP = f"Labeled images: {LABELED_COLLECTION_HINT}."
 SWEEP_CLASSES = 4  # analyze trains on some classes and measures on at least two held-out ones
 LOSS_HELP = (
     "Loss: supcon (Khosla et al. 2020), infonce (NT-Xent), npair (Sohn 2016), hcl (Robinson et al. 2021), "
@@ -326,13 +326,13 @@ SWEEP_KEYS = ("loss_uniformity", "loss_tolerance", "uniformity", "tolerance", "r
 
 def _require_sweep_classes(data: Path) -> None:
     """Refuses data that is not there, or has fewer labeled classes than a sweep trains and measures on."""
-    require_source(data, hint=LABELED_HINT)
+    require_source(data, hint=LABELED_COLLECTION_HINT)
     classes = len(load_collection(data).class_counts())
     if classes < SWEEP_CLASSES:
         found = counted(classes, "labeled class", "labeled classes") if classes else "no labeled image"
         raise RetrievalError(
             f"{data}: {found}; the sweep trains on some classes and measures uniformity and tolerance on two or more "
-            f"others (with --self-supervised too), so it needs {SWEEP_CLASSES} or more: give {LABELED_HINT}"
+            f"others (with --self-supervised too), so it needs {SWEEP_CLASSES} or more: give {LABELED_COLLECTION_HINT}"
         )
 
 
