@@ -97,7 +97,7 @@ WIDEST = 1024  # the deepest a query searches for its own item hidden behind tie
 def search_vectors(
     index: GalleryBackend,
     vectors: np.ndarray,
-    queries: Query | Sequence[Query],
+    queries: Query | Sequence[Query] = Query(),
     itself: Sequence[Itself | None] | None = None,
 ) -> list[list[Hit]]:
     """The hits of each row of vectors (one Query for all, or one per row), answered together for queries that share
@@ -115,6 +115,13 @@ def _per_query(queries: Query | Sequence[Query], count: int, what: str) -> list[
     one would leave the rest unanswered without a word)."""
     if isinstance(queries, Query):
         return [queries] * count
+    listed = isinstance(queries, Sequence) and not isinstance(queries, (str, bytes))
+    wrong = next((query for query in queries if not isinstance(query, Query)), None) if listed else queries
+    if not listed or wrong is not None:  # search_images(index, embedder, images, 5): "type 'int' has no len()"
+        raise RetrievalError(
+            f"queries: a {type(wrong).__name__} is not a Query; give one Query for all (e.g. Query(k=5)), or a list of "
+            "one per item"
+        )
     if len(queries) != count:
         raise RetrievalError(
             f"{count} {what} for {len(queries)} queries: give one Query for all of them, or a list of one per item"
@@ -278,7 +285,10 @@ def search_item(index: GalleryBackend, item_id: int, query: Query = Query()) -> 
 
 
 def search_images(
-    index: GalleryBackend, embedder: Embedder, images: Sequence[str | Path], queries: Query | Sequence[Query]
+    index: GalleryBackend,
+    embedder: Embedder,
+    images: Sequence[str | Path],
+    queries: Query | Sequence[Query] = Query(),
 ) -> list[QueryResult]:
     """The hits of each image file (one Query for all, or one per image), embedded in one call; a gallery item with an
     image's exact bytes (the first, where there are copies) is left out."""
@@ -305,7 +315,7 @@ def search_image_bytes(
     index: GalleryBackend,
     embedder: Embedder,
     images: Sequence[ImageQuery | Failure],
-    queries: Query | Sequence[Query],
+    queries: Query | Sequence[Query] = Query(),
 ) -> list[QueryResult]:
     """The hits of each image (uploads, or files read; a Failure is that query's, as it came), embedded in one call;
     one Query for all, or one per image."""

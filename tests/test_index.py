@@ -151,6 +151,14 @@ def test_one_query_serves_every_vector_and_a_list_of_another_length_is_refused(t
         search_images(index, None, [Image.new("RGB", (8, 8))], Query(3))  # type: ignore[arg-type]  # a TypeError
     with pytest.raises(RetrievalError, match="^2 images for 3 queries"):
         search_images(index, None, ["a.jpg", "b.jpg"], [Query(3)] * 3)  # type: ignore[arg-type]
+    # without queries, each is answered as Query() is (10 hits), as search_items answers; a k or None given
+    # for the queries failed in "object of type 'int' has no len()"
+    assert search_vectors(index, vectors[:2]) == search_vectors(index, vectors[:2], Query())
+    assert [len(hits) for hits in search_vectors(index, vectors[:2])] == [10, 10]
+    for wrong, named in ((5, "int"), (None, "NoneType"), ([Query(3), 5], "int"), ("k=5", "str")):
+        with pytest.raises(RetrievalError) as refused:
+            search_vectors(index, vectors[:2], wrong)  # type: ignore[arg-type]
+        assert str(refused.value) == f"queries: a {named} is not a Query; give one Query for all (e.g. Query(k=5)), or a list of one per item"
 
 
 def test_queries_no_search_can_answer_are_refused(tmp_path: Path) -> None:
