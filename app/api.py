@@ -260,25 +260,26 @@ async def _upload(request: Request, limit: int) -> ImageQuery:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit + 4096:
         raise _too_large(limit)
-    if request.headers.get("content-type", "").startswith("multipart/form-data"):
+    kind = _kind(request)
+    if kind == "multipart/form-data":
         form = await _form(request)
         files = sorted({name for name, value in form.multi_items() if not isinstance(value, str)} - {"image"})
         options = sorted({name for name, value in form.multi_items() if isinstance(value, str)})
         uploads = form.getlist("image")
-        if len(uploads) == 1 and isinstance(uploads[0], str) and not files:  # curl -F image=query.jpg, without the @
-            raise HTTPException(422, f'the field "image" holds text ({_shown(uploads[0])}), not a file: {ATTACH}')
-        if files or len(uploads) != 1 or isinstance(uploads[0], str):
+        if files or len(uploads) != 1:
             named = f" (not {', '.join(files)})" if files else ""
             raise HTTPException(
                 422, f'send one image as the multipart field "image"{named}, or as the raw request body'
             )
+        if isinstance(uploads[0], str):  # curl -F image=query.jpg, without the @
+            raise HTTPException(422, f'the field "image" holds text ({_shown(uploads[0])}), not a file: {ATTACH}')
         if options:  # curl -F k=5: the options are the query's (they were ignored)
             raise HTTPException(422, f"{', '.join(options)}: {FORM_FIELDS}")
         upload = uploads[0]
         name, data = upload.filename or "image", await upload.read()
     else:
         name, data = "image", await request.body()
-        _refuse_text_body(_kind(request), data)
+        _refuse_text_body(kind, data)
     if len(data) > limit:
         raise _too_large(limit)
     if not data:

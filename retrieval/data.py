@@ -123,9 +123,7 @@ def load_collection(source: str | Path) -> Collection:
             found = "lists no images" + (
                 " (no row below its header)" if source.suffix.lower() in TABLE_SUFFIXES else ""
             )
-        raise RetrievalError(
-            f"{source}: {found}; put images in ROOT/<label>/<image> or list them in a CSV with columns path,label"
-        )
+        raise RetrievalError(f"{source}: {found}; give {COLLECTION_HINT}")
     return collection
 
 

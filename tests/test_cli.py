@@ -160,6 +160,9 @@ def test_train_on_missing_empty_and_one_class_folders(tmp_path: Path, small_fold
     expect_error(["train", str(tmp_path / "nope"), "--run", str(tmp_path / "r")], capsys, "nope", "no such file or folder")
     (tmp_path / "empty").mkdir()
     expect_error(["train", str(tmp_path / "empty"), "--run", str(tmp_path / "r")], capsys, "empty", "no images found")
+    # what to give names the .txt list too, as every other refusal of a collection does (it named a folder and a CSV)
+    expect_error(["train", str(tmp_path / "empty"), "--run", str(tmp_path / "r")], capsys, "; give an image folder ROOT/<label>/<image>, a CSV with columns path,label or a .txt list of paths")
+    expect_error(["train", "--run", str(tmp_path / "r")], capsys, "give DATA: an image folder ROOT/<label>/<image>, a CSV with columns path,label or a .txt list of paths (or --resume a run)")
     (tmp_path / "stale.csv").write_text("path,label\ngone.png,a\ngone.png,b\n")  # every row names a missing file
     expect_error(["train", str(tmp_path / "stale.csv"), "--run", str(tmp_path / "r")], capsys, "no usable images (2 skipped", "gone.png: listed in the CSV but not found")
     one = tmp_path / "one"

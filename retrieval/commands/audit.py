@@ -15,6 +15,7 @@ from rich.table import Table
 
 from retrieval.commands.output import ModelOption, RunArg, console, errors, option_named
 from retrieval.data import (
+    COLLECTION_HINT,
     VARIANTS,
     Collection,
     describe_variants,
@@ -31,7 +32,7 @@ from retrieval.wording import counted
 if TYPE_CHECKING:
     from retrieval.audit import Audit, AuditedCollection
 
-DATA_HELP = "The collection to audit: an image folder ROOT/<label>/<image>, a CSV path,label, or a .txt list of paths."
+DATA_HELP = f"The collection to audit: {COLLECTION_HINT}."
 AGAINST_HELP = "A second collection (e.g. the training folder against a test folder): DATA's copies of its images."
 FOLDS_HELP = (
     "Judge each label with a model that did not train on the image: K short runs with the run's recipe, each on "

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from retrieval.data import Skipped
+from retrieval.data import COLLECTION_HINT, Skipped
 from retrieval.errors import RetrievalError
 from retrieval.wording import counted
 
@@ -40,9 +40,8 @@ def option_named(option: str) -> Iterator[None]:
 
 RUN_HELP = "Run directory (holds config, checkpoints, model.onnx, index/)."
 DATA_HELP = (
-    "An image folder ROOT/<label>/<image>, a CSV with columns path,label or a .txt list of paths; images without a "
-    "label (a flat folder, files at ROOT, empty CSV labels, a list) train without labels. With --benchmark: the "
-    "extracted archive."
+    f"{COLLECTION_HINT[0].upper()}{COLLECTION_HINT[1:]}; images without a label (a flat folder, files at ROOT, empty "
+    "CSV labels, a list) train without labels. With --benchmark: the extracted archive."
 )
 BENCHMARK_HELP = (
     "Read DATA as a standard benchmark's extracted archive: cub, cars196, sop or inshop "

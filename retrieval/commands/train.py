@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from retrieval.commands.output import BENCHMARK_HELP, DATA_HELP, console, report_skipped, stopped_by_ctrl_c
-from retrieval.data import LABELED_COLLECTION_HINT, load_collection, require_source
+from retrieval.data import COLLECTION_HINT, LABELED_COLLECTION_HINT, load_collection, require_source
 from retrieval.errors import RetrievalError, one_of
 from retrieval.extras import require
 from retrieval.runs import RunDir, read_json, shell_path, writable_folder
@@ -186,9 +186,7 @@ def run_training(data: Path | None, run_dir: RunDir, resume: bool, overwrite: bo
         config = _resumed(run_dir, data, given)
     else:
         if data is None:
-            raise RetrievalError(
-                "give DATA: an image folder ROOT/<label>/<image> or a CSV path,label (or --resume a run)"
-            )
+            raise RetrievalError(f"give DATA: {COLLECTION_HINT} (or --resume a run)")
         config = TrainConfig(data=str(data.expanduser().resolve()), **given)
     try:
         result = train(config, run_dir, resume=resume, overwrite=overwrite)
