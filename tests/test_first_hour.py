@@ -567,10 +567,37 @@ def test_the_parsers_own_mistakes_are_one_line(capsys: pytest.CaptureFixture[str
     from retrieval.commands import main
 
     assert main(["train", "photos/train"]) == 2
-    assert capsys.readouterr().err == "error: Missing option '--run'; see `retrieval train --help`\n"
+    said = "error: missing option --run: the run directory is given as an option, `retrieval train photos/train --run RUN`\n"
+    assert capsys.readouterr().err == said
     assert main(["search", "run", "q.jpg", "-k", "many"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Invalid value for '-k'" in err and "╭" not in err
+
+
+@pytest.mark.parametrize(
+    ("words", "command"),
+    [
+        (["PHOTOS", "runs/new one"], "retrieval train PHOTOS --run 'runs/new one'"),
+        (["runs/new one", "PHOTOS"], "retrieval train PHOTOS --run 'runs/new one'"),  # the run named first
+        (["RUN", "PHOTOS", "--epochs", "3"], "retrieval train PHOTOS --run RUN"),  # a run there, named first
+        (["--resume", "RUN"], "retrieval train --run RUN --resume"),
+    ],
+)
+def test_the_run_given_by_position_as_other_commands_take_it_gets_the_command_to_type(
+    words: list[str], command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`retrieval train photos runs/x` read "Missing option '--run'", and once --run was added, that runs/x was an
+    extra argument: one line with the command as it should have been typed, the paths in the order they mean."""
+    from retrieval.commands import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "PHOTOS" / "cat").mkdir(parents=True)
+    (tmp_path / "RUN").mkdir()
+    (tmp_path / "RUN" / "train_log.jsonl").write_text("")
+    assert main(["train", *words]) == 2
+    said = "to resume" if "--resume" in words else "directory"
+    assert capsys.readouterr().err == f"error: missing option --run: the run {said} is given as an option, `{command}`\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["PHOTOS", "RUN"]  # nothing made
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import inspect
 import os
 import sqlite3
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -22,7 +23,7 @@ from retrieval import __version__
 from retrieval.commands import audit, demo, evaluate, export, indexing, search, serve, train
 from retrieval.commands.output import errors, stopped_by_ctrl_c
 from retrieval.errors import RetrievalError
-from retrieval.runs import FREE_SPACE, disk_full
+from retrieval.runs import FREE_SPACE, RunDir, disk_full, shell_path
 
 INTERRUPTED = "interrupted: stopped before it finished; run the same command again to do it whole"
 HELP = (
@@ -45,7 +46,16 @@ class _Flags:
 class _Command(_Flags, TyperCommand):
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         _refuse_empty(self, args)
-        return super().parse_args(ctx, args)
+        given = list(args)
+        try:
+            return super().parse_args(ctx, args)
+        except typer.BadParameter as error:  # (click's MissingParameter, which typer does not name)
+            named = {token.partition("=")[0] for token in given}
+            if error.param is None or error.param.opts != ["--run"] or named & {"--run", "--help"}:
+                raise
+            opts, extra, _ = self.make_parser(ctx).parse_args(args=given)
+            data = [opts["data"]] if opts.get("data") is not None else []
+            raise RetrievalError(_run_is_an_option(ctx.command_path, [*data, *extra], "--resume" in named)) from None
 
     def invoke(self, ctx: typer.Context) -> object:
         """Runs the command; Ctrl+C where it has no line of its own (train, index and demo say what they keep) still
@@ -78,6 +88,24 @@ def _refuse_empty(command: TyperCommand, args: list[str]) -> None:
             raise RetrievalError(f"{named} is empty (a shell variable unset?); give its path")
         else:
             position += 1
+
+
+def _run_is_an_option(command: str, words: list[str], resume: bool) -> str:
+    """`retrieval train photos runs/x` (RUN given as the other commands take it, by position) read "Missing option
+    '--run'" and only then, once given, that runs/x was one argument too many: one line with the command to type."""
+    said = "missing option --run: the run {} is given as an option, `{}`"
+    if resume and len(words) == 1:  # `retrieval train --resume runs/x`
+        return said.format("to resume", f"{command} --run {shell_path(words[0])} --resume")
+    data, extra = (words[0], words[1:]) if words else ("DATA", [])
+    if len(extra) == 1 and _named_first(Path(data), Path(extra[0])):
+        data, extra = extra[0], [data]
+    run = shell_path(extra[0]) if len(extra) == 1 else "RUN"
+    return said.format("directory", f"{command} {shell_path(data)} --run {run}")
+
+
+def _named_first(run: Path, data: Path) -> bool:
+    """Whether the run came before the images: a run there, or nothing there where the other path is."""
+    return (RunDir(run).holds_run() and not RunDir(data).holds_run()) or (not run.exists() and data.exists())
 
 
 class _Group(_Flags, TyperGroup):
