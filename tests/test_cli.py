@@ -415,6 +415,7 @@ def test_a_config_json_that_is_not_a_runs_is_never_replaced(small_folder: Path, 
         (["train", "DATA", "--run", "RUN", "--backbone", "resnet-18"], "unknown backbone 'resnet-18'; did you mean 'resnet18'? choose one of"),
         (["search", "RUN", "IMAGE", "--rerank", "k-reciprocal"], "unknown re-ranker 'k-reciprocal'; did you mean 'kreciprocal'? choose one of none,"),
         (["train", "DATA", "--run", "RUN", "--augment", "crop,colour"], "--augment: unknown step 'colour'; did you mean 'color'? choose one of crop,"),
+        (["train", "DATA", "--run", "RUN", "--ssl-augment", "strongcrop,jiter"], "--ssl-augment: unknown step 'jiter'; did you mean 'jitter'?"),  # was --augment
         (["train", "DATA", "--run", "RUN", "--loss", "arcface"], "--loss: unknown loss 'arcface'; choose one of hard,"),  # nothing like it: no guess
     ],
 )

@@ -51,16 +51,17 @@ DEFAULT_AUGMENT = "crop,color"
 SSL_AUGMENT = "strongcrop,jitter,grayscale,blur"
 
 
-def parse_augment(text: str) -> tuple[str, ...]:
-    """The step names of an --augment value ("none" or an empty string: no augmentation)."""
+def parse_augment(text: str, option: str = "--augment") -> tuple[str, ...]:
+    """The step names of an --augment (or --ssl-augment, named in the errors) value ("none" or an empty string: no
+    augmentation)."""
     names = tuple(part.strip() for part in text.split(",") if part.strip() and part.strip() != "none")
     unknown = [name for name in names if name not in AUGMENTATIONS]
     if unknown:
-        raise RetrievalError(f"--augment: unknown step {unknown[0]!r}; {one_of(unknown[0], AUGMENTATIONS)}, or none")
+        raise RetrievalError(f"{option}: unknown step {unknown[0]!r}; {one_of(unknown[0], AUGMENTATIONS)}, or none")
     if len(set(names)) != len(names):
-        raise RetrievalError(f"--augment {text!r} names a step twice")
+        raise RetrievalError(f"{option} {text!r} names a step twice")
     if all(crop in names for crop in CROPS):
-        raise RetrievalError(f"--augment {text!r}: take crop or strongcrop, not both")
+        raise RetrievalError(f"{option} {text!r}: take crop or strongcrop, not both")
     return names
 
 

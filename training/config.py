@@ -293,7 +293,7 @@ def _check(config: TrainConfig) -> None:
             raise RetrievalError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(config, name)}")
     parse_layers(config.layers)
     parse_augment(str(config.augment))
-    parse_augment(str(config.ssl_augment))
+    parse_augment(str(config.ssl_augment), "--ssl-augment")
     if config.device not in ("auto", "cpu", "cuda") and not config.device.startswith("cuda:"):
         raise RetrievalError(f"--device must be auto, cpu or cuda, got {config.device!r}")
 
