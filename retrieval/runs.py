@@ -46,7 +46,9 @@ class RunDir:
     def refuse_foreign_folder(self) -> None:
         """Refuses to train in an index's folder (`--run runs/photos/index`: its skip report was replaced, checkpoints
         written among its files) and in a folder whose config.json is not a run's (`--run .` in a project): training
-        would replace it. A run's names its data and loss."""
+        would replace it. A run's names its data and loss. A file there, or a folder that cannot be made, is said as
+        the command line says it (from Python it was "FileExistsError: [Errno 17] File exists")."""
+        writable_folder(self.root, "--run", make=False)
         if holds_index(self.root):
             raise RetrievalError(
                 f"--run {self.root}: an index's folder ({INDEX_MANIFEST}, {INDEX_ITEMS}), and training would write "

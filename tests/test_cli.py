@@ -355,6 +355,18 @@ def test_a_file_given_as_the_run_is_one_line_saying_so(tmp_path: Path, capsys: p
     expect_error([command[0], str(labels), *rest], capsys, f"{labels}: a file, not a run directory; give the folder")
 
 
+def test_a_file_given_as_the_run_to_train_from_python_is_one_line(small_folder: Path, tmp_path: Path) -> None:
+    """train(config, "notes.txt") failed in "FileExistsError: [Errno 17] File exists" (the command line said it)."""
+    from training import TrainConfig, train
+
+    notes = tmp_path / "mine" / "notes.txt"
+    notes.parent.mkdir()
+    notes.write_text("mine")
+    with pytest.raises(RetrievalError, match=f"^--run {re.escape(str(notes))}: a file is there, not a folder; give a folder"):
+        train(TrainConfig(data=str(small_folder), epochs=1), notes)
+    assert notes.read_text() == "mine" and sorted(path.name for path in notes.parent.iterdir()) == ["notes.txt"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
