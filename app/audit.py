@@ -14,7 +14,7 @@ from pathlib import Path
 import gradio as gr
 import numpy as np
 
-from app.components import PageData, refused, tile_gallery
+from app.components import PageData, endpoint, refused, tile_gallery
 from app.service import SearchService, as_text
 from retrieval.audit import DEPTH, LABELED_HINT, Suspect, agreement, describe_agreement, suspects
 from retrieval.decisions import LABELS_CSV, Decision, LabelDecision, decide, decided_labels, read_decisions
@@ -204,7 +204,7 @@ def audit_tab(service: SearchService) -> None:
             written = gr.Markdown(elem_id="decision")
     data = PageData([], visible=False)
     opened = gr.State(None)
-    run_button.click(on.audit, None, [table, data, said], api_name="audit", concurrency_limit=1)
+    run_button.click(on.audit, None, [table, data, said], **endpoint("audit"), concurrency_limit=1)
     suspect = [view, proposed, opened, accept_button, keep_button]
     table.select(on.open, data, suspect, api_name=False)
     if service.allow_write:

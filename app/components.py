@@ -16,6 +16,49 @@ log = logging.getLogger("retrieval.app")
 SESSIONS_KEPT = 1_000  # Gradio sessions whose state a server keeps (Gradio: 10,000), the ones used last
 
 
+ENDPOINTS = {  # what each gradio_client endpoint takes and gives, as the app's "Use via API" page and view_api() say it
+    "search": (
+        "Search the gallery with an image. image: the query file (handle_file('query.jpg')); k: how many hits (1-50); "
+        "label: the query's label, which marks each hit HIT or miss (optional); depth: nprobe or efSearch (0: the "
+        "depth tuned when the index was built); only: search only the items with that label. Returns the hits, "
+        "best first (a list of {image, caption}; the caption holds the rank, the similarity, the label and, where the "
+        "hit reaches the run's match threshold, match), and a summary line."
+    ),
+    "search_id": (
+        "Search with an item of the gallery, by its id (shown in the captions), left out of its own hits: item_id, "
+        "k, depth as for /search. Returns the hits and a summary line, as /search does."
+    ),
+    "labels": "The gallery's labels. Returns a table of rows [label, items]: each label and how many items it has.",
+    "browse": (
+        "The items of one label (up to 200). Returns a list of {image, caption}, the caption holding the item's id."
+    ),
+    "add": (
+        "Add image files to the index (the app started with --allow-write): files, and the label they all get "
+        "(optional). Returns a line saying what was added, and the labels table."
+    ),
+    "remove": (
+        "Remove items from the index by id (the app started with --allow-write): ids as text, separated by commas or "
+        "spaces. Returns a line saying what was removed, and the labels table."
+    ),
+    "evaluate": (
+        "Evaluate the index now: each labeled item searches the others, through the index and exactly. Returns the "
+        "metrics table (recall@k, MAP@R, ...) and its plots."
+    ),
+    "embedding_map": (
+        "The gallery's embeddings drawn in 2-D, coloured by label: projection pca or tsne. Returns the image."
+    ),
+    "audit": (
+        "Suspected wrong labels of the gallery: images whose closest images agree on another label. Returns the "
+        "table of rows [image, label, suggested, score], most suspect first, and a summary line."
+    ),
+}
+
+
+def endpoint(name: str) -> dict[str, str]:
+    """An event's API name and the description its API page shows (the handler's docstring is for the code's reader)."""
+    return {"api_name": name, "api_description": ENDPOINTS[name]}
+
+
 def refused(message: str) -> gr.Error:
     """The error a refused request gets: its message to the user, and one line (not a traceback) in the server's log."""
     log.warning("refused a request: %s", message)

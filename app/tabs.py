@@ -25,7 +25,16 @@ from dataclasses import dataclass
 import gradio as gr
 
 from app.audit import audit_tab
-from app.components import Blocks, BoundedNumber, BoundedSlider, PageData, PageHTML, QueryImage, tile_gallery
+from app.components import (
+    Blocks,
+    BoundedNumber,
+    BoundedSlider,
+    PageData,
+    PageHTML,
+    QueryImage,
+    endpoint,
+    tile_gallery,
+)
 from app.handlers import Handlers, as_data, item_tiles, metrics_rows, run_plots
 from app.service import BROWSE_LIMIT, SearchService
 from index.types import Manifest
@@ -115,10 +124,10 @@ def search_tab(on: Handlers, labels: list[str], searching: dict) -> SearchTab:
         query, query_label, only_label, k, depth, results, summary, shown_results, tile_marks, picker, shown_picker
     )
     unreadable = gr.State(False)
-    searched = button.click(on.search_batch, tab.inputs, [*tab.outputs, unreadable], api_name="search", **searching)
+    searched = button.click(on.search_batch, tab.inputs, [*tab.outputs, unreadable], **endpoint("search"), **searching)
     searched.then(on.clear_unreadable, unreadable, query, api_name=False, show_progress="hidden")
-    item_id = gr.Number(visible=False, precision=0)
-    gr.Button(visible=False).click(on.search_id, [item_id, k, depth], tab.outputs, api_name="search_id")
+    item_id = gr.Number(visible=False, precision=0, label="item id")
+    gr.Button(visible=False).click(on.search_id, [item_id, k, depth], tab.outputs, **endpoint("search_id"))
     return tab
 
 
@@ -179,15 +188,15 @@ def browse_tab(on: Handlers, labels: list[str]) -> tuple[gr.Gallery, PageData]:
                 remove_ids = gr.Textbox(label="Ids to remove (from the captions)", placeholder="3, 7, 12")
                 remove_button = gr.Button("Remove from the index", variant="stop")
         write_message = gr.Markdown(label="message")
-    gr.Button(visible=False).click(on.label_table, None, counts, api_name="labels")
+    gr.Button(visible=False).click(on.label_table, None, counts, **endpoint("labels"))
     one = {"concurrency_limit": 1, "concurrency_id": "write"}  # one change at a time, from the page or the API
-    browse_label.change(on.browse, browse_label, [browsed, browsed_shown], api_name="browse")
+    browse_label.change(on.browse, browse_label, [browsed, browsed_shown], **endpoint("browse"))
     counts.select(on.label_of_row, None, browse_label, api_name=False)
     if service.allow_write:  # the page's buttons say a refusal beside them; the API's /add and /remove fail with it
         add_button.click(on.add_on_page, [uploads, new_label], [write_message, counts], api_name=False, **one)
         remove_button.click(on.remove_on_page, remove_ids, [write_message, counts], api_name=False, **one)
-        gr.Button(visible=False).click(on.add, [uploads, new_label], [write_message, counts], api_name="add", **one)
-        gr.Button(visible=False).click(on.remove, remove_ids, [write_message, counts], api_name="remove", **one)
+        gr.Button(visible=False).click(on.add, [uploads, new_label], [write_message, counts], **endpoint("add"), **one)
+        gr.Button(visible=False).click(on.remove, remove_ids, [write_message, counts], **endpoint("remove"), **one)
     return browsed, browsed_shown
 
 
@@ -223,7 +232,7 @@ def metrics_tab(on: Handlers) -> None:
             headers=["metric", "value"], interactive=False, label="Evaluation of the index", wrap=True
         )
         evaluated_plots = gr.Gallery(label="Its plots", columns=2, height="auto", object_fit="contain")
-    evaluate_button.click(on.evaluate, None, [evaluated, evaluated_plots], api_name="evaluate", concurrency_limit=1)
+    evaluate_button.click(on.evaluate, None, [evaluated, evaluated_plots], **endpoint("evaluate"), concurrency_limit=1)
 
 
 def mistakes_view(on: Handlers, chosen: gr.Dropdown, first: str) -> None:
@@ -270,7 +279,7 @@ def map_tab(on: Handlers, labels: list[str]) -> tuple[gr.Image, list]:
     gr.Markdown("Gallery embeddings: point at a dot to see its label and file; click it to search with it.")
     map_image = gr.Image(label="map", show_label=False, interactive=False, type="filepath", elem_id="map")
     points = gr.HTML(elem_id="map-points-holder")
-    drawn = draw.click(on.embedding_map, projection, map_image, api_name="embedding_map", concurrency_limit=1)
+    drawn = draw.click(on.embedding_map, projection, map_image, **endpoint("embedding_map"), concurrency_limit=1)
     drawn.then(on.map_view, [projection, highlight], [map_image, points], api_name=False, concurrency_limit=1)
     highlight.change(on.map_view, [projection, highlight], [map_image, points], api_name=False, concurrency_limit=1)
     return map_image, [projection, highlight]

@@ -43,6 +43,28 @@ def test_the_search_endpoint_takes_the_documented_names(served: tuple[object, Se
     assert len(results) == 3 and f"label **{item.label}**" in summary
 
 
+def test_every_endpoint_says_what_it_takes_and_gives_on_the_api_page(demo_run: RunDir) -> None:
+    """The app's "Use via API" page (and gradio_client's view_api) described /search with its handler's notes on
+    Gradio's batching and clear_unreadable, the other endpoints with nothing, and /search_id's id as parameter_21:
+    each now says what it does, names every parameter it takes, and labels them."""
+    from app.tabs import build_app
+
+    service = SearchService(demo_run, allow_write=True)
+    try:
+        with build_app(service) as blocks:
+            endpoints = blocks.get_api_info()["named_endpoints"]
+    finally:
+        service.close()
+    assert {"/search", "/search_id", "/labels", "/browse", "/add", "/remove", "/evaluate", "/embedding_map", "/audit"} <= set(endpoints)
+    for name, endpoint in endpoints.items():
+        said = endpoint.get("description") or ""
+        assert said.startswith(("Search", "The", "Add", "Remove", "Evaluate", "Suspected")) and "Returns" in said, name
+        assert not re.search(r"Gradio|clear_unreadable|Batched|handler", said), name  # not the code's notes
+        for parameter in endpoint["parameters"]:
+            assert parameter["parameter_name"] in said, (name, parameter["parameter_name"])
+            assert not parameter["label"].startswith("parameter_"), (name, parameter["label"])
+
+
 @pytest.mark.parametrize("k", [0, 5000])
 def test_out_of_range_api_input_is_one_log_line_not_a_traceback(
     served: tuple[object, SearchService], k: int, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
