@@ -26,7 +26,7 @@ import re
 import secrets
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
@@ -55,6 +55,13 @@ ROUTES = {  # each route's methods: any other method is a 405 (not a 404 from th
 }
 METHODS = {"GET", "POST", "PUT", "PATCH", "DELETE"}
 RERANK_HELP = "none, qe, dba or kreciprocal, with parameters; default: the server's --rerank."
+# the options both search routes take, described once for the OpenAPI page (/docs)
+HitsWanted = Annotated[int, Query(ge=1, le=MAX_K, description="Hits to return.")]
+OfLabel = Annotated[str | None, Query(description="Only gallery items with this label.")]
+Depth = Annotated[
+    int | None, Query(ge=1, description="nprobe (IVF) or efSearch (HNSW); left out: the depth tuned at the build.")
+]
+Reranking = Annotated[str | None, Query(description=RERANK_HELP)]
 OPTIONS = frozenset({"k", "label", "depth", "rerank"})  # the search routes' query options
 FORM_FIELDS = 'the form takes only the image (field "image"); options go in the query string: /api/v1/search?k=5'
 _URLENCODED = "application/x-www-form-urlencoded"  # what curl -d and --data-binary declare
@@ -138,10 +145,10 @@ def _search_routes(api: FastAPI, service: SearchService, limit: int, allowed: li
     @api.post("/api/v1/search", response_model=SearchOut, dependencies=allowed)
     async def search(
         request: Request,
-        k: Annotated[int, Query(ge=1, le=MAX_K, description="Hits to return.")] = 10,
-        label: Annotated[str | None, Query(description="Only gallery items with this label.")] = None,
-        depth: Annotated[int | None, Query(ge=1, description="nprobe (IVF) or efSearch (HNSW).")] = None,
-        rerank: Annotated[str | None, Query(description=RERANK_HELP)] = None,
+        k: HitsWanted = 10,
+        label: OfLabel = None,
+        depth: Depth = None,
+        rerank: Reranking = None,
     ) -> JSONResponse:
         """The k nearest gallery items to an image: multipart field "image", or the image's bytes as the body."""
         _known_options(request)
@@ -153,11 +160,11 @@ def _search_routes(api: FastAPI, service: SearchService, limit: int, allowed: li
     @api.get("/api/v1/items/{item_id}/neighbours", response_model=SearchOut, dependencies=allowed)
     def neighbours(
         request: Request,
-        item_id: int,
-        k: Annotated[int, Query(ge=1, le=MAX_K)] = 10,
-        label: Annotated[str | None, Query()] = None,
-        depth: Annotated[int | None, Query(ge=1)] = None,
-        rerank: Annotated[str | None, Query(description=RERANK_HELP)] = None,
+        item_id: Annotated[int, Path(description="The item's id, as a search's hits give it.")],
+        k: HitsWanted = 10,
+        label: OfLabel = None,
+        depth: Depth = None,
+        rerank: Reranking = None,
     ) -> JSONResponse:
         """The k nearest gallery items to an indexed item, itself left out (404 for an unknown id)."""
         _known_options(request)

@@ -70,8 +70,13 @@ def test_health_stats_and_docs(served: tuple[SearchService, str]) -> None:
     stats = httpx.get(f"{url}/api/v1/stats").json()
     assert stats["items"] == len(service.items) and stats["dim"] == service.embedder.dim and stats["index_type"] == "Flat"
     assert stats["precision"] == "float32" and stats["int8_gate"] is None  # the demo run has no int8 model
-    assert "/api/v1/search" in httpx.get(f"{url}/openapi.json").json()["paths"]
+    paths = httpx.get(f"{url}/openapi.json").json()["paths"]
+    assert "/api/v1/search" in paths
     assert httpx.get(f"{url}/docs").status_code == 200 and httpx.get(f"{url}/").status_code == 200
+    for path, operations in paths.items():  # the neighbours route's id, k, label and depth had no word on /docs
+        for method, operation in operations.items():
+            assert operation.get("description"), (method, path)
+            assert all(parameter.get("description") for parameter in operation.get("parameters", [])), (method, path)
 
 
 def test_mistakes_get_one_line_and_the_right_status(served: tuple[SearchService, str], tmp_path: Path) -> None:
