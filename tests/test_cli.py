@@ -25,6 +25,23 @@ def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]
     assert "Usage" in capsys.readouterr().out
 
 
+def test_the_help_names_only_the_arguments_its_command_takes() -> None:
+    """evaluate's --benchmark said "Read DATA as ...", where evaluate's images are IMAGES (train's help, shared): a
+    placeholder in a command's help is one of its own arguments (or RUN where it takes --run)."""
+    import typer.main
+
+    from retrieval.commands import app
+
+    placeholders = {"DATA", "IMAGES", "IMAGE", "RUN", "INDEX_DIR", "OTHER"}
+    for name, command in typer.main.get_command(app).commands.items():
+        own = {param.name.upper() for param in command.params if param.param_type_name == "argument"}
+        own |= {"RUN"} if any("--run" in param.opts for param in command.params) else set()
+        own |= {"OTHER"} if any("--against" in param.opts for param in command.params) else set()
+        for text in [command.help, *(getattr(param, "help", None) for param in command.params)]:
+            said = re.sub(r"`[^`]*`", "", text or "")  # a command quoted whole is another's
+            assert not (set(re.findall(r"\b[A-Z_]{3,}\b", said)) & placeholders) - own, (name, said)
+
+
 def test_top_level_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     out = capsys.readouterr().out

@@ -43,14 +43,13 @@ DATA_HELP = (
     f"{COLLECTION_HINT[0].upper()}{COLLECTION_HINT[1:]}; images without a label (a flat folder, files at ROOT, empty "
     "CSV labels, a list) train without labels. With --benchmark: the extracted archive."
 )
-BENCHMARK_HELP = (
-    "Read DATA as a standard benchmark's extracted archive: cub, cars196, sop or inshop "
-    "(train: its training split; evaluate: its test protocol)."
-)
+BENCHMARK_HELP = "Read {} as a standard benchmark's extracted archive: cub, cars196, sop or inshop, and {}."
 INDEX_HELP = "Index directory (default: RUN/index)."
 
 RunArg = Annotated[Path, typer.Argument(help=RUN_HELP, show_default=False)]
-BenchmarkOption = Annotated[str | None, typer.Option(help=BENCHMARK_HELP, show_default=False)]
+BenchmarkOption = Annotated[
+    str | None, typer.Option(help=BENCHMARK_HELP.format("IMAGES", "score its test protocol"), show_default=False)
+]
 IndexOption = Annotated[Path | None, typer.Option("--index", help=INDEX_HELP)]
 MODEL_HELP = "The exported model that embeds: float32 (model.onnx) or int8 (model.int8.onnx, from `export --int8`)."
 AUTO_MODEL_HELP = (

@@ -112,7 +112,7 @@ OPTIONS = (
     Option("device", str, "auto, cpu or cuda."),
     Option("seed", int, "Random seed."),
     Option("workers", int, "Processes that decode and augment the images (0: the training process itself)."),
-    Option("benchmark", str, BENCHMARK_HELP),
+    Option("benchmark", str, BENCHMARK_HELP.format("DATA", "train on its training split")),
     Option("self_supervised", bool, SELF_SUPERVISED_HELP, ("--self-supervised",)),
     Option("adapt", str, ADAPT_HELP),
     Option(
