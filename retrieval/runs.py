@@ -29,6 +29,29 @@ IMAGE_SUFFIXES = frozenset(  # the files a collection reads as images (retrieval
 INDEX_MANIFEST, INDEX_ITEMS = "manifest.json", "items.sqlite"
 
 
+def first_image(folder: Path, subfolders: int = 100) -> Path | None:
+    """An image file in folder or in one of its first subfolders (ROOT/<label>/<image>) that is not a run, or None:
+    whether a folder holds a collection, found without listing a large one whole."""
+    try:
+        with os.scandir(folder) as entries:
+            inner = []
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    inner.append(entry.path)
+                elif Path(entry.name).suffix.lower() in IMAGE_SUFFIXES:
+                    return Path(entry.path)
+        for path in inner[:subfolders]:
+            if RunDir(Path(path)).holds_run():  # a run's plots are not a collection's images
+                continue
+            with os.scandir(path) as entries:
+                found = next((e.path for e in entries if Path(e.name).suffix.lower() in IMAGE_SUFFIXES), None)
+            if found is not None:
+                return Path(found)
+    except OSError:  # no folder there (yet), or one this user cannot list: nothing to say of it
+        return None
+    return None
+
+
 def holds_index(folder: Path) -> bool:
     """Whether folder holds an index (its manifest and its items' database)."""
     return (folder / INDEX_MANIFEST).is_file() and (folder / INDEX_ITEMS).is_file()
@@ -53,6 +76,12 @@ class RunDir:
             raise RetrievalError(
                 f"--run {self.root}: an index's folder ({INDEX_MANIFEST}, {INDEX_ITEMS}), and training would write "
                 "among its files; give the run a folder of its own, e.g. runs/photos"
+            )
+        image = None if self.holds_run() else first_image(self.root)
+        if image is not None:  # `retrieval demo --run photos`: the run's files went among the user's images
+            raise RetrievalError(
+                f"--run {self.root}: a folder of images ({image.relative_to(self.root)}, ...), and training would "
+                f"write among them; give the run a folder of its own, e.g. {shell_path(Path('runs', self.root.name))}"
             )
         parent = RunDir(self.root.parent)
         own = {parent.checkpoints, parent.metric_sets, parent.plots, parent.index}

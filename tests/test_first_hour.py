@@ -10,9 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from app.server import launch
 from app.service import SearchService
+from retrieval.errors import RetrievalError
 from retrieval.runs import RunDir
 from tests.conftest import as_in_a_terminal, ctrl_c_when, prints
 from tests.test_app import free_port
@@ -283,6 +285,29 @@ def test_output_folders_that_cannot_be_folders_are_one_line_and_a_file_there_is_
         captured = capsys.readouterr()
         assert said in captured.err and len(captured.err.strip().splitlines()) == 1, (name, captured.err)
         assert taken.read_text() == "mine" and not list(tmp_path.glob(".notes.txt.*")), name
+
+
+@pytest.mark.parametrize("command", ["demo", "train", "python"])
+def test_a_folder_of_images_given_as_the_run_is_refused_before_anything_is_written(
+    command: str, small_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`retrieval demo --run photos` wrote config.json, checkpoints/, train_log.jsonl and demo.json among the user's
+    images, as did `retrieval train photos/train --run photos/test` (only the images trained on were refused)."""
+    from retrieval.commands import main
+    from training import TrainConfig, train
+
+    photos = tmp_path / "my photos"
+    (photos / "cat").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(photos / "cat" / "a.jpg")
+    said = f"--run {photos}: a folder of images (cat/a.jpg, ...), and training would write among them; give the run a folder of its own, e.g. 'runs/my photos'"
+    if command == "python":
+        with pytest.raises(RetrievalError, match=f"^{re.escape(said)}$"):
+            train(TrainConfig(data=str(small_folder), epochs=1), photos)
+    else:
+        argv = ["demo", "--run", str(photos), "--no-serve"] if command == "demo" else ["train", str(small_folder), "--run", str(photos)]
+        assert main(argv) == 2
+        assert capsys.readouterr().err == f"error: {said}\n"
+    assert [path.relative_to(photos).as_posix() for path in sorted(photos.rglob("*"))] == ["cat", "cat/a.jpg"]
 
 
 def test_the_demo_does_not_train_over_a_run_that_is_not_a_demos(demo_run: RunDir, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
