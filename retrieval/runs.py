@@ -79,9 +79,11 @@ class RunDir:
             )
         image = None if self.holds_run() else first_image(self.root)
         if image is not None:  # `retrieval demo --run photos`: the run's files went among the user's images
+            other = Path("runs", self.root.name)
+            other = other.with_name(f"{other.name}-run") if other.absolute() == self.root.absolute() else other
             raise RetrievalError(
                 f"--run {self.root}: a folder of images ({image.relative_to(self.root)}, ...), and training would "
-                f"write among them; give the run a folder of its own, e.g. {shell_path(Path('runs', self.root.name))}"
+                f"write among them; give the run a folder of its own, e.g. {shell_path(other)}"
             )
         parent = RunDir(self.root.parent)
         own = {parent.checkpoints, parent.metric_sets, parent.plots, parent.index}
