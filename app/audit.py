@@ -31,7 +31,7 @@ class ShownSuspect:
     """A row of the suspects table: the image (its gallery id), its label, the suggested one and the score."""
 
     id: int
-    path: str
+    file: str  # the image's path (a "path" key in the page's data made gradio_client's /audit fetch it as a file: 403)
     label: str
     suggested: str
     score: float
@@ -80,7 +80,7 @@ def gallery_suspects(service: SearchService) -> GallerySuspects:
 
 def as_rows(found: list[ShownSuspect]) -> list[list]:
     """The suspects as table rows: file, label, suggested label, score."""
-    return [[Path(s.path).name, s.label, s.suggested, round(s.score, 3)] for s in found]
+    return [[Path(s.file).name, s.label, s.suggested, round(s.score, 3)] for s in found]
 
 
 def as_data(found: list[ShownSuspect]) -> list[dict]:
@@ -100,7 +100,7 @@ def record(service: SearchService, shown: ShownSuspect, accept: bool) -> str:
         )
     items = service.items
     target = labels_csv(service)
-    path = Path(shown.path)
+    path = Path(shown.file)
     label = shown.suggested if accept else shown.label
     decision = LabelDecision(path, label, shown.label, Decision.ACCEPTED if accept else Decision.KEPT)
     decisions = decide(target, [items[i] for i in sorted(items)], decision)  # decide applies the earlier ones
@@ -152,7 +152,7 @@ class AuditHandlers:
             for i, p in zip(ids[1:], pictures[1:])
         ]
         line = (
-            f"**{as_text(Path(shown.path).name)}** is labeled **{as_text(shown.label)}**; its closest images suggest "
+            f"**{as_text(Path(shown.file).name)}** is labeled **{as_text(shown.label)}**; its closest images suggest "
             f"**{as_text(shown.suggested)}** (score {shown.score:.3f})"
         )
         return tiles, line, asdict(shown), gr.update(interactive=True), gr.update(interactive=True)

@@ -614,6 +614,29 @@ def test_the_audit_tab_counts_every_suspect_beyond_those_it_shows(audit_run: tup
     assert "(leave-one-out recall@1)" in said
 
 
+def test_the_audit_endpoint_answers_gradio_client(audit_run: tuple[RunDir, Item]) -> None:
+    """client.predict(api_name="/audit") failed in "403 Forbidden" for a gallery image: the rows' data beside the table
+    (left out of the API) had a "path" key, which gradio_client fetches as a file before it drops that output."""
+    from gradio_client import Client
+
+    from app.audit import AuditHandlers
+    from app.server import launch
+    from tests.test_app import free_port
+
+    run, moved = audit_run
+    service = SearchService(run)
+    port = free_port()
+    demo = launch(service, port=port, block=False)
+    try:
+        table, said = Client(f"http://127.0.0.1:{port}/", verbose=False).predict(api_name="/audit")
+        rows = AuditHandlers(service).audit()[0]
+    finally:
+        demo.close()
+        service.close()
+    assert table["headers"] == ["image", "label", "suggested", "score"] and table["data"] == rows
+    assert moved.path.name in [row[0] for row in rows] and "suspected wrong label" in said
+
+
 def test_the_audit_tab_lists_suspects_and_keeps_decisions_in_a_labels_csv(audit_run: tuple[RunDir, Item]) -> None:
     from app.audit import AuditHandlers, labels_csv
     from retrieval.data import load_collection
@@ -624,21 +647,21 @@ def test_the_audit_tab_lists_suspects_and_keeps_decisions_in_a_labels_csv(audit_
         on = AuditHandlers(service)
         rows, data, said = on.audit()
         assert rows and "suspected wrong label" in said
-        paths = [row["path"] for row in data]
+        paths = [row["file"] for row in data]
         assert str(moved.path) in paths  # the moved image is among the suspects
         first, second = data[0], data[1] if len(data) > 1 else None
         message, rows_after, data_after, _, view, proposed, opened, *buttons = on.accept(first)
         assert "1 decision in" in message and labels_csv(service).is_file()
         # the decided suspect closed, the buttons disabled: a second click wrote it again or turned it over unseen
         assert (view, proposed, opened) == ([], "", None) and [button["interactive"] for button in buttons] == [False, False]
-        assert first["path"] not in [row["path"] for row in data_after]  # decided: off the list
+        assert first["file"] not in [row["file"] for row in data_after]  # decided: off the list
         if second is not None:
             on.keep(second)
         trained_on = {item.path: item.label for item in load_collection(labels_csv(service)).items}
         assert len(trained_on) == len(service.items)  # every gallery image, as `retrieval train` reads it
-        assert trained_on[Path(first["path"])] == first["suggested"]
+        assert trained_on[Path(first["file"])] == first["suggested"]
         if second is not None:
-            assert trained_on[Path(second["path"])] == second["label"]
+            assert trained_on[Path(second["file"])] == second["label"]
     finally:
         service.close()
     read_only = SearchService(run)

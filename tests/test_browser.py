@@ -351,7 +351,7 @@ def test_the_audit_tab_shows_a_suspect_beside_its_suggested_label_and_accepts_it
             expect(table).to_contain_text("suggested", timeout=60_000)
             expect(page.get_by_text(re.compile("suspected wrong labels? of"))).to_be_visible(timeout=60_000)
             expect(page.locator("#accept")).to_be_disabled()  # nothing opened: it answered "Error" in every output
-            name = Path(AuditHandlers(service).audit()[1][0]["path"]).name  # the most suspect image: the first row
+            name = Path(AuditHandlers(service).audit()[1][0]["file"]).name  # the most suspect image: the first row
             table.get_by_text(name, exact=True).last.click()
             tiles = page.locator("#suspect-view .thumbnail-item")
             expect(tiles.first).to_contain_text("labeled", timeout=30_000)
