@@ -36,20 +36,25 @@ def first_image(folder: Path, subfolders: int = 100) -> Path | None:
         with os.scandir(folder) as entries:
             inner = []
             for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
+                if entry.is_dir(follow_symlinks=False) and not entry.name.startswith("."):  # hidden: not a label
                     inner.append(entry.path)
-                elif Path(entry.name).suffix.lower() in IMAGE_SUFFIXES:
+                elif _visible_image(entry.name):
                     return Path(entry.path)
         for path in inner[:subfolders]:
             if RunDir(Path(path)).holds_run():  # a run's plots are not a collection's images
                 continue
             with os.scandir(path) as entries:
-                found = next((e.path for e in entries if Path(e.name).suffix.lower() in IMAGE_SUFFIXES), None)
+                found = next((e.path for e in entries if _visible_image(e.name)), None)
             if found is not None:
                 return Path(found)
     except OSError:  # no folder there (yet), or one this user cannot list: nothing to say of it
         return None
     return None
+
+
+def _visible_image(name: str) -> bool:
+    """Whether a file name is one a collection reads as an image (an image suffix, not hidden)."""
+    return not name.startswith(".") and Path(name).suffix.lower() in IMAGE_SUFFIXES
 
 
 def holds_index(folder: Path) -> bool:

@@ -175,7 +175,7 @@ def run_training(data: Path | None, run_dir: RunDir, resume: bool, overwrite: bo
     if resume and not run_dir.config.is_file():
         what = f"{run_dir.config}: missing" if run_dir.root.is_dir() else f"--run {run_dir.root}: no such run directory"
         raise RetrievalError(f"{what}; nothing to resume (start the run without --resume)")
-    writable_folder(run_dir.root, "--run", make=False)  # a file there, or no folder to be made: said before torch loads
+    run_dir.refuse_foreign_folder()  # a file, images or an index there, or no folder to be made: before torch loads
     require("torch", "train")
     from training.config import TrainConfig
     from training.loop import train
